@@ -1,0 +1,183 @@
+"""The contract between the runtime (requests, scheduler, caches) and a backend (tensors).
+
+The runtime describes one scheduler step as a ``ForwardBatch`` of plain numpy arrays; a backend runs the
+model once over it (prefill chunks and decode tokens mixed), writes the new K/V into the device KV pool at the
+pages the runtime assigned, samples the next token of every request that needs one and returns the ids.
+Page *indices* are runtime bookkeeping; page *contents* belong to the backend. Moving a page between tiers
+(device <-> host) is a backend call because only the backend can touch the device pool.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass
+class ModelInfo:
+    """What the runtime needs to know about a loaded model, backend-neutral."""
+
+    model_path: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    fingerprint: str  # sha256 over config + weight file names/sizes/mtimes; separates incompatible L3 caches
+    sliding_window: int | None = None
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling settings of the S requests that sample a token this step, one entry per request, in order."""
+
+    temperature: np.ndarray  # float32 [S]; 0 -> greedy
+    top_p: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int32 [S]; -1 -> off
+    min_p: np.ndarray  # float32 [S]
+    presence_penalty: np.ndarray  # float32 [S]
+    frequency_penalty: np.ndarray  # float32 [S]
+    repetition_penalty: np.ndarray  # float32 [S]
+    seeds: list[int | None]  # per-request seed; None -> the backend's global generator
+    output_ids: list[Sequence[int]]  # tokens generated so far (presence/frequency penalties, seeded step index)
+    prompt_ids: list[Sequence[int]]  # prompt tokens (repetition penalty counts prompt + output, as HF does)
+    all_greedy: bool
+    any_penalty: bool
+
+    @classmethod
+    def greedy(cls, n: int) -> "SamplingBatch":
+        """A batch of n greedy requests (tests, warm-up)."""
+        return cls(
+            temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+            min_p=np.zeros(n, np.float32), presence_penalty=np.zeros(n, np.float32),
+            frequency_penalty=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
+            seeds=[None] * n, output_ids=[[] for _ in range(n)], prompt_ids=[[] for _ in range(n)],
+            all_greedy=True, any_penalty=False,
+        )
+
+
+@dataclass
+class ForwardBatch:
+    """One scheduler step, flattened: the new tokens of R requests laid end to end (T tokens in all).
+
+    Request r contributes ``q_lens[r]`` new tokens at positions ``kv_lens[r]-q_lens[r] .. kv_lens[r]-1``;
+    its K/V for positions < kv_lens[r] live in pages ``page_table[r, :ceil(kv_lens[r]/page_size)]``
+    (position p -> page ``page_table[r, p // page_size]``, offset ``p % page_size``). The backend writes
+    the K/V of the new tokens there and attends causally over positions 0..p for a token at position p.
+    """
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    q_lens: np.ndarray  # int32 [R]
+    kv_lens: np.ndarray  # int32 [R]
+    page_table: np.ndarray  # int32 [R, max_pages], padded with 0
+    sample_indices: np.ndarray  # int64 [S]: rows of the flattened tokens whose logits are sampled
+    sampling: SamplingBatch
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+
+@dataclass
+class HostKVPool:
+    """Host-memory (L2) KV pages, backend-neutral: one raw byte array the runtime can hash, write and read.
+
+    layout "page_first" (and "page_first_direct"): ``data[page]`` is one page, all layers, K then V, so a page
+    is one contiguous block for file I/O. layout "layer_first": ``data[layer, page]``; a page is gathered from
+    ``num_layers`` blocks when it is written to storage.
+    """
+
+    num_pages: int
+    page_bytes: int  # bytes of one page, all layers, K and V
+    num_layers: int
+    layout: str
+    data: np.ndarray = field(repr=False, default=None)  # uint8
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            if self.layout == "layer_first":
+                self.data = np.zeros((self.num_layers, self.num_pages, self.page_bytes // self.num_layers), np.uint8)
+            else:
+                self.data = np.zeros((self.num_pages, self.page_bytes), np.uint8)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def page_to_bytes(self, page: int) -> bytes:
+        """One page as a contiguous byte string in page_first order (what L3 files store)."""
+        if self.layout == "layer_first":
+            return self.data[:, page].tobytes()
+        return self.data[page].tobytes()
+
+    def page_from_bytes(self, page: int, payload: bytes | memoryview) -> None:
+        arr = np.frombuffer(payload, dtype=np.uint8)
+        if arr.size != self.page_bytes:
+            raise ValueError(f"page payload has {arr.size} bytes, expected {self.page_bytes}")
+        if self.layout == "layer_first":
+            self.data[:, page] = arr.reshape(self.num_layers, -1)
+        else:
+            self.data[page] = arr
+
+
+class ModelBackend(ABC):
+    """A backend executes the model and owns every tensor: weights, the device KV pool, sampling math."""
+
+    name: str = "abstract"  # "torch" | "mlx"
+    device: str = "cpu"
+    info: ModelInfo
+
+    @abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers in the device pool."""
+
+    @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded weights (sizing and logs)."""
+
+    @abstractmethod
+    def init_kv_pool(self, num_pages: int, page_size: int) -> None:
+        """Allocate the device KV pool: ``num_pages`` pages of ``page_size`` tokens, every layer."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Run one batched forward over ``batch``; return the sampled token ids, int64 [S]."""
+
+    # --- tier copies (HiCache). Pages are whole pages, all layers, K and V. ---
+    @abstractmethod
+    def copy_pages_to_host(self, device_pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
+        """Copy device pages into host pages (same order)."""
+
+    @abstractmethod
+    def copy_pages_from_host(self, host: HostKVPool, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
+        """Copy host pages into device pages (same order)."""
+
+    def kv_namespace(self) -> dict[str, Any]:
+        """Everything that decides what the bytes of a KV page mean; L3 keys are namespaced by it."""
+        i = self.info
+        return {
+            "backend_layout": self.kv_byte_layout(),
+            "dtype": i.dtype,
+            "num_layers": i.num_layers,
+            "num_kv_heads": i.num_kv_heads,
+            "head_dim": i.head_dim,
+            "model": i.fingerprint,
+        }
+
+    def kv_byte_layout(self) -> str:
+        """Names the byte order of a page; two backends whose pages mean the same bytes return the same string."""
+        return f"{self.name}:layer,kv,token,head,dim"
+
+    def memory_stats(self) -> dict[str, Any]:
+        return {}

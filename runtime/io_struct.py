@@ -1,0 +1,71 @@
+"""The messages between the HTTP layer and the engine: what a client asks for and what it gets back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierlm.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+
+
+@dataclass
+class CachedTokens:
+    """Prompt tokens whose KV was reused instead of prefilled, by the tier it came from."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.storage
+
+    def to_dict(self) -> dict[str, int]:
+        return {"device": self.device, "host": self.host, "storage": self.storage}
+
+
+@dataclass
+class GenerateOutput:
+    """One increment of a request's output. ``text``/``token_ids`` are the new part only (a delta).
+
+    The engine emits increments as tokens are produced (detokenized incrementally, never splitting a
+    multi-byte character); the last one has ``finished=True`` and the final accounting.
+    """
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    matched_stop: int | str | None = None  # the stop string or token id that ended the request
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached: CachedTokens = field(default_factory=CachedTokens)
+    error: str | None = None  # set when the request failed inside the engine
+    e2e_latency: float = 0.0
+
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang's /generate meta_info."""
+        fr: Any = None
+        if self.finish_reason is not None:
+            fr = {"type": self.finish_reason}
+            if self.finish_reason == "length":
+                fr["length"] = self.completion_tokens
+            elif self.matched_stop is not None:
+                fr["matched"] = self.matched_stop
+        return {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached.total,
+            "cached_tokens_details": self.cached.to_dict(),
+            "finish_reason": fr,
+            "e2e_latency": self.e2e_latency,
+        }

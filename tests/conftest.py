@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny seeded models per family, the real stories260K model when ../shared is present."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS_DIR))
+
+from model_factory import FAMILIES, build_tiny_model  # noqa: E402
+
+REPO_ROOT = TESTS_DIR.parent
+STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def tiny_models_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def tiny_model(request, tiny_models_root) -> Path:
+    """A seeded random model folder of each family (llama, qwen2, qwen3, mistral)."""
+    return build_tiny_model(request.param, tiny_models_root / request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models_root) -> Path:
+    return build_tiny_model("llama", tiny_models_root / "llama")
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES_DIR / "config.json").exists():
+        pytest.skip(f"real test model not found at {STORIES_DIR} (../shared/models is absent)")
+    return STORIES_DIR
+
+
+# From ../shared/models/README.md: llama2.c run.c at temperature 0 and transformers greedy agree on these.
+STORIES_PROMPT = "Once upon a time"
+STORIES_FIRST_40 = [int(x) for x in (
+    "432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337 410 408 419 292 "
+    "411 322 265 282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426").split()]
+STORIES_TEXT = (", there was a little girl named Lily. She loved to play outside in the park. "
+                "One day, she saw a big, red ball.")

@@ -6,43 +6,185 @@ come back to the event loop with ``call_soon_threadsafe``.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import queue
+import threading
+import time
 from typing import Any, AsyncIterator
 
+from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
+from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
+from tierlm.runtime.request import Req
 from tierlm.runtime.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.ready = False
+        self.parts: EngineParts | None = None
         self.tokenizer: Any = None
         self.context_length: int = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.started_at = time.time()
 
+    # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Load tokenizer and model (with progress bars), size the pools, start the scheduler thread."""
-        raise NotImplementedError
-
-    def validate(self, req: GenerateRequest) -> None:
-        """Raise RequestError (400) for a prompt the engine cannot serve (too long, empty, bad token ids)."""
-        raise NotImplementedError
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Yield output increments until one with finished=True. Cancelling the iterator aborts the request."""
-        raise NotImplementedError
-        yield  # pragma: no cover
-
-    def abort(self, rid: str) -> None:
-        raise NotImplementedError
-
-    async def flush_cache(self, storage: bool = False) -> bool:
-        raise NotImplementedError
-
-    def server_info(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def metrics_text(self) -> bytes:
-        raise NotImplementedError
+        self.parts = build_engine_parts(self.args, emit=self._emit)
+        self.tokenizer = self.parts.tokenizer
+        self.context_length = self.parts.context_length
+        self._thread = threading.Thread(target=self._loop, name="tierlm-scheduler", daemon=True)
+        self._thread.start()
+        self.ready = True
 
     def shutdown(self) -> None:
-        raise NotImplementedError
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.parts is not None:
+            self.parts.close()
+
+    # ------------------------------------------------------------ requests
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise RequestError (400) for a prompt the engine cannot serve."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: send at least one token", param="prompt")
+        vocab = self.parts.model_info.vocab_size
+        bad = [t for t in req.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        max_new = req.sampling_params.max_new_tokens
+        if n >= self.context_length:
+            raise RequestError(
+                f"This model's maximum context length is {self.context_length} tokens, but the prompt has {n} "
+                f"tokens. Shorten the prompt.", param="prompt", code="context_length_exceeded")
+        if n + max_new > self.context_length:
+            raise RequestError(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{n + max_new} tokens ({n} in the prompt, {max_new} for the completion). Reduce the prompt or "
+                f"max_tokens (at most {self.context_length - n} here).", param="max_tokens",
+                code="context_length_exceeded")
+        pool_tokens = self.parts.cache.num_pages * self.parts.cache.page_size
+        if n + max_new > pool_tokens:
+            raise RequestError(
+                f"the request needs {n + max_new} KV tokens ({n} prompt + {max_new} max_tokens) but the KV pool "
+                f"holds {pool_tokens}; lower max_tokens or restart with a larger --max-total-tokens",
+                param="max_tokens")
+        if req.rid in self._sinks:
+            raise RequestError(f"request id {req.rid!r} is already in use", param="rid")
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Yield output increments until one with finished=True. Closing the iterator early aborts the request."""
+        if not self.ready:
+            raise RequestError("the model is still loading; retry shortly", status=503, type="server_error")
+        self.validate(req)
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[req.rid] = (loop, sink)
+        self._inbox.put(("add", Req(rid=req.rid, input_ids=list(req.input_ids),
+                                    sampling_params=req.sampling_params, stream=req.stream)))
+        finished = False
+        try:
+            while not finished:
+                out: GenerateOutput = await sink.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.rid)
+            self._sinks.pop(req.rid, None)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    async def flush_cache(self, storage: bool = False) -> bool:
+        return await self._call(lambda: self.parts.scheduler.flush_cache(storage=storage))
+
+    async def _call(self, fn) -> Any:
+        """Run ``fn`` on the scheduler thread between steps and await its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, fut, asyncio.get_running_loop()))
+        return await fut
+
+    # ------------------------------------------------------------ reporting
+    def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"version": _version(), "ready": self.ready, "server_args": self.args.to_dict(),
+                                "uptime_s": round(time.time() - self.started_at, 1)}
+        if self.parts is not None:
+            info.update(self.parts.describe())
+        return info
+
+    def metrics_text(self) -> bytes:
+        return self.parts.metrics.text() if self.parts is not None else b""
+
+    # ------------------------------------------------------------ scheduler thread
+    def _emit(self, req: Req, out: GenerateOutput) -> None:
+        sink = self._sinks.get(req.rid)
+        if sink is not None:
+            loop, q = sink
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _loop(self) -> None:
+        sched = self.parts.scheduler
+        while not self._stop.is_set():
+            try:
+                msg = self._inbox.get(timeout=None if not sched.has_work() else 0) if not sched.has_work() \
+                    else self._inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if self._stop.is_set():
+                break
+            try:
+                sched.step()
+            except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
+                log.exception("scheduler step failed; failing the requests in it")
+                sched.fail_all(f"internal error in the model step: {e}")
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        sched = self.parts.scheduler
+        if kind == "add":
+            sched.add(msg[1])
+        elif kind == "abort":
+            sched.abort(msg[1])
+        elif kind == "call":
+            _, fn, fut, loop = msg
+            try:
+                result, exc = fn(), None
+            except Exception as e:  # noqa: BLE001
+                result, exc = None, e
+            loop.call_soon_threadsafe(_resolve, fut, result, exc)
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tierlm")
+    except Exception:  # noqa: BLE001
+        return "unknown"

@@ -1,0 +1,130 @@
+"""MLXBackend: mlx-lm model classes + tierlm's paged attention + the mlx sampler, behind the backend contract."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from tierlm.backends.base import ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.mlx.kv_pool import MLXKVPool
+from tierlm.backends.mlx.model_loader import load_mlx_model
+from tierlm.backends.mlx.paged_attention import StepContext, StepPlan, install_paged_attention, sliding_windows
+from tierlm.backends.mlx.sampler import sample
+from tierlm.backends.model_files import model_fingerprint, read_generation_eos
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+
+
+class MLXBackend(ModelBackend):
+    name = "mlx"
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0) -> None:
+        self.model_dir = Path(model_dir)
+        self.model, config, self.dtype = load_mlx_model(self.model_dir, dtype)
+        self.device = "metal" if mx.default_device() == mx.gpu else "cpu"
+        self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        if not hasattr(self.model, "model") or not hasattr(self.model.model, "embed_tokens"):
+            raise NotImplementedError(
+                f"{type(self.model).__module__}.Model has no .model.embed_tokens; the mlx backend supports "
+                "decoder families laid out like llama, mistral, qwen2 and qwen3")
+        num_layers = len(self.model.layers)
+        windows = sliding_windows(config, num_layers)
+        self._ctx = StepContext()
+        install_paged_attention(self.model, self._ctx, windows)
+
+        num_heads = config["num_attention_heads"]
+        attn = self.model.layers[0].self_attn.inner
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        self.info = ModelInfo(
+            model_path=str(self.model_dir),
+            architecture=(config.get("architectures") or [config.get("model_type", "unknown")])[0],
+            num_layers=num_layers,
+            num_kv_heads=getattr(attn, "n_kv_heads", None) or config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config.get("max_position_embeddings") or 2048,
+            eos_token_ids=read_generation_eos(self.model_dir),
+            dtype=DTYPE_NAMES[self.dtype],
+            fingerprint=model_fingerprint(self.model_dir),
+            sliding_window=next((w for w in windows if w is not None), None),
+        )
+        self.pool: MLXKVPool | None = None
+        self._key = mx.random.key(seed)
+        log.info("mlx backend: %s, %d layers, %s on %s, %.1f MiB of weights", self.info.architecture,
+                 num_layers, self.info.dtype, self.device, self._weight_bytes / 2**20)
+
+    # --- sizing ---
+    def kv_bytes_per_token(self) -> int:
+        i = self.info
+        return i.num_layers * 2 * i.num_kv_heads * i.head_dim * self.dtype.size
+
+    def weight_bytes(self) -> int:
+        return self._weight_bytes
+
+    def init_kv_pool(self, num_pages: int, page_size: int) -> None:
+        i = self.info
+        self.pool = MLXKVPool(i.num_layers, num_pages, page_size, i.num_kv_heads, i.head_dim, self.dtype)
+        self._ctx.pool = self.pool
+
+    # --- execution ---
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        logits = self.forward_logits(batch)
+        if logits is None:
+            mx.eval(self.pool.arrays())
+            return np.zeros(0, np.int64)
+        tokens = self.sample(logits, batch)
+        mx.eval(tokens, self.pool.arrays())
+        return np.array(tokens).astype(np.int64)
+
+    def forward_logits(self, batch: ForwardBatch) -> mx.array | None:
+        """Run the model over the step (lazily); float32 logits [S, V] of batch.sample_indices, None if S == 0."""
+        if self.pool is None:
+            raise RuntimeError("call init_kv_pool(num_pages, page_size) before forward()")
+        if batch.page_size != self.pool.page_size:
+            raise ValueError(f"batch.page_size {batch.page_size} differs from the pool's {self.pool.page_size}")
+        self._ctx.plan = StepPlan(batch)
+        try:
+            # model.model is the decoder body (embeddings .. final norm); the head runs on sampled rows only.
+            hidden = self.model.model(mx.array(np.asarray(batch.input_ids, np.int32))[None])[0]
+        finally:
+            self._ctx.plan = None  # the lazy graph already holds every index array it needs
+        if len(batch.sample_indices) == 0:
+            return None
+        hidden = hidden[mx.array(np.asarray(batch.sample_indices, np.int32))]
+        if hasattr(self.model, "lm_head"):
+            logits = self.model.lm_head(hidden)
+        else:  # tied embeddings
+            logits = self.model.model.embed_tokens.as_linear(hidden)
+        return logits.astype(mx.float32)
+
+    def sample(self, logits: mx.array, batch: ForwardBatch) -> mx.array:
+        s = batch.sampling
+        if s.all_greedy and not s.any_penalty:
+            return mx.argmax(logits, axis=-1)
+        self._key, step_key = mx.random.split(self._key)
+        return sample(logits, s, key=step_key)
+
+    # --- tiers ---
+    def copy_pages_to_host(self, device_pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
+        self._require_pool().to_host(np.asarray(device_pages), host, np.asarray(host_pages))
+
+    def copy_pages_from_host(self, host: HostKVPool, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
+        self._require_pool().from_host(host, np.asarray(host_pages), np.asarray(device_pages))
+
+    def kv_byte_layout(self) -> str:
+        # Same bytes as the torch pool: post-RoPE K and V (rotate-half convention), [layer, K/V, token, head,
+        # dim], little-endian in the pool dtype. Only equal strings share L3 pages, so torch must match it.
+        return "layer,kv,token,head,dim"
+
+    def memory_stats(self) -> dict:
+        return {"weight_bytes": self._weight_bytes, "kv_pool_bytes": self.pool.total_bytes if self.pool else 0}
+
+    def _require_pool(self) -> MLXKVPool:
+        if self.pool is None:
+            raise RuntimeError("call init_kv_pool(num_pages, page_size) before copying pages")
+        return self.pool

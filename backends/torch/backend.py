@@ -1,0 +1,120 @@
+"""TorchBackend: transformers modeling classes + tierlm's paged attention + batched sampling."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierlm.backends.base import ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.kv_pool import TorchKVPool
+from tierlm.backends.torch.model_loader import load_model, read_json, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model_dir: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        v = read_json(model_dir / name).get("eos_token_id")
+        for x in (v if isinstance(v, list) else [v]):
+            if isinstance(x, int) and x not in ids:
+                ids.append(x)
+    return ids
+
+
+def _fingerprint(model_dir: Path) -> str:
+    try:
+        from tierlm.backends.model_files import model_fingerprint
+        return model_fingerprint(model_dir)
+    except ImportError:  # pragma: no cover - model_files is part of the package
+        return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+class TorchBackend(ModelBackend):
+    name = "torch"
+
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
+                 trust_remote_code: bool = False, seed: int = 0) -> None:
+        self.model_dir = Path(model_dir)
+        self.torch_device = torch.device(device)
+        self.device = self.torch_device.type
+        self.dtype = resolve_dtype(dtype, self.torch_device)
+        self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code)
+        cfg = self.model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        num_heads = text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
+        self.info = ModelInfo(
+            model_path=str(self.model_dir),
+            architecture=(cfg.architectures or [type(self.model).__name__])[0],
+            num_layers=text_cfg.num_hidden_layers,
+            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=text_cfg.vocab_size,
+            max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 2048),
+            eos_token_ids=_eos_ids(self.model_dir),
+            dtype=str(self.dtype).removeprefix("torch."),
+            fingerprint=_fingerprint(self.model_dir),
+            sliding_window=getattr(text_cfg, "sliding_window", None),
+        )
+        self.pool: TorchKVPool | None = None
+        self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
+
+    # --- sizing ---
+    def kv_bytes_per_token(self) -> int:
+        i = self.info
+        return i.num_layers * 2 * i.num_kv_heads * i.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def init_kv_pool(self, num_pages: int, page_size: int) -> None:
+        i = self.info
+        self.pool = TorchKVPool(i.num_layers, num_pages, page_size, i.num_kv_heads, i.head_dim,
+                                self.dtype, self.torch_device)
+
+    # --- execution ---
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        logits = self.forward_logits(batch)
+        return self.sample(logits, batch).cpu().numpy()
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model over the step; logits [S, V] float32 for batch.sample_indices."""
+        assert self.pool is not None, "init_kv_pool() first"
+        dev = self.torch_device
+        meta = paged_attention.StepMeta(batch.q_lens, batch.kv_lens, batch.positions, batch.page_table,
+                                        batch.page_size, dev)
+        input_ids = torch.from_numpy(batch.input_ids).to(dev)[None]
+        positions = torch.from_numpy(batch.positions).to(dev)[None]
+        keep = torch.from_numpy(batch.sample_indices).to(dev)
+        paged_attention.CURRENT.meta, paged_attention.CURRENT.pool = meta, self.pool
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        finally:
+            paged_attention.CURRENT.meta = None
+        return out.logits[0].float()
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s = batch.sampling
+        if s.all_greedy and not s.any_penalty:
+            return logits.argmax(dim=-1)
+        from tierlm.backends.torch.sampler import sample
+
+        return sample(logits, s, self.generator)
+
+    # --- tiers ---
+    def copy_pages_to_host(self, device_pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
+        self.pool.to_host(np.asarray(device_pages), host, np.asarray(host_pages))
+
+    def copy_pages_from_host(self, host: HostKVPool, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
+        self.pool.from_host(host, np.asarray(host_pages), np.asarray(device_pages))
+
+    def memory_stats(self) -> dict:
+        return {"weight_bytes": self.weight_bytes(),
+                "kv_pool_bytes": int(self.pool.buffer.numel() * self.pool.buffer.element_size()) if self.pool else 0}

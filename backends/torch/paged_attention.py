@@ -1,0 +1,123 @@
+"""tierlm's attention for transformers models: K/V live in the paged pool, queries of a whole step are flat.
+
+The model runs on one flattened sequence (batch 1, T tokens from R requests). transformers calls
+``paged_attention`` once per layer; it writes the layer's new K/V into the pool and attends each request's
+queries over that request's pages. The index tensors (slots, gathers, masks) are built once per step in
+``StepMeta`` and shared by every layer. Requests are split in two groups so padding stays small: decode
+tokens (one query each) and extend chunks (many queries each); each group is one batched SDPA call.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "tierlm_paged"
+
+
+@dataclass
+class _Group:
+    rows: torch.Tensor  # [G, Q] flat token rows of the group's queries (padded rows point at row 0)
+    row_valid: torch.Tensor  # [G, Q] bool
+    q_pos: torch.Tensor  # [G, Q] absolute positions of the queries
+    kv_slots: torch.Tensor  # [G, L] pool slots of positions 0..L-1 (padded with slot 0)
+    kv_pos: torch.Tensor  # [L] 0..L-1
+    kv_len: torch.Tensor  # [G]
+    mask: torch.Tensor  # [G, 1, Q, L] bool, causal and length-bounded
+    window_masks: dict  # sliding window -> mask, built on first use
+
+
+class StepMeta:
+    """Per-step index tensors for the pool writes and the two attention groups."""
+
+    def __init__(self, q_lens: np.ndarray, kv_lens: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
+                 page_size: int, device: torch.device) -> None:
+        self.device = device
+        req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        slots = page_table[req_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size
+        self.slot_mapping = torch.from_numpy(slots).to(device)
+        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
+        decode = q_lens == 1
+        self.groups: list[_Group] = []
+        for sel in (np.nonzero(decode)[0], np.nonzero(~decode)[0]):
+            if len(sel):
+                self.groups.append(self._group(sel, q_lens, kv_lens, starts, page_table, page_size))
+        # A step that is one fresh prefill (no cached prefix) can attend over its own K/V directly.
+        self.single_fresh_prefill = len(q_lens) == 1 and int(q_lens[0]) == int(kv_lens[0]) and q_lens[0] > 1
+
+    def _group(self, sel, q_lens, kv_lens, starts, page_table, page_size) -> _Group:
+        ql, kl, st = q_lens[sel], kv_lens[sel], starts[sel]
+        Q, L = int(ql.max()), int(kl.max())
+        qi = np.arange(Q)
+        row_valid = qi[None, :] < ql[:, None]
+        rows = np.where(row_valid, st[:, None] + qi[None, :], 0)
+        q_pos = (kl - ql)[:, None] + qi[None, :]
+        kv_pos = np.arange(L)
+        page_idx = np.minimum(kv_pos // page_size, page_table.shape[1] - 1)
+        kv_slots = page_table[sel][:, page_idx].astype(np.int64) * page_size + kv_pos % page_size
+        kv_valid = kv_pos[None, :] < kl[:, None]
+        kv_slots = np.where(kv_valid, kv_slots, 0)
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+        # Padded query rows attend to position 0 only, so softmax never sees an all-masked row.
+        mask |= (~row_valid)[:, :, None] & (kv_pos == 0)[None, None, :]
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        return _Group(t(rows), t(row_valid), t(q_pos), t(kv_slots), t(kv_pos), t(kl), t(mask[:, None]), {})
+
+    @staticmethod
+    def window_mask(g: _Group, window: int) -> torch.Tensor:
+        m = g.window_masks.get(window)
+        if m is None:
+            in_window = g.kv_pos[None, None, :] > (g.q_pos[:, :, None] - window)
+            m = g.mask & in_window[:, None]
+            m |= (~g.row_valid)[:, None, :, None] & (g.kv_pos == 0)[None, None, None, :]
+            g.window_masks[window] = m
+        return m
+
+
+class _Current(threading.local):
+    meta: StepMeta | None = None
+    pool = None
+
+
+CURRENT = _Current()
+
+
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                    scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    meta, pool = CURRENT.meta, CURRENT.pool
+    if meta is None:
+        raise RuntimeError("tierlm paged attention called outside a tierlm forward step")
+    layer = module.layer_idx
+    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1)
+    pool.k[layer].index_copy_(0, meta.slot_mapping, k_new.to(pool.dtype))
+    pool.v[layer].index_copy_(0, meta.slot_mapping, v_new.to(pool.dtype))
+
+    q = query[0]  # [H, T, D]
+    if meta.single_fresh_prefill and sliding_window is None:
+        out = F.scaled_dot_product_attention(q[None], key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=q.shape[0] != key.shape[1])
+        return out.transpose(1, 2), None
+
+    out = torch.empty((q.shape[1], q.shape[0], q.shape[2]), dtype=q.dtype, device=q.device)  # [T, H, D]
+    for g in meta.groups:
+        qg = q[:, g.rows].permute(1, 0, 2, 3)  # [G, H, Q, D]
+        kg = pool.k[layer][g.kv_slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
+        vg = pool.v[layer][g.kv_slots].transpose(1, 2).to(q.dtype)
+        mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling,
+                                            enable_gqa=qg.shape[1] != kg.shape[1])  # [G, H, Q, D]
+        og = og.transpose(1, 2)  # [G, Q, H, D]
+        out[g.rows[g.row_valid]] = og[g.row_valid]
+    return out[None], None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

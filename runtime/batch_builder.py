@@ -1,0 +1,47 @@
+"""Turn the requests scheduled for one step into a ForwardBatch of flat numpy arrays."""
+from __future__ import annotations
+
+import numpy as np
+
+from tierlm.backends.base import ForwardBatch, SamplingBatch
+from tierlm.runtime.request import Req
+
+
+def build_forward_batch(items: list[tuple[Req, int]], page_size: int) -> tuple[ForwardBatch, list[Req]]:
+    """``items``: (request, number of new tokens) pairs. Returns the batch and the requests that sample."""
+    R = len(items)
+    q_lens = np.fromiter((n for _, n in items), np.int32, R)
+    kv_lens = np.fromiter((r.kv_len + n for r, n in items), np.int32, R)
+    ids: list[int] = []
+    for r, n in items:
+        ids.extend(r.tokens(r.kv_len, r.kv_len + n) if n > 1 else (r.token_at(r.kv_len),))
+    input_ids = np.asarray(ids, np.int64)
+    ends = np.cumsum(q_lens).astype(np.int64)
+    # positions: kv_len - q_len + arange(q_len) per request, vectorised
+    starts = ends - q_lens
+    positions = np.arange(len(ids), dtype=np.int64) - np.repeat(starts, q_lens) + np.repeat(kv_lens - q_lens, q_lens)
+    max_pages = max(len(r.pages) for r, _ in items)
+    page_table = np.zeros((R, max_pages), np.int32)
+    for i, (r, _) in enumerate(items):
+        page_table[i, :len(r.pages)] = r.pages
+    sampling_reqs = [r for (r, n), kl in zip(items, kv_lens) if kl == r.seq_len]
+    sample_rows = np.asarray([e - 1 for (r, n), e, kl in zip(items, ends, kv_lens) if kl == r.seq_len], np.int64)
+    batch = ForwardBatch(input_ids=input_ids, positions=positions, q_lens=q_lens, kv_lens=kv_lens,
+                         page_table=page_table, sample_indices=sample_rows,
+                         sampling=sampling_batch(sampling_reqs), page_size=page_size)
+    return batch, sampling_reqs
+
+
+def sampling_batch(reqs: list[Req]) -> SamplingBatch:
+    ps = [r.sampling_params for r in reqs]
+    f32 = lambda xs: np.asarray(xs, np.float32)  # noqa: E731
+    temperature = f32([0.0 if p.is_greedy else p.temperature for p in ps])
+    any_penalty = any(p.uses_penalties for p in ps)
+    return SamplingBatch(
+        temperature=temperature, top_p=f32([p.top_p for p in ps]),
+        top_k=np.asarray([p.top_k for p in ps], np.int32), min_p=f32([p.min_p for p in ps]),
+        presence_penalty=f32([p.presence_penalty for p in ps]), frequency_penalty=f32([p.frequency_penalty for p in ps]),
+        repetition_penalty=f32([p.repetition_penalty for p in ps]), seeds=[p.seed for p in ps],
+        output_ids=[r.output_ids for r in reqs], prompt_ids=[r.input_ids for r in reqs],
+        all_greedy=bool((temperature == 0).all()), any_penalty=any_penalty,
+    )

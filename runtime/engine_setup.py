@@ -1,0 +1,211 @@
+"""Build an engine's parts from ServerArgs: model files, tokenizer, backend, KV pool sizing, caches, scheduler.
+
+Every decision is logged with its reason (backend, dtype, pool sizes per tier) so a user can see why the
+server looks the way it does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tierlm.backends.base import ModelBackend, ModelInfo
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.metrics import EngineMetrics
+from tierlm.runtime.output_processor import OutputProcessor
+from tierlm.runtime.scheduler import Scheduler
+from tierlm.runtime.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    args: ServerArgs
+    model_dir: Path
+    tokenizer: Any
+    backend: ModelBackend
+    cache: KVCacheManager
+    scheduler: Scheduler
+    metrics: EngineMetrics
+    context_length: int
+    decision: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.backend.info
+
+    def describe(self) -> dict[str, Any]:
+        acc = self.cache.accounting()
+        kv_tok = self.backend.kv_bytes_per_token()
+        return {
+            "model_path": str(self.model_dir),
+            "backend": self.backend.name,
+            "device": self.backend.device,
+            "dtype": self.model_info.dtype,
+            "backend_decision": self.decision,
+            "context_length": self.context_length,
+            "architecture": self.model_info.architecture,
+            "kv_pool": {**acc, "total_tokens": acc["total_pages"] * acc["page_size"],
+                        "bytes_per_token": kv_tok, "total_bytes": kv_tok * acc["total_pages"] * acc["page_size"]},
+            "tiers": self.cache.tiers_info() if hasattr(self.cache, "tiers_info") else {},
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "max_running_requests": self.scheduler.max_running,
+            "chunked_prefill_size": self.scheduler.chunk,
+            "radix_cache": self.cache.tree is not None,
+        }
+
+    def close(self) -> None:
+        if hasattr(self.cache, "close"):
+            self.cache.close()
+
+
+def choose_backend(args: ServerArgs) -> dict[str, Any]:
+    """Backend + device with the reasons; the platform layer decides from the machine's facts."""
+    try:
+        from tierlm.platforms.backend_choice import choose_backend_for_args  # TODO(lead): wire when landed
+    except ImportError:
+        use_mlx = os.environ.get("SGLANG_USE_MLX") == "1"
+        return {"backend": "mlx" if use_mlx else "torch", "device": "mps" if use_mlx else "cpu",
+                "reasons": ["SGLANG_USE_MLX=1" if use_mlx else "default"]}
+    return choose_backend_for_args(args)
+
+
+def load_backend(decision: dict[str, Any], model_dir: Path, args: ServerArgs) -> ModelBackend:
+    if decision["backend"] == "mlx":
+        from tierlm.backends.mlx.backend import MLXBackend
+
+        return MLXBackend(model_dir, dtype=args.dtype)
+    from tierlm.backends.torch.backend import TorchBackend
+
+    return TorchBackend(model_dir, dtype=args.dtype, device=decision["device"],
+                        trust_remote_code=args.trust_remote_code, seed=args.random_seed)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise StartupError(f"could not load a tokenizer from {path}: {e}. Pass --tokenizer-path to a folder "
+                           "with tokenizer.json / tokenizer_config.json.") from e
+
+
+def size_device_pool(args: ServerArgs, backend: ModelBackend, context_length: int) -> int:
+    """Device KV pages: --max-total-tokens if given, else a share of free memory, capped by what can be used."""
+    ps = args.page_size
+    if args.max_total_tokens:
+        tokens = args.max_total_tokens
+        reason = "--max-total-tokens"
+    else:
+        try:
+            from tierlm.platforms.memory_plan import device_kv_budget_bytes  # TODO(lead): wire when landed
+            budget, why = device_kv_budget_bytes(backend.device, backend.weight_bytes(), args.mem_fraction_static)
+        except ImportError:
+            import psutil
+            budget, why = int(psutil.virtual_memory().available * 0.2), "20% of available RAM"
+        tokens = budget // backend.kv_bytes_per_token()
+        # More than every running request at full context (x4 for cached prefixes) can never be used.
+        cap = context_length * args.max_running_requests * 4
+        reason = f"{why}; capped at 4 x context x max running requests" if tokens > cap else why
+        tokens = min(tokens, cap)
+    pages = max(tokens // ps, 2)
+    if pages * ps < context_length // 4:
+        log.warning("the device KV pool holds only %d tokens (context length %d): long prompts will be refused",
+                    pages * ps, context_length)
+    log.info("device KV pool (L1): %d pages x %d tokens = %d tokens, %.1f MiB (%s)", pages, ps, pages * ps,
+             pages * ps * backend.kv_bytes_per_token() / 2**20, reason)
+    return pages
+
+
+def build_engine_parts(args: ServerArgs, emit: Callable) -> EngineParts:
+    from tierlm.backends.model_files import resolve_model_path
+
+    args.check()
+    model_dir = resolve_model_path(args.model_path)
+    if args.model_path is None:
+        from tierlm.backends.demo_model import DEMO_MODEL_NOTICE
+
+        log.warning(DEMO_MODEL_NOTICE)
+    decision = choose_backend(args)
+    log.info("backend: %s on %s (%s)", decision["backend"], decision["device"], "; ".join(decision["reasons"]))
+    tokenizer = load_tokenizer(Path(args.tokenizer_path) if args.tokenizer_path else model_dir,
+                               args.trust_remote_code)
+    backend = load_backend(decision, model_dir, args)
+    info = backend.info
+    log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
+             info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
+             backend.weight_bytes() / 2**20)
+    context_length = args.context_length or info.max_position_embeddings
+    if args.context_length and args.context_length > info.max_position_embeddings:
+        log.warning("--context-length %d exceeds the model's max_position_embeddings %d",
+                    args.context_length, info.max_position_embeddings)
+    num_pages = size_device_pool(args, backend, context_length)
+    backend.init_kv_pool(num_pages, args.page_size)
+    metrics = EngineMetrics(args.model_name)
+    eos = list(info.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    cache = make_cache_manager(args, backend, num_pages, metrics)
+    outputs = OutputProcessor(tokenizer, eos, metrics)
+    scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
+                          chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit)
+    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision)
+    _register_gauges(parts)
+    if args.warmup:
+        warm_up(parts)
+    return parts
+
+
+def make_cache_manager(args: ServerArgs, backend: ModelBackend, num_pages: int, metrics: EngineMetrics):
+    if args.enable_hierarchical_cache:
+        try:
+            from tierlm.runtime.hicache.controller import HiCacheManager
+        except ImportError as e:
+            raise StartupError("--enable-hierarchical-cache is not implemented yet in this build") from e
+        return HiCacheManager.create(args, backend, num_pages, metrics)
+    if args.hicache_storage_backend:
+        raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
+    return KVCacheManager(num_pages, args.page_size, enable_radix=not args.disable_radix_cache)
+
+
+def _register_gauges(parts: EngineParts) -> None:
+    m, c, s = parts.metrics, parts.cache, parts.scheduler
+    m.gauge("tierlm_kv_pages_total", "Device KV pages", lambda: c.num_pages)
+    m.gauge("tierlm_kv_pages_free", "Free device KV pages", lambda: c.allocator.num_free)
+    m.gauge("tierlm_kv_pages_cached", "Device KV pages held by the radix cache",
+            lambda: c.tree.device_pages_cached if c.tree else 0)
+    m.gauge("tierlm_kv_pages_in_use", "Device KV pages held only by running requests", lambda: c.in_use_pages)
+    m.gauge("tierlm_kv_pool_usage", "Share of device KV pages not free",
+            lambda: 1.0 - c.allocator.num_free / max(c.num_pages, 1))
+    m.gauge("tierlm_num_running_requests", "Running requests", lambda: len(s.running))
+    m.gauge("tierlm_num_waiting_requests", "Waiting requests", lambda: len(s.waiting))
+
+
+def warm_up(parts: EngineParts) -> None:
+    """A few forwards straight through the backend (allocations, first-call overheads) before serving.
+
+    It bypasses the scheduler so no request, cache entry or metric is left behind.
+    """
+    import numpy as np
+    from tqdm import tqdm
+
+    from tierlm.backends.base import ForwardBatch, SamplingBatch
+
+    ps = parts.cache.page_size
+    n = min(2 * ps, parts.cache.num_pages * ps - 1, 32)
+    pages = np.arange(-(-(n + 1) // ps), dtype=np.int32)[None]
+    steps = [(np.arange(n), n), (np.array([n]), n + 1)]  # one prefill, one decode
+    for ids, kv in tqdm(steps, desc="warm-up", disable=os.environ.get("TIERLM_NO_PROGRESS") == "1"):
+        q = len(ids)
+        batch = ForwardBatch(input_ids=(ids % parts.model_info.vocab_size).astype(np.int64),
+                             positions=np.arange(kv - q, kv, dtype=np.int64), q_lens=np.array([q], np.int32),
+                             kv_lens=np.array([kv], np.int32), page_table=pages,
+                             sample_indices=np.array([q - 1], np.int64), sampling=SamplingBatch.greedy(1),
+                             page_size=ps)
+        parts.backend.forward(batch)

@@ -1,0 +1,447 @@
+"""L3 file storage: one file per KV page under <root>/<namespace id prefix>/, verified on every read.
+
+File format (little-endian), 128-byte header then the raw payload, never pickle:
+  0  magic b"TLMKV" | 5 format version u16 | 7 namespace id (32 raw bytes) | 39 key (32 raw bytes)
+  71 payload length u64 | 79..95 zero | 96 sha256 over header[0:96] + payload | 128 payload
+Writes go to a unique temp file in the same folder, are fsynced and os.replace()d into place, so a reader (in
+any process) sees either no file or a complete one under the final name. A read that finds a bad magic,
+version, namespace, key, length or checksum is a miss: logged, counted in ``errors`` and the file removed.
+An in-memory LRU index (rebuilt from the folder on start, ordered by file mtime, which reads refresh) keeps
+the folder under ``max_size_bytes``. Several processes may share a folder; each bounds what it knows of.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import StartupError
+from .page_keys import is_page_key
+from .storage_base import KVStorage
+from .storage_namespace import StorageNamespace
+
+logger = logging.getLogger(__name__)
+
+STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+MAGIC = b"TLMKV"
+FILE_FORMAT_VERSION = 1
+HEADER_SIZE = 128
+_FIELDS = struct.Struct("<5sH32s32sQ")  # magic, version, namespace id, key, payload length
+_CHECKSUM_OFFSET = 96
+FILE_SUFFIX = ".kv"
+TEMP_PREFIX = ".tmp-"
+NAMESPACE_FILE = "namespace.json"
+_KV_NAME_RE = re.compile(r"[0-9a-f]{64}\.kv")
+KNOWN_EXTRA_CONFIG_KEYS = ("max_size_gb",)
+
+
+def default_storage_dir() -> Path:
+    """$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else <user cache dir>/tierlm/hicache (not /tmp: it must survive)."""
+    env = os.environ.get(STORAGE_DIR_ENV, "").strip()
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tierlm")) / "hicache"
+
+
+def parse_extra_config(s: str | None) -> dict[str, Any]:
+    """--hicache-storage-backend-extra-config: a JSON object, or @path to a file holding one. None/"" -> {}."""
+    if s is None or not s.strip():
+        return {}
+    text, source = s.strip(), "--hicache-storage-backend-extra-config"
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        source = f"extra-config file {path}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read {source}: {e.strerror or e}; pass @<existing JSON file> or a JSON string") from e
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+            "pass a JSON object such as '{\"max_size_gb\": 50}' or @path/to/config.json"
+        ) from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source} must be a JSON object like {{\"max_size_gb\": 50}}, got {type(cfg).__name__}")
+    return cfg
+
+
+def max_size_bytes_from_config(cfg: Mapping[str, Any]) -> int | None:
+    """The size bound from extra-config ``max_size_gb`` (GB = 1e9 bytes, as SGLang's --hicache-size); None = unbounded."""
+    gb = cfg.get("max_size_gb")
+    if gb is None:
+        return None
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0:
+        raise ValueError(f"extra-config max_size_gb must be a positive number of GB, got {gb!r}")
+    return int(gb * 1e9)
+
+
+class FileKVStorage(KVStorage):
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str] | None,
+        namespace: StorageNamespace,
+        page_bytes: int,
+        max_size_bytes: int | None = None,
+        *,
+        fsync: bool = True,
+        stale_temp_seconds: float = 600.0,
+    ) -> None:
+        if not isinstance(page_bytes, int) or page_bytes < 1:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        if max_size_bytes is not None and max_size_bytes < HEADER_SIZE + page_bytes:
+            raise ValueError(
+                f"max_size_bytes={max_size_bytes} cannot hold even one page ({HEADER_SIZE + page_bytes} bytes); "
+                "raise max_size_gb or leave it unset"
+            )
+        self.root_dir = Path(root_dir) if root_dir is not None else default_storage_dir()
+        self.namespace = namespace
+        self.page_bytes = page_bytes
+        self.file_bytes = HEADER_SIZE + page_bytes
+        self.max_size_bytes = max_size_bytes
+        self.dir = self.root_dir / namespace.folder_name
+        self._fsync = fsync
+        self._ns_raw = namespace.id_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
+        self._total = 0
+        self._closed = False
+        self._counts = dict(reads=0, writes=0, bytes_read=0, bytes_written=0, misses=0, errors=0, evictions=0)
+        self._open_namespace_dir()
+        self._rebuild_index(stale_temp_seconds)
+
+    @classmethod
+    def from_extra_config(
+        cls,
+        namespace: StorageNamespace,
+        page_bytes: int,
+        extra_config: Mapping[str, Any] | None = None,
+        root_dir: str | os.PathLike[str] | None = None,
+    ) -> "FileKVStorage":
+        """Build from parsed extra-config (max_size_gb) and the default folder unless root_dir is given."""
+        cfg = dict(extra_config or {})
+        unknown = sorted(set(cfg) - set(KNOWN_EXTRA_CONFIG_KEYS))
+        if unknown:
+            logger.warning("file storage ignores extra-config keys %s (it knows %s)", unknown, list(KNOWN_EXTRA_CONFIG_KEYS))
+        return cls(root_dir, namespace, page_bytes, max_size_bytes_from_config(cfg))
+
+    # --- KVStorage ---
+    def exists(self, keys) -> list[bool]:
+        self._check_open()
+        out = []
+        for key in keys:
+            self._check_key(key)
+            with self._lock:
+                known = key in self._index
+            out.append(known or self._adopt(key))
+        return out
+
+    def batch_exists_prefix(self, keys) -> int:
+        n = 0
+        for key in keys:  # stops at the first miss without touching the rest
+            if not self.exists([key])[0]:
+                break
+            n += 1
+        return n
+
+    def get(self, key: str) -> bytes | None:
+        self._check_open()
+        self._check_key(key)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                header = f.read(HEADER_SIZE)
+                payload = f.read(self.page_bytes)
+                trailing = f.read(1)
+        except FileNotFoundError:
+            self._forget(key)
+            self._count(misses=1)
+            return None
+        except OSError as e:
+            logger.warning("L3 read of %s failed (%s); treating it as a miss", path, e)
+            self._count(misses=1, errors=1)
+            return None
+        problem = self._verify(key, header, payload, trailing)
+        if problem is not None:
+            self._discard(key, path, st, problem)
+            self._count(misses=1)
+            return None
+        with self._lock:
+            if key not in self._index:
+                self._total += st.st_size
+            self._index[key] = st.st_size
+            self._index.move_to_end(key)
+            self._counts["reads"] += 1
+            self._counts["bytes_read"] += len(payload)
+        self._touch(path)
+        return payload
+
+    def set(self, key: str, payload) -> bool:
+        self._check_open()
+        self._check_key(key)
+        view = memoryview(payload).cast("B")
+        if view.nbytes != self.page_bytes:
+            raise ValueError(f"payload for {key[:12]}.. has {view.nbytes} bytes, this storage stores {self.page_bytes}")
+        path = self._path(key)
+        if path.exists():  # written before, here or by another process sharing the folder
+            self._note_present(key, self.file_bytes)
+            self._touch(path)
+            return True
+        header = _FIELDS.pack(MAGIC, FILE_FORMAT_VERSION, self._ns_raw, bytes.fromhex(key), self.page_bytes)
+        header = header.ljust(_CHECKSUM_OFFSET, b"\0")
+        digest = hashlib.sha256(header)
+        digest.update(view)
+        header += digest.digest()
+        tmp = self.dir / f"{TEMP_PREFIX}{key}-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(header)
+                f.write(view)
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("L3 write of %s failed (%s); the page stays uncached in storage", path, e)
+            _unlink_quietly(tmp)
+            self._count(errors=1)
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._total += self.file_bytes
+            self._index[key] = self.file_bytes
+            self._index.move_to_end(key)
+            self._counts["writes"] += 1
+            self._counts["bytes_written"] += self.file_bytes
+            victims = self._pick_victims_locked(keep=key)
+        self._remove_victims(victims)
+        return True
+
+    def delete(self, key: str) -> bool:
+        self._check_open()
+        self._check_key(key)
+        self._forget(key)
+        return _unlink_quietly(self._path(key))
+
+    def clear(self) -> int:
+        self._check_open()
+        removed = 0
+        with os.scandir(self.dir) as it:
+            for entry in it:
+                if _KV_NAME_RE.fullmatch(entry.name) and _unlink_quietly(Path(entry.path)):
+                    removed += 1
+        with self._lock:
+            self._index.clear()
+            self._total = 0
+        logger.info("cleared L3 storage %s: removed %d page files", self.dir, removed)
+        return removed
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {"files": len(self._index), "bytes": self._total}
+            out.update(self._counts)
+        out["max_bytes"] = self.max_size_bytes
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+
+    # --- internals ---
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}{FILE_SUFFIX}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"FileKVStorage at {self.dir} is closed; open a new one")
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not is_page_key(key):
+            raise ValueError(f"storage keys come from page_keys() (64 lowercase hex), got {key!r}")
+
+    def _verify(self, key: str, header: bytes, payload: bytes, trailing: bytes) -> str | None:
+        """Why the file is unusable, or None when it is the intact page ``key`` of this namespace."""
+        if len(header) < HEADER_SIZE:
+            return f"truncated header ({len(header)} of {HEADER_SIZE} bytes)"
+        magic, version, ns_raw, key_raw, length = _FIELDS.unpack_from(header)
+        if magic != MAGIC:
+            return "bad magic"
+        if version != FILE_FORMAT_VERSION:
+            return f"file format version {version}, this tierlm reads {FILE_FORMAT_VERSION}"
+        if ns_raw != self._ns_raw:
+            return f"written by namespace {ns_raw.hex()[:16]}, not {self.namespace.folder_name}"
+        if key_raw.hex() != key:
+            return f"holds page {key_raw.hex()[:12]}.. under the name of {key[:12]}.."
+        if length != self.page_bytes:
+            return f"payload length {length} in header, expected {self.page_bytes}"
+        if len(payload) != length:
+            return f"truncated payload ({len(payload)} of {length} bytes)"
+        if trailing:
+            return f"file is longer than the {length}-byte payload its header states"
+        digest = hashlib.sha256(header[:_CHECKSUM_OFFSET])
+        digest.update(payload)
+        if digest.digest() != header[_CHECKSUM_OFFSET:HEADER_SIZE]:
+            return "checksum mismatch"
+        return None
+
+    def _discard(self, key: str, path: Path, st: os.stat_result, reason: str) -> None:
+        logger.warning("L3 file %s is damaged (%s): removed it, serving a miss", path, reason)
+        self._forget(key)
+        self._count(errors=1)
+        try:
+            now = os.stat(path)
+            # Only remove the file we read: another process may have just renamed a good one into place.
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("could not remove damaged L3 file %s: %s", path, e)
+
+    def _adopt(self, key: str) -> bool:
+        """A key absent from the index may have been written by another process sharing the folder."""
+        try:
+            size = os.stat(self._path(key)).st_size
+        except OSError:
+            return False
+        self._note_present(key, size)
+        return True
+
+    def _note_present(self, key: str, size: int) -> None:
+        with self._lock:
+            if key not in self._index:
+                self._total += size
+            self._index[key] = size
+            self._index.move_to_end(key)
+            victims = self._pick_victims_locked(keep=key)
+        self._remove_victims(victims)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._total -= size
+
+    def _pick_victims_locked(self, keep: str | None) -> list[str]:
+        victims: list[str] = []
+        if self.max_size_bytes is None:
+            return victims
+        while self._total > self.max_size_bytes and self._index:
+            oldest = next(iter(self._index))
+            if oldest == keep:
+                if len(self._index) == 1:
+                    break
+                self._index.move_to_end(oldest)
+                continue
+            self._total -= self._index.pop(oldest)
+            self._counts["evictions"] += 1
+            victims.append(oldest)
+        return victims
+
+    def _remove_victims(self, victims: list[str]) -> None:
+        for key in victims:
+            _unlink_quietly(self._path(key))
+        if victims:
+            logger.debug("L3 storage over its %s-byte bound: evicted %d least recently used pages",
+                         self.max_size_bytes, len(victims))
+
+    def _touch(self, path: Path) -> None:
+        # The mtime orders the LRU index rebuilt after a restart; failure only costs that order.
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counts[name] += d
+
+    def _open_namespace_dir(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            meta_path = self.dir / NAMESPACE_FILE
+            expected = self.namespace.describe()
+            try:
+                found = json.loads(meta_path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                found = None
+            except (ValueError, UnicodeDecodeError):
+                logger.warning("%s is unreadable; rewriting it", meta_path)
+                found = None
+            if isinstance(found, dict) and found.get("id") not in (None, expected["id"]):
+                raise StartupError(
+                    f"L3 storage folder {self.dir} belongs to namespace {found.get('id')}, not {expected['id']} "
+                    f"(id prefix collision or a hand-edited folder); move it away or use another storage dir"
+                )
+            if found != expected:
+                tmp = self.dir / f"{TEMP_PREFIX}{NAMESPACE_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
+                tmp.write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+                os.replace(tmp, meta_path)
+        except OSError as e:
+            raise StartupError(
+                f"cannot use L3 storage folder {self.dir}: {e.strerror or e}; "
+                f"set {STORAGE_DIR_ENV} to a writable folder"
+            ) from e
+
+    def _rebuild_index(self, stale_temp_seconds: float) -> None:
+        found: list[tuple[float, str, int]] = []
+        stale_temps = damaged = 0
+        now = time.time()
+        with os.scandir(self.dir) as it:
+            for entry in it:
+                name = entry.name
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if name.startswith(TEMP_PREFIX):
+                    # A writer that died mid-write leaves its temp file; a young one may still be in progress.
+                    if now - st.st_mtime > stale_temp_seconds and _unlink_quietly(Path(entry.path)):
+                        stale_temps += 1
+                elif _KV_NAME_RE.fullmatch(name):
+                    if st.st_size != self.file_bytes:
+                        logger.warning("L3 file %s has %d bytes, expected %d: removed it", entry.path,
+                                       st.st_size, self.file_bytes)
+                        _unlink_quietly(Path(entry.path))
+                        damaged += 1
+                        continue
+                    found.append((st.st_mtime, name[: -len(FILE_SUFFIX)], st.st_size))
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self._total += size
+            self._counts["errors"] += damaged
+            victims = self._pick_victims_locked(keep=None)
+        self._remove_victims(victims)
+        bound = "unbounded" if self.max_size_bytes is None else f"bound {self.max_size_bytes} bytes"
+        logger.info(
+            "L3 file storage %s (namespace %s): found %d pages, %d bytes, %s; evicted %d to fit, "
+            "removed %d stale temp files and %d damaged files",
+            self.dir, self.namespace.folder_name, len(found), self._total, bound, len(victims), stale_temps, damaged,
+        )
+
+
+def _unlink_quietly(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        logger.warning("could not remove %s: %s", path, e)
+        return False

@@ -1,0 +1,123 @@
+"""KVCacheManager: which device pages a request uses, where they come from (radix cache or allocator), and
+where they go when it finishes. The one place that keeps the pool invariant
+
+    free + cached + in_use == total        (cached: pages in the radix tree; in_use: pages only requests hold)
+"""
+from __future__ import annotations
+
+import logging
+
+from tierlm.runtime.page_allocator import PageAllocator
+from tierlm.runtime.radix_cache import RadixCache
+from tierlm.runtime.request import Req
+
+log = logging.getLogger(__name__)
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_radix: bool = True) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.tree: RadixCache | None = RadixCache(page_size, self.allocator.free) if enable_radix else None
+        self.in_use_pages = 0
+        self.evicted_device_pages = 0
+
+    # ------------------------------------------------------------ admission
+    def match(self, req: Req) -> None:
+        """Start ``req`` on the longest cached prefix (at least one token is left to compute)."""
+        if req.pages or self.tree is None:
+            return
+        max_pages = (req.seq_len - 1) // self.page_size
+        m = self.tree.match_prefix(req.input_ids + req.output_ids if req.output_ids else req.input_ids, max_pages)
+        self.tree.lock(m.last_node)
+        req.last_node = m.last_node
+        req.pages = list(m.device_pages)
+        req.tree_pages = len(m.device_pages)
+        req.kv_len = req.tree_pages * self.page_size
+        if not req.admitted_once:
+            req.cached.device = req.kv_len
+
+    def reserve(self, req: Req, upto_len: int) -> bool:
+        """Make sure ``req`` has pages for positions < ``upto_len``; evict cached pages if needed."""
+        need = -(-upto_len // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self._make_free(need):
+            return False
+        req.pages.extend(self.allocator.alloc(need))
+        self.in_use_pages += need
+        req.admitted_once = True
+        return True
+
+    def _make_free(self, need: int) -> bool:
+        short = need - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            freed = self.tree.evict(short)
+            self.evicted_device_pages += freed
+        return self.allocator.num_free >= need
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Publish the full pages ``req`` has computed so far to the radix tree while it keeps running.
+
+        A request that arrives meanwhile with the same prefix then reuses them. Where another request published
+        the same tokens first, ``req`` switches to the tree's pages and frees its duplicates.
+        """
+        if self.tree is None:
+            return
+        full = req.kv_len // self.page_size
+        if full <= req.tree_pages:
+            return
+        tree_pages, node = self.tree.insert(req.tokens(0, full * self.page_size), req.pages[:full])
+        dup = [mine for mine, theirs in zip(req.pages[req.tree_pages:full], tree_pages[req.tree_pages:])
+               if mine != theirs]
+        self.allocator.free(dup)
+        self.in_use_pages -= full - req.tree_pages
+        req.pages[:full] = tree_pages
+        self.tree.lock(node)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.last_node = node
+        req.tree_pages = full
+
+    # ------------------------------------------------------------ release
+    def release(self, req: Req, cache_kv: bool) -> None:
+        """Hand ``req``'s pages back: full pages of computed KV go into the radix tree, the rest are freed."""
+        own = req.pages[req.tree_pages:]
+        if self.tree is not None and cache_kv:
+            full = req.kv_len // self.page_size
+            tokens = req.tokens(0, full * self.page_size)
+            if full > req.tree_pages:
+                tree_pages, _ = self.tree.insert(tokens, req.pages[:full])
+                # pages another request inserted first: ours are duplicates
+                dup = [mine for mine, theirs in zip(req.pages[req.tree_pages:full], tree_pages[req.tree_pages:])
+                       if mine != theirs]
+                self.allocator.free(dup)
+                own = req.pages[full:]
+                self.in_use_pages -= (full - req.tree_pages)
+            self.allocator.free(own)
+        else:
+            self.allocator.free(own)
+        self.in_use_pages -= len(own)
+        if self.tree is not None and req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.last_node = None
+        req.pages = []
+        req.tree_pages = 0
+        req.kv_len = 0
+
+    def flush(self, storage: bool = False) -> None:
+        if self.tree is not None:
+            self.tree.reset()
+
+    # ------------------------------------------------------------ accounting
+    def accounting(self) -> dict[str, int]:
+        cached = self.tree.device_pages_cached if self.tree is not None else 0
+        return {
+            "total_pages": self.num_pages,
+            "free_pages": self.allocator.num_free,
+            "cached_pages": cached,
+            "in_use_pages": self.in_use_pages,
+            "evictable_pages": self.tree.evictable_pages if self.tree is not None else 0,
+            "page_size": self.page_size,
+        }

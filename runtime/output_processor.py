@@ -1,0 +1,80 @@
+"""Per-token output handling: stop rules, incremental detokenization, timing metrics, output increments."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tierlm.runtime.detokenizer import IncrementalDetokenizer
+from tierlm.runtime.io_struct import GenerateOutput
+from tierlm.runtime.metrics import EngineMetrics
+from tierlm.runtime.request import Req
+from tierlm.runtime.stop_checker import StopChecker
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], metrics: EngineMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.metrics = metrics
+        self._m = metrics._m
+
+    def init_request(self, req: Req) -> None:
+        p = req.sampling_params
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.input_ids, p.skip_special_tokens)
+        req.stop_checker = StopChecker(p.stop, p.stop_token_ids, self.eos_token_ids, p.ignore_eos, p.max_new_tokens)
+        if p.max_new_tokens == 0:
+            req.finish_reason = "length"
+
+    def on_token(self, req: Req, token: int, now: float) -> None:
+        req.output_ids.append(token)
+        req.pending_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.labels(self._m).observe(now - req.arrival)
+        else:
+            self.metrics.itl.labels(self._m).observe(now - req.last_token_time)
+        req.last_token_time = now
+        stop = req.stop_checker
+        reason, matched = stop.check_token(token, len(req.output_ids))
+        done = False
+        if reason != "stop":  # a stop token's own text is never output
+            text, done, stop_str = stop.process_text(req.detokenizer.add([token]))
+            req.pending_text += text
+            if done:
+                reason, matched = "stop", stop_str
+        if reason is not None and not done:
+            req.pending_text += stop.finish(req.detokenizer.flush())
+            if stop.finished:
+                matched = stop.matched_stop
+                reason = "stop"
+        if reason is not None:
+            req.finish_reason, req.matched_stop = reason, matched
+
+    def delta(self, req: Req) -> GenerateOutput:
+        out = GenerateOutput(rid=req.rid, text=req.pending_text, token_ids=req.pending_ids,
+                             prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
+                             cached=req.cached)
+        req.pending_text, req.pending_ids = "", []
+        return out
+
+    def final(self, req: Req) -> GenerateOutput:
+        """The last increment: the rest of the text (all of it when not streaming) and the accounting."""
+        if req.stream:
+            out = self.delta(req)
+        else:
+            out = GenerateOutput(rid=req.rid, text=req.pending_text, token_ids=list(req.output_ids),
+                                 prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
+                                 cached=req.cached)
+        out.finished = True
+        out.finish_reason = req.finish_reason
+        out.matched_stop = req.matched_stop
+        out.e2e_latency = time.perf_counter() - req.arrival
+        m = self.metrics
+        m.requests.labels(self._m, req.finish_reason).inc()
+        m.prompt_tokens.labels(self._m).inc(len(req.input_ids))
+        m.generation_tokens.labels(self._m).inc(len(req.output_ids))
+        for tier, n in req.cached.to_dict().items():
+            if n:
+                m.cache_hit_tokens.labels(self._m, tier).inc(n)
+        m.e2e.labels(self._m).observe(out.e2e_latency)
+        return out

@@ -1,0 +1,224 @@
+"""Radix prefix cache at page granularity.
+
+Each edge holds whole pages of tokens and the device pages with their KV. A request locks the path it reads
+(``lock``/``unlock``), so locked pages are never evicted; unlocked leaves go least-recently-used first when
+the allocator runs dry. With HiCache, a node may also (or only) hold host pages; ``runtime/hicache``
+extends eviction to demote instead of drop.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)  # tokens on the edge into this node, len % page_size == 0
+    device_pages: list[int] | None = None  # one device page per page of key; None when not in device memory
+    host_pages: list[int] | None = None  # one host page per page of key when backed up in host memory (L2)
+    parent: "TreeNode | None" = None
+    children: dict[tuple, "TreeNode"] = field(default_factory=dict)
+    lock_ref: int = 0
+    hit_count: int = 0
+    last_access: int = field(default_factory=lambda: next(_clock))
+
+    def touch(self) -> None:
+        self.last_access = next(_clock)
+
+    def __lt__(self, other: "TreeNode") -> bool:
+        return self.last_access < other.last_access
+
+
+@dataclass
+class MatchResult:
+    device_pages: list[int]  # pages of the matched prefix that are in device memory, in order
+    last_node: TreeNode  # deepest node of the device-resident match (lock it while using the pages)
+    host_pages: list[int] = field(default_factory=list)  # continuation that lives only in host memory
+    host_last_node: TreeNode | None = None  # deepest node of the host-resident continuation
+
+    @property
+    def num_device_pages(self) -> int:
+        return len(self.device_pages)
+
+
+class RadixCache:
+    def __init__(self, page_size: int, free_device_pages: Callable[[list[int]], None]) -> None:
+        self.page_size = page_size
+        self._free_device_pages = free_device_pages
+        self.root = TreeNode(device_pages=[])
+        self.root.lock_ref = 1  # the root is never evicted
+        self.device_pages_cached = 0  # pages referenced by the tree (evictable + locked)
+        self.device_pages_locked = 0
+
+    # ---------------------------------------------------------------- lookup
+    def _page_key(self, tokens: Sequence[int], start: int) -> tuple:
+        return tuple(tokens[start:start + self.page_size])
+
+    def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages (at most ``max_pages``)."""
+        ps = self.page_size
+        n_pages = len(tokens) // ps if max_pages is None else min(len(tokens) // ps, max_pages)
+        node = self.root
+        device_pages: list[int] = []
+        host_pages: list[int] = []
+        device_node, host_node = node, None
+        pos = 0  # in pages
+        while pos < n_pages:
+            child = node.children.get(self._page_key(tokens, pos * ps))
+            if child is None:
+                break
+            # pages of this edge that match
+            edge_pages = len(child.key) // ps
+            k = 1
+            while k < edge_pages and pos + k < n_pages and \
+                    child.key[k * ps:(k + 1) * ps] == list(tokens[(pos + k) * ps:(pos + k + 1) * ps]):
+                k += 1
+            if k < edge_pages:
+                child = self._split(child, k)
+            child.touch()
+            if child.device_pages is not None and not host_pages:
+                device_pages.extend(child.device_pages)
+                device_node = child
+            elif child.host_pages is not None:
+                host_pages.extend(child.host_pages)
+                host_node = child
+            else:
+                break
+            node = child
+            pos += k
+        return MatchResult(device_pages, device_node, host_pages, host_node)
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Split ``node``'s edge after ``k`` pages; return the new upper node (which keeps locks)."""
+        ps = self.page_size
+        upper = TreeNode(key=node.key[:k * ps], parent=node.parent, lock_ref=node.lock_ref,
+                         hit_count=node.hit_count, last_access=node.last_access)
+        upper.device_pages = node.device_pages[:k] if node.device_pages is not None else None
+        upper.host_pages = node.host_pages[:k] if node.host_pages is not None else None
+        node.parent.children[self._page_key(upper.key, 0)] = upper
+        node.key = node.key[k * ps:]
+        node.device_pages = node.device_pages[k:] if node.device_pages is not None else None
+        node.host_pages = node.host_pages[k:] if node.host_pages is not None else None
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        self._on_split(upper, node)
+        return upper
+
+    def _on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Hook for subclasses that keep per-node data (HiCache page keys)."""
+
+    # ---------------------------------------------------------------- insert
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[list[int], TreeNode]:
+        """Insert whole pages ``tokens`` -> ``pages``. Returns (the tree's pages for these tokens, last node).
+
+        Where the tree already holds a page for the same tokens, the tree's page wins and the caller frees its
+        own copy (its index differs from the returned one).
+        """
+        ps = self.page_size
+        n_pages = len(pages)
+        assert len(tokens) >= n_pages * ps
+        node = self.root
+        out: list[int] = []
+        pos = 0
+        while pos < n_pages:
+            child = node.children.get(self._page_key(tokens, pos * ps))
+            if child is None:
+                new = TreeNode(key=list(tokens[pos * ps:n_pages * ps]), device_pages=list(pages[pos:]), parent=node)
+                node.children[self._page_key(new.key, 0)] = new
+                self.device_pages_cached += len(new.device_pages)
+                self._on_insert(new)
+                out.extend(new.device_pages)
+                return out, new
+            edge_pages = len(child.key) // ps
+            k = 1
+            while k < edge_pages and pos + k < n_pages and \
+                    child.key[k * ps:(k + 1) * ps] == list(tokens[(pos + k) * ps:(pos + k + 1) * ps]):
+                k += 1
+            if k < edge_pages:
+                child = self._split(child, k)
+            child.touch()
+            if child.device_pages is None:
+                # Evicted from the device (maybe still in host memory): adopt the caller's fresh pages.
+                child.device_pages = list(pages[pos:pos + k])
+                self.device_pages_cached += k
+                if child.lock_ref > 0:
+                    self.device_pages_locked += k
+            out.extend(child.device_pages)
+            node = child
+            pos += k
+        return out, node
+
+    def _on_insert(self, node: TreeNode) -> None:
+        """Hook for subclasses (HiCache write-through)."""
+
+    # ---------------------------------------------------------------- locks
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0 and node.device_pages is not None:
+                self.device_pages_locked += len(node.device_pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix lock underflow"
+            if node.lock_ref == 0 and node.device_pages is not None:
+                self.device_pages_locked -= len(node.device_pages)
+            node = node.parent
+
+    # ---------------------------------------------------------------- eviction
+    @property
+    def evictable_pages(self) -> int:
+        return self.device_pages_cached - self.device_pages_locked
+
+    def _device_leaves(self) -> list[TreeNode]:
+        """Nodes holding device pages none of whose children hold device pages."""
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            has_dev_child = False
+            for c in n.children.values():
+                stack.append(c)
+                if c.device_pages is not None:
+                    has_dev_child = True
+            if n is not self.root and n.device_pages is not None and not has_dev_child:
+                out.append(n)
+        return out
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` device pages from unlocked leaves, LRU first. Returns pages freed."""
+        heap = [n for n in self._device_leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)
+            freed += self._evict_node(node)
+            parent = node.parent
+            if parent is not self.root and parent.lock_ref == 0 and parent.device_pages is not None and \
+                    not any(c.device_pages is not None for c in parent.children.values()):
+                heapq.heappush(heap, parent)
+        return freed
+
+    def _evict_node(self, node: TreeNode) -> int:
+        """Drop ``node``'s device pages (the HiCache subclass demotes to host instead). Returns pages freed."""
+        pages = node.device_pages
+        self._free_device_pages(pages)
+        self.device_pages_cached -= len(pages)
+        node.device_pages = None
+        if node.host_pages is None and not node.children:
+            del node.parent.children[self._page_key(node.key, 0)]
+        return len(pages)
+
+    def reset(self) -> None:
+        """Forget every unlocked node (flush_cache). Only valid when nothing is locked."""
+        assert self.device_pages_locked == 0, "flush with running requests"
+        self.evict(self.device_pages_cached)
+        self.root.children.clear()
+
+    def total_cached_tokens(self) -> int:
+        return self.device_pages_cached * self.page_size

@@ -1,0 +1,62 @@
+"""Req: one request's state inside the scheduler (tokens, pages, cache locks, output bookkeeping)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.radix_cache import TreeNode
+from tierlm.runtime.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping: positions 0..kv_len-1 have K/V in ``pages``; pages[:tree_pages] belong to the radix tree
+    # (locked through ``last_node``), the rest to this request.
+    kv_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    tree_pages: int = 0
+    last_node: TreeNode | None = None
+    cached: CachedTokens = field(default_factory=CachedTokens)
+    admitted_once: bool = False
+    # output
+    detokenizer: Any = None
+    stop_checker: Any = None
+    pending_text: str = ""  # text produced since the last emit
+    pending_ids: list[int] = field(default_factory=list)
+    text_len: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    # timing
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.input_ids)
+        return self.input_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        return (self.input_ids + self.output_ids)[start:end]
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled (1 when decoding)."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

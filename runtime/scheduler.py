@@ -1,0 +1,153 @@
+"""Continuous-batching scheduler: admits requests by free pages, mixes prefill chunks and decode steps into one
+batched forward per step, reuses cached prefixes, and retracts requests when pages run out.
+
+Runs on the engine's scheduler thread only; nothing here is thread-safe on purpose.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable
+
+from tierlm.backends.base import ModelBackend
+from tierlm.runtime.batch_builder import build_forward_batch
+from tierlm.runtime.io_struct import GenerateOutput
+from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.metrics import EngineMetrics
+from tierlm.runtime.output_processor import OutputProcessor
+from tierlm.runtime.request import Req
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, backend: ModelBackend, cache: KVCacheManager, *, max_running_requests: int,
+                 chunked_prefill_size: int, metrics: EngineMetrics, outputs: OutputProcessor,
+                 emit: Callable[[Req, GenerateOutput], None]) -> None:
+        self.backend = backend
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.max_running = max_running_requests
+        self.chunk = chunked_prefill_size
+        self.metrics = metrics
+        self.outputs = outputs
+        self.emit = emit
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.steps = 0
+
+    # ------------------------------------------------------------ queue control
+    def add(self, req: Req) -> None:
+        self.outputs.init_request(req)
+        if req.finished:  # e.g. max_tokens=0: nothing to compute
+            self._finish(req, req.finish_reason)
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self._finish(req, "abort")
+                return
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ one step
+    def step(self) -> bool:
+        """Schedule, run one batched forward, process its tokens. Returns False when there was nothing to do."""
+        items = self._schedule()
+        if not items:
+            return False
+        batch, sampling_reqs = build_forward_batch(items, self.page_size)
+        tokens = self.backend.forward(batch)
+        now = time.perf_counter()
+        for req, n in items:
+            req.kv_len += n
+            if n > 1:
+                self.cache.cache_unfinished(req)
+        self.steps += 1
+        for req, tok in zip(sampling_reqs, tokens.tolist()):
+            self.outputs.on_token(req, tok, now)
+            if req.finished:
+                self.running.remove(req)
+                self._finish(req, req.finish_reason)
+            elif req.stream:
+                self.emit(req, self.outputs.delta(req))
+        return True
+
+    def _schedule(self) -> list[tuple[Req, int]]:
+        items: dict[Req, int] = {}
+        # 1. every running request that decodes gets its next token (pages permitting)
+        for req in list(self.running):
+            if req not in self.running or req.remaining_prefill != 1:
+                continue  # retracted meanwhile, or still prefilling
+            while not self.cache.reserve(req, req.kv_len + 1):
+                victim = self._retract_one(protect=req)
+                if victim is None:
+                    break
+                items.pop(victim, None)
+            else:
+                items[req] = 1
+        # 2. prefill chunks within the token budget: in-progress chunked requests first, then new ones
+        budget = self.chunk
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.remaining_prefill > 1:
+                n = self._prefill_chunk(req, budget)
+                if n:
+                    items[req] = n
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            self.cache.match(req)
+            n = self._prefill_chunk(req, budget)
+            if n == 0:
+                self.cache.release(req, cache_kv=False)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            self.metrics.prefill_tokens.labels(self.metrics._m).inc(req.remaining_prefill)
+            items[req] = n
+            budget -= n
+        return list(items.items())
+
+    def _prefill_chunk(self, req: Req, budget: int) -> int:
+        """Reserve pages for the next prefill chunk of ``req``; returns its token count (0: no pages)."""
+        n = min(req.remaining_prefill, budget)
+        if n < req.remaining_prefill and n > self.page_size:
+            n -= (req.kv_len + n) % self.page_size  # end chunks on a page boundary so they can be cached
+        return n if self.cache.reserve(req, req.kv_len + n) else 0
+
+    def _retract_one(self, protect: Req) -> Req | None:
+        """Give the newest other running request's pages back (its prefix stays cached) and requeue it."""
+        victims = [r for r in self.running if r is not protect]
+        if not victims:
+            return None
+        victim = victims[-1]
+        self.running.remove(victim)
+        self.cache.release(victim, cache_kv=True)
+        self.waiting.appendleft(victim)
+        self.metrics.retractions.labels(self.metrics._m).inc()
+        log.warning("retracted request %s (out of KV pages); it resumes when pages free up", victim.rid)
+        return victim
+
+    def _finish(self, req: Req, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        self.cache.release(req, cache_kv=True)
+        self.emit(req, self.outputs.final(req))
+
+    def flush_cache(self, storage: bool = False) -> bool:
+        if self.running or self.waiting:
+            return False
+        self.cache.flush(storage=storage)
+        return True

@@ -1,0 +1,132 @@
+"""Command-line flags -> ServerArgs. Flag names and defaults follow SGLang so its launch commands run unchanged."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from tierlm.runtime.server_args import ServerArgs
+
+_DEFAULTS = ServerArgs()
+
+
+def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Start the tierlm OpenAI-compatible server (radix prefix cache, tiered KV cache).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--model-path", "--model", dest="model_path", default=None,
+                       help="Hugging Face repo id or local folder; omitted -> the built-in demo model")
+    model.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
+    model.add_argument("--served-model-name", default=None, help="name reported in /v1/models and responses")
+    model.add_argument("--context-length", type=int, default=None, help="defaults to the model's maximum")
+    model.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    model.add_argument("--device", default=_DEFAULTS.device, choices=["auto", "cpu", "cuda", "mps"],
+                       help="mps runs MLX on Apple Silicon")
+    model.add_argument("--trust-remote-code", action="store_true")
+
+    http = p.add_argument_group("http")
+    http.add_argument("--host", default=_DEFAULTS.host)
+    http.add_argument("--port", type=int, default=_DEFAULTS.port)
+    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on API routes")
+    http.add_argument("--log-level", default=_DEFAULTS.log_level,
+                      choices=["debug", "info", "warning", "error", "critical"])
+
+    sched = p.add_argument_group("scheduling and memory")
+    sched.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)
+    sched.add_argument("--max-total-tokens", type=int, default=None, help="cap on device KV tokens")
+    sched.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
+    sched.add_argument("--chunked-prefill-size", type=int, default=_DEFAULTS.chunked_prefill_size)
+    sched.add_argument("--mem-fraction-static", type=float, default=None,
+                       help="share of free device memory for weights + KV pool")
+    sched.add_argument("--disable-radix-cache", action="store_true")
+    sched.add_argument("--random-seed", type=int, default=_DEFAULTS.random_seed)
+    sched.add_argument("--skip-warmup", action="store_true", help="do not run a warmup request at startup")
+
+    hc = p.add_argument_group("hierarchical cache (HiCache)")
+    hc.add_argument("--enable-hierarchical-cache", action="store_true")
+    hc.add_argument("--hicache-ratio", type=float, default=_DEFAULTS.hicache_ratio,
+                    help="host pool size as a multiple of the device pool")
+    hc.add_argument("--hicache-size", type=float, default=_DEFAULTS.hicache_size,
+                    help="host pool size in GB; > 0 overrides --hicache-ratio")
+    hc.add_argument("--hicache-write-policy", default=_DEFAULTS.hicache_write_policy,
+                    choices=["write_through", "write_through_selective", "write_back"])
+    hc.add_argument("--hicache-mem-layout", default=_DEFAULTS.hicache_mem_layout,
+                    choices=["layer_first", "page_first", "page_first_direct"])
+    hc.add_argument("--hicache-io-backend", default=_DEFAULTS.hicache_io_backend, choices=["kernel", "direct"])
+    hc.add_argument("--hicache-storage-backend", default=None, choices=["file"])
+    hc.add_argument("--hicache-storage-prefetch-policy", default=_DEFAULTS.hicache_storage_prefetch_policy,
+                    choices=["best_effort", "wait_complete", "timeout"])
+    hc.add_argument("--hicache-storage-backend-extra-config", default=None,
+                    help="JSON object, or @path to a file holding one")
+    return p
+
+
+def _load_extra_config(value: str | None) -> str | None:
+    """Resolve '@file', check the text is a JSON object, and return it as compact JSON text."""
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        path = Path(value[1:]).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"--hicache-storage-backend-extra-config: cannot read {path}: {e.strerror}") from None
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--hicache-storage-backend-extra-config is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+            "pass a JSON object such as '{\"path\": \"/tmp/kv\"}' or @file.json"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError("--hicache-storage-backend-extra-config must be a JSON object ({...})")
+    return json.dumps(parsed)
+
+
+def _check_cli_only(args: ServerArgs) -> None:
+    """Rules about flag combinations that ServerArgs.check() does not cover."""
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.context_length is not None and args.context_length < 1:
+        raise ValueError(f"--context-length must be >= 1, got {args.context_length}")
+    if args.max_total_tokens is not None and args.max_total_tokens < args.page_size:
+        raise ValueError(
+            f"--max-total-tokens ({args.max_total_tokens}) must hold at least one page (--page-size {args.page_size})"
+        )
+    if args.hicache_ratio <= 1.0 and args.hicache_size <= 0 and args.enable_hierarchical_cache:
+        raise ValueError(
+            f"--hicache-ratio must be > 1 (the host tier has to be larger than the device pool), got {args.hicache_ratio}; "
+            "or set --hicache-size in GB"
+        )
+    if args.hicache_size < 0:
+        raise ValueError(f"--hicache-size must be >= 0 GB, got {args.hicache_size}")
+    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
+        raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (storage is the third tier)")
+    if args.hicache_storage_backend_extra_config and not args.hicache_storage_backend:
+        raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend")
+
+
+def namespace_to_server_args(ns: argparse.Namespace) -> ServerArgs:
+    """Map parsed flags onto ServerArgs (raises ValueError for a bad extra-config)."""
+    values = vars(ns).copy()
+    values["warmup"] = not values.pop("skip_warmup")
+    values["hicache_storage_backend_extra_config"] = _load_extra_config(values["hicache_storage_backend_extra_config"])
+    return ServerArgs(**values)
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str = "tierlm serve") -> ServerArgs:
+    """Parse flags into a checked ServerArgs. Bad values print the reason and exit with status 2."""
+    parser = build_parser(prog)
+    ns = parser.parse_args(argv)
+    try:
+        args = namespace_to_server_args(ns)
+        _check_cli_only(args)
+        args.check()
+    except ValueError as e:
+        parser.error(str(e))  # prints usage + message, exits 2
+    return args

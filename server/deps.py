@@ -1,0 +1,44 @@
+"""What route handlers share: the engine (503 until loaded), request ids, and building checked engine requests."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from tierlm.runtime.errors import RequestError
+from tierlm.runtime.io_struct import GenerateRequest
+from tierlm.runtime.sampling_params import SamplingParams
+
+
+def engine_of(request: Request) -> Any:
+    return request.app.state.engine
+
+
+def ready_engine(request: Request) -> Any:
+    """FastAPI dependency: the engine, or 503 while the model is still loading."""
+    engine = engine_of(request)
+    if not engine.ready:
+        raise RequestError("the model is still loading; retry when GET /health returns 200", 503,
+                           code="model_not_ready", type="service_unavailable_error")
+    return engine
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def sub_rid(base: str, i: int, count: int) -> str:
+    """The engine request id of choice i; a lone choice keeps the response id itself."""
+    return base if count == 1 else f"{base}-{i}"
+
+
+def make_request(engine: Any, rid: str, input_ids: list[int], params: SamplingParams, stream: bool) -> GenerateRequest:
+    """A GenerateRequest the engine has accepted (engine.validate raises RequestError otherwise)."""
+    req = GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, stream=stream)
+    engine.validate(req)
+    return req
+
+
+def model_name(engine: Any) -> str:
+    return engine.args.model_name

@@ -1,0 +1,96 @@
+"""Health, model listing, server info, cache flush and Prometheus metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tierlm.runtime.errors import RequestError
+from tierlm.server.deps import engine_of, make_request, model_name, ready_engine
+from tierlm.server.generation import collect_outputs
+from tierlm.server.http_errors import error_response
+from tierlm.server.protocol import ModelCard, ModelList
+from tierlm.server.sampling_mapping import build_sampling_params
+from tierlm.server.tokenization import encode_text
+
+logger = logging.getLogger("tierlm.server")
+router = APIRouter()
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not engine_of(request).ready:
+        return error_response("the model is still loading", 503, code="model_not_ready")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/health_generate")
+async def health_generate(engine: Any = Depends(ready_engine)) -> Response:
+    """Healthy only if the engine really produces a token (catches a stuck scheduler)."""
+    ids = encode_text(engine.tokenizer, "Hello")[:4] or [0]
+    req = make_request(engine, f"health-{uuid.uuid4().hex}", ids,
+                       build_sampling_params(max_new_tokens=1, temperature=0.0), stream=False)
+    try:
+        await asyncio.wait_for(collect_outputs(engine, [req]), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        logger.error("health_generate: no token within %.0f s; the scheduler may be stuck", HEALTH_GENERATE_TIMEOUT_S)
+        return error_response(f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:.0f} s", 503, code="unhealthy")
+    return JSONResponse({"status": "ok"})
+
+
+def _model_card(engine: Any) -> ModelCard:
+    context = engine.context_length if engine.ready else engine.args.context_length
+    return ModelCard(id=model_name(engine), root=engine.args.model_path, max_model_len=context or None)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=[_model_card(engine_of(request))]).model_dump())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    engine = engine_of(request)
+    if model_id != model_name(engine):
+        raise RequestError(f"model '{model_id}' does not exist; this server serves '{model_name(engine)}'", 404,
+                           param="model", code="model_not_found", type="not_found_error")
+    return JSONResponse(_model_card(engine).model_dump())
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    args = engine_of(request).args
+    return JSONResponse({
+        "model_path": args.model_path,
+        "tokenizer_path": args.tokenizer_path or args.model_path,
+        "served_model_name": args.model_name,
+        "is_generation": True,
+    })
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(engine: Any = Depends(ready_engine)) -> Response:
+    return JSONResponse(engine.server_info())
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(storage: bool = False, engine: Any = Depends(ready_engine)) -> Response:
+    flushed = await engine.flush_cache(storage=storage)
+    if not flushed:
+        raise RequestError("cache not flushed: requests are still running; retry when the server is idle", 400,
+                           code="cache_busy")
+    message = "cache flushed" + (", storage tier included" if storage else "")
+    logger.info("%s (requested over HTTP)", message)
+    return JSONResponse({"success": True, "message": message})
+
+
+@router.get("/metrics")
+async def metrics(engine: Any = Depends(ready_engine)) -> Response:
+    return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,91 @@
+"""POST /generate: SGLang's native API. {text | input_ids, sampling_params, stream} -> {text, output_ids, meta_info}.
+
+A list of prompts is a batch (one result per prompt, non-streaming only). Streaming sends cumulative text
+and output ids in every event, as SGLang does, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tierlm.runtime.errors import RequestError
+from tierlm.runtime.io_struct import GenerateRequest
+from tierlm.server.deps import make_request, ready_engine
+from tierlm.server.generation import ChoiceResult, EngineFailure, collect_outputs, failure_of, stream_outputs, unless_disconnected
+from tierlm.server.protocol import NativeGenerateRequest
+from tierlm.server.sampling_mapping import native_sampling_params
+from tierlm.server.sse import DONE, EventStreamResponse, sse_data
+from tierlm.server.tokenization import encode_text
+
+router = APIRouter()
+
+
+def _prompts(engine: Any, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
+    """(token ids per prompt, whether the request is a batch)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("send exactly one of 'text' or 'input_ids'", 400, param="text")
+    if body.text is not None:
+        if isinstance(body.text, str):
+            return [encode_text(engine.tokenizer, body.text)], False
+        return [encode_text(engine.tokenizer, t) for t in body.text], True
+    ids = body.input_ids or []
+    if ids and isinstance(ids[0], list):
+        return [list(p) for p in ids], True  # type: ignore[arg-type]
+    return [list(ids)], False  # type: ignore[arg-type]
+
+
+def _rids(body: NativeGenerateRequest, count: int) -> list[str]:
+    if body.rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    rids = [body.rid] if isinstance(body.rid, str) else list(body.rid)
+    if len(rids) != count:
+        raise RequestError(f"'rid' has {len(rids)} ids for {count} prompts", 400, param="rid")
+    return rids
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: NativeGenerateRequest, request: Request, engine: Any = Depends(ready_engine)) -> Response:
+    if body.return_logprob:
+        raise RequestError("return_logprob is not supported yet; remove it from the request", 400,
+                           param="return_logprob", code="unsupported_parameter")
+    prompts, batch = _prompts(engine, body)
+    if batch and body.stream:
+        raise RequestError("streaming a batch is not supported; send one prompt per streaming request", 400,
+                           param="stream")
+    if batch and not prompts:
+        raise RequestError("the prompt batch is empty", 400, param="text" if body.text is not None else "input_ids")
+    reqs = [make_request(engine, rid, ids, native_sampling_params(body.sampling_params), body.stream)
+            for rid, ids in zip(_rids(body, len(prompts)), prompts)]
+
+    if body.stream:
+        return EventStreamResponse(_events(request, engine, reqs[0]))
+    results = await unless_disconnected(request, lambda: collect_outputs(engine, reqs))
+    outputs = [_result_dict(r) for r in results]
+    return JSONResponse(outputs if batch else outputs[0])
+
+
+def _result_dict(r: ChoiceResult) -> dict[str, Any]:
+    assert r.final is not None
+    return {"text": r.text, "output_ids": r.token_ids, "meta_info": r.final.meta_info()}
+
+
+async def _events(request: Request, engine: Any, req: GenerateRequest) -> AsyncIterator[bytes]:
+    acc = ChoiceResult()
+    async with aclosing(stream_outputs(engine, [req])) as outputs:
+        async for _, out in outputs:
+            failure = failure_of(out)
+            if failure:
+                raise EngineFailure(failure)
+            acc.add(out)
+            if out.text or out.token_ids or out.finished:
+                yield sse_data({"text": acc.text, "output_ids": acc.token_ids, "meta_info": out.meta_info()})
+            if await request.is_disconnected():
+                return
+    if acc.final is None:
+        raise EngineFailure("the engine ended the request without a final output")
+    yield DONE

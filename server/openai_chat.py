@@ -1,0 +1,94 @@
+"""POST /v1/chat/completions: messages -> chat template -> generation, n choices, optional SSE streaming."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
+from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
+from tierlm.server.generation import EngineFailure, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
+from tierlm.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    make_usage,
+)
+from tierlm.server.sampling_mapping import chat_max_tokens, openai_sampling_params, reject_unsupported_chat
+from tierlm.server.sse import DONE, EventStreamResponse, sse_data
+from tierlm.server.tokenization import apply_chat_template
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 engine: Any = Depends(ready_engine)) -> Response:
+    reject_unsupported_chat(body)
+    ids = apply_chat_template(engine.tokenizer, body.messages, body.chat_template_kwargs)
+    max_new_tokens = chat_max_tokens(body, len(ids), engine.context_length)
+    response_id = new_id("chatcmpl-")
+    reqs: list[GenerateRequest] = []
+    for c in range(body.n):
+        params = openai_sampling_params(body, max_new_tokens, choice_index=c)
+        reqs.append(make_request(engine, sub_rid(response_id, c, body.n), ids, params, body.stream))
+
+    if body.stream:
+        return EventStreamResponse(_events(request, engine, reqs, body, response_id))
+
+    results = await unless_disconnected(request, lambda: collect_outputs(engine, reqs))
+    response = ChatCompletionResponse(
+        id=response_id,
+        model=model_name(engine),
+        choices=[ChatChoice(index=i, message=ChatMessageOut(content=r.text), finish_reason=_finish(r.final))
+                 for i, r in enumerate(results)],
+        usage=make_usage(*summed_usage([r.final for r in results], body.n)),  # type: ignore[misc]
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _finish(out: GenerateOutput | None) -> str:
+    return (out.finish_reason if out is not None else None) or "stop"
+
+
+async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], body: ChatCompletionRequest,
+                  response_id: str) -> AsyncIterator[bytes]:
+    """OpenAI's order: per choice a role chunk, content deltas, a finish chunk; then usage (if asked), [DONE]."""
+    created = int(time.time())
+    name = model_name(engine)
+    exclude = None if body.include_usage else {"usage"}
+
+    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None) -> bytes:
+        c = ChatCompletionChunk(id=response_id, created=created, model=name,
+                                choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+        return sse_data(c.model_dump(exclude=exclude))
+
+    for i in range(len(reqs)):
+        yield chunk(i, ChatDelta(role="assistant", content=""))
+    finals: list[GenerateOutput | None] = [None] * len(reqs)
+    async with aclosing(stream_outputs(engine, reqs)) as outputs:
+        async for i, out in outputs:
+            failure = failure_of(out)
+            if failure:
+                raise EngineFailure(failure)
+            if out.text:
+                yield chunk(i, ChatDelta(content=out.text))
+            if out.finished:
+                finals[i] = out
+                yield chunk(i, ChatDelta(), _finish(out))
+            if await request.is_disconnected():
+                return  # closing `outputs` aborts the unfinished requests
+    if any(f is None for f in finals):
+        raise EngineFailure("the engine ended a request without a final output")
+    if body.include_usage:
+        usage = make_usage(*summed_usage(finals, body.n))  # type: ignore[arg-type]
+        yield sse_data(ChatCompletionChunk(id=response_id, created=created, model=name, choices=[], usage=usage))
+    yield DONE

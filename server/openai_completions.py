@@ -1,0 +1,90 @@
+"""POST /v1/completions: OpenAI text completions, n choices per prompt, optional SSE streaming and echo."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
+from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
+from tierlm.server.generation import EngineFailure, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
+from tierlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_usage
+from tierlm.server.sampling_mapping import completion_max_tokens, openai_sampling_params, reject_unsupported_completion
+from tierlm.server.sse import DONE, EventStreamResponse, sse_data
+from tierlm.server.tokenization import decode_ids, normalize_prompts
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request, engine: Any = Depends(ready_engine)) -> Response:
+    reject_unsupported_completion(body)
+    prompts = normalize_prompts(engine.tokenizer, body.prompt)
+    max_new_tokens = completion_max_tokens(body)
+    response_id = new_id("cmpl-")
+    count = len(prompts) * body.n
+    reqs: list[GenerateRequest] = []
+    echoes: list[str] = []
+    for ids, text in prompts:
+        echo = (text if text is not None else decode_ids(engine.tokenizer, ids)) if body.echo else ""
+        for c in range(body.n):
+            params = openai_sampling_params(body, max_new_tokens, choice_index=c)
+            reqs.append(make_request(engine, sub_rid(response_id, len(reqs), count), ids, params, body.stream))
+            echoes.append(echo)
+
+    if body.stream:
+        return EventStreamResponse(_events(request, engine, reqs, body, response_id, echoes))
+
+    results = await unless_disconnected(request, lambda: collect_outputs(engine, reqs))
+    finals = [r.final for r in results]
+    response = CompletionResponse(
+        id=response_id,
+        model=model_name(engine),
+        choices=[CompletionChoice(index=i, text=echoes[i] + r.text, finish_reason=_finish(r.final))
+                 for i, r in enumerate(results)],
+        usage=make_usage(*summed_usage(finals, body.n)),  # type: ignore[arg-type]
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _finish(out: GenerateOutput | None) -> str:
+    return (out.finish_reason if out is not None else None) or "stop"
+
+
+async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], body: CompletionRequest,
+                  response_id: str, echoes: list[str]) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    name = model_name(engine)
+    exclude = None if body.include_usage else {"usage"}
+
+    def chunk(index: int, text: str, finish_reason: str | None = None) -> bytes:
+        c = CompletionResponse(id=response_id, created=created, model=name,
+                               choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
+        return sse_data(c.model_dump(exclude=exclude))
+
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield chunk(i, echo)
+    finals: list[GenerateOutput | None] = [None] * len(reqs)
+    async with aclosing(stream_outputs(engine, reqs)) as outputs:
+        async for i, out in outputs:
+            failure = failure_of(out)
+            if failure:
+                raise EngineFailure(failure)
+            if out.text:
+                yield chunk(i, out.text)
+            if out.finished:
+                finals[i] = out
+                yield chunk(i, "", _finish(out))
+            if await request.is_disconnected():
+                return  # closing `outputs` aborts the unfinished requests
+    if any(f is None for f in finals):
+        raise EngineFailure("the engine ended a request without a final output")
+    if body.include_usage:
+        usage = make_usage(*summed_usage(finals, body.n))  # type: ignore[arg-type]
+        yield sse_data(CompletionResponse(id=response_id, created=created, model=name, choices=[], usage=usage))
+    yield DONE

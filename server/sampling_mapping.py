@@ -1,0 +1,84 @@
+"""OpenAI / SGLang request fields -> a checked SamplingParams, and the 400s for features not supported yet."""
+from __future__ import annotations
+
+from typing import Any
+
+from tierlm.runtime.errors import RequestError
+from tierlm.runtime.sampling_params import SamplingParams, SamplingParamsError
+from tierlm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeSamplingParams,
+    _OpenAISamplingFields,
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 2048  # chat has no fixed OpenAI default; cap what the remaining context allows
+
+
+def _not_supported(what: str, param: str) -> RequestError:
+    return RequestError(f"{what} is not supported yet; remove '{param}' from the request", 400, param=param,
+                        code="unsupported_parameter")
+
+
+def reject_unsupported_completion(req: CompletionRequest) -> None:
+    if req.logprobs is not None:
+        raise _not_supported("logprobs", "logprobs")
+    if req.suffix:
+        raise _not_supported("suffix (insertion)", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _not_supported("best_of different from n", "best_of")
+    if req.logit_bias:
+        raise _not_supported("logit_bias", "logit_bias")
+
+
+def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
+    if req.logprobs or req.top_logprobs:
+        raise _not_supported("logprobs", "logprobs" if req.logprobs else "top_logprobs")
+    if req.tools:
+        raise _not_supported("tool calling", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise _not_supported("structured output (response_format other than text)", "response_format")
+    if req.logit_bias:
+        raise _not_supported("logit_bias", "logit_bias")
+
+
+def build_sampling_params(**fields: Any) -> SamplingParams:
+    """Construct and normalize; a bad value becomes a 400 that names the field."""
+    try:
+        return SamplingParams(**fields).normalize()
+    except SamplingParamsError as e:
+        raise RequestError(str(e), 400, param=e.param) from None
+
+
+def openai_sampling_params(req: _OpenAISamplingFields, max_new_tokens: int, choice_index: int = 0) -> SamplingParams:
+    """Fields set in the request override SamplingParams defaults; choice i of n gets seed + i."""
+    fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": req.ignore_eos,
+                              "skip_special_tokens": req.skip_special_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "stop", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    if req.seed is not None:
+        fields["seed"] = req.seed + choice_index
+    return build_sampling_params(**fields)
+
+
+def native_sampling_params(sp: NativeSamplingParams) -> SamplingParams:
+    return build_sampling_params(**sp.model_dump(exclude_none=True))
+
+
+def completion_max_tokens(req: CompletionRequest) -> int:
+    return COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+
+
+def chat_max_tokens(req: ChatCompletionRequest, prompt_len: int, context_length: int) -> int:
+    """max_completion_tokens wins over the deprecated max_tokens; unset -> what fits, at most 2048."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    if req.max_tokens is not None:
+        return req.max_tokens
+    remaining = context_length - prompt_len if context_length > 0 else CHAT_DEFAULT_MAX_TOKENS
+    # At least 1: a prompt that fills the context must reach engine.validate and get its "too long" 400.
+    return max(1, min(remaining, CHAT_DEFAULT_MAX_TOKENS))

@@ -1,0 +1,484 @@
+"""L3 storage tier: page keys, namespaces, the verified file store and its background I/O, on real files."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache import file_storage as fs_mod
+from tierlm.runtime.hicache.file_storage import (
+    HEADER_SIZE, NAMESPACE_FILE, STORAGE_DIR_ENV, TEMP_PREFIX, FileKVStorage, default_storage_dir,
+    max_size_bytes_from_config, parse_extra_config,
+)
+from tierlm.runtime.hicache.page_keys import is_page_key, page_key, page_keys
+from tierlm.runtime.hicache.storage_base import STAT_FIELDS, KVStorage
+from tierlm.runtime.hicache.storage_io import StorageIO
+from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+
+PAGE_BYTES = 512
+NS_FIELDS = {
+    "model": "fp-aaaa", "dtype": "float32", "page_size": 4, "layout": "page_first", "num_layers": 2,
+    "num_kv_heads": 2, "head_dim": 8, "backend_layout": "torch:layer,kv,token,head,dim",
+}
+
+
+def make_ns(**over) -> StorageNamespace:
+    return StorageNamespace.from_fields({**NS_FIELDS, **over})
+
+
+def payload_for(key: str, salt: int = 0, size: int = PAGE_BYTES) -> bytes:
+    rng = np.random.default_rng(int(key[:8], 16) + salt)
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def keys_for(n: int, start: int = 0) -> list[str]:
+    return page_keys(list(range(start, start + 4 * n)), 4)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
+    yield s
+    s.close()
+
+
+# --- page keys ---
+def test_page_keys_chain_full_pages_only():
+    tokens = list(range(10))
+    keys = page_keys(tokens, 4)
+    assert len(keys) == 2 and all(is_page_key(k) for k in keys)  # the partial page 8..9 has no key
+    assert page_keys(tokens[:8], 4) == keys
+    assert page_keys(np.array(tokens, dtype=np.int32), 4) == keys
+    assert page_keys(tokens[4:], 4, prior_key=keys[0]) == keys[1:]  # continuing a chain = keying it whole
+    assert keys[0] == page_key(None, tokens[:4]) and keys[1] == page_key(keys[0], tokens[4:8])
+    # A page's key depends on everything before it, not only on its own tokens.
+    other = page_keys([99, 1, 2, 3] + tokens[4:8], 4)
+    assert other[1] != keys[1]
+    assert page_keys([], 4) == [] and page_keys([1, 2, 3], 4) == []
+    with pytest.raises(ValueError):
+        page_keys(tokens, 0)
+    with pytest.raises(ValueError):
+        page_keys(tokens, 4, prior_key="not-a-key")
+
+
+def test_page_keys_identical_in_another_process():
+    tokens = list(range(1000, 1037))
+    code = (
+        "import json;from tierlm.runtime.hicache.page_keys import page_keys;"
+        f"print(json.dumps(page_keys({tokens!r}, 8)))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert json.loads(out.stdout) == page_keys(tokens, 8)
+
+
+# --- namespace ---
+def test_namespace_id_is_canonical_and_covers_every_field():
+    ns = make_ns()
+    assert StorageNamespace.from_fields(dict(reversed(list(NS_FIELDS.items())))).id == ns.id
+    changed = {"model": "fp-bbbb", "dtype": "bfloat16", "page_size": 8, "layout": "layer_first", "num_layers": 3,
+               "num_kv_heads": 1, "head_dim": 16, "backend_layout": "mlx:layer,kv,token,head,dim"}
+    ids = {make_ns(**{k: v}).id for k, v in changed.items()}
+    assert ns.id not in ids and len(ids) == len(changed)
+    with pytest.raises(ValueError, match="missing"):
+        StorageNamespace.from_fields({k: v for k, v in NS_FIELDS.items() if k != "dtype"})
+
+
+def test_namespace_isolation_in_one_folder(tmp_path):
+    key = keys_for(1)[0]
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES) as a:
+        assert a.set(key, payload_for(key))
+        meta = json.loads((a.dir / NAMESPACE_FILE).read_text())
+        assert meta["id"] == a.namespace.id and meta["fields"]["model"] == "fp-aaaa"
+    for other in (make_ns(model="fp-bbbb"), make_ns(dtype="bfloat16")):
+        with FileKVStorage(tmp_path, other, PAGE_BYTES) as b:
+            assert b.exists([key]) == [False] and b.get(key) is None
+            assert b.stats()["files"] == 0
+
+
+def test_file_from_another_namespace_copied_in_is_a_miss(tmp_path):
+    key = keys_for(1)[0]
+    a = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
+    b = FileKVStorage(tmp_path, make_ns(model="fp-bbbb"), PAGE_BYTES)
+    a.set(key, payload_for(key))
+    (b.dir / f"{key}.kv").write_bytes((a.dir / f"{key}.kv").read_bytes())
+    assert b.get(key) is None and b.stats()["errors"] == 1
+    assert not (b.dir / f"{key}.kv").exists() and a.get(key) == payload_for(key)
+
+
+# --- file store ---
+def test_round_trip_and_stats(store):
+    keys = keys_for(3)
+    assert store.exists(keys) == [False] * 3 and store.get(keys[0]) is None
+    assert store.batch_set(keys[:2], [payload_for(k) for k in keys[:2]]) == [True, True]
+    assert store.exists(keys) == [True, True, False] and store.batch_exists_prefix(keys) == 2
+    assert store.batch_get(keys) == [payload_for(keys[0]), payload_for(keys[1]), None]
+    assert store.set(keys[0], payload_for(keys[0], salt=1))  # already stored: kept, not rewritten
+    st = store.stats()
+    assert set(STAT_FIELDS) <= set(st)
+    assert (st["files"], st["bytes"], st["writes"], st["reads"]) == (2, 2 * (HEADER_SIZE + PAGE_BYTES), 2, 2)
+    assert st["bytes_read"] == 2 * PAGE_BYTES and st["misses"] == 2 and st["errors"] == 0
+    assert store.delete(keys[0]) and not store.delete(keys[0]) and store.exists(keys[:1]) == [False]
+    with pytest.raises(ValueError, match="bytes"):
+        store.set(keys[2], b"short")
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        store.get("../../etc/passwd")
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get(keys[1])
+
+
+def test_payload_accepts_numpy_and_memoryview(store):
+    k1, k2 = keys_for(2)
+    arr = np.frombuffer(payload_for(k1), np.uint8).copy()
+    assert store.set(k1, arr) and store.set(k2, memoryview(payload_for(k2)))
+    assert store.get(k1) == arr.tobytes() and store.get(k2) == payload_for(k2)
+
+
+def _damage_check(store: FileKVStorage, key: str) -> None:
+    assert store.exists([key]) == [True]
+    assert store.get(key) is None
+    st = store.stats()
+    assert st["errors"] == 1 and st["misses"] == 1 and st["files"] == 0
+    assert not (store.dir / f"{key}.kv").exists()
+    assert store.set(key, payload_for(key)) and store.get(key) == payload_for(key)  # rewritable afterwards
+
+
+def test_corrupted_payload_byte_is_a_counted_miss_and_removed(store):
+    key = keys_for(1)[0]
+    store.set(key, payload_for(key))
+    path = store.dir / f"{key}.kv"
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+    _damage_check(store, key)
+
+
+def test_truncated_file_is_a_counted_miss_and_removed(store):
+    key = keys_for(1)[0]
+    store.set(key, payload_for(key))
+    path = store.dir / f"{key}.kv"
+    path.write_bytes(path.read_bytes()[: HEADER_SIZE + PAGE_BYTES // 2])
+    _damage_check(store, key)
+
+
+@pytest.mark.parametrize("cut", [0, 10, HEADER_SIZE - 1])
+def test_truncated_header_is_a_counted_miss(store, cut):
+    key = keys_for(1)[0]
+    store.set(key, payload_for(key))
+    path = store.dir / f"{key}.kv"
+    path.write_bytes(path.read_bytes()[:cut])
+    _damage_check(store, key)
+
+
+def test_other_keys_file_renamed_into_place_is_a_miss(store):
+    k1, k2 = keys_for(2)
+    store.set(k1, payload_for(k1))
+    os.replace(store.dir / f"{k1}.kv", store.dir / f"{k2}.kv")
+    assert store.get(k2) is None and store.stats()["errors"] == 1
+    assert not (store.dir / f"{k2}.kv").exists()
+
+
+def test_restart_sees_previous_pages_and_drops_damaged_ones(tmp_path):
+    keys = keys_for(3)
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES) as a:
+        for k in keys:
+            a.set(k, payload_for(k))
+    (a.dir / f"{keys[2]}.kv").write_bytes(b"TLMKV-truncated")
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES) as b:
+        st = b.stats()
+        assert st["files"] == 2 and st["errors"] == 1
+        assert b.exists(keys) == [True, True, False]
+        assert b.get(keys[0]) == payload_for(keys[0]) and b.get(keys[1]) == payload_for(keys[1])
+
+
+def test_lru_bound_evicts_least_recently_used(tmp_path):
+    keys = keys_for(4)
+    file_bytes = HEADER_SIZE + PAGE_BYTES
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES, max_size_bytes=3 * file_bytes) as s:
+        for k in keys[:3]:
+            s.set(k, payload_for(k))
+        assert s.get(keys[0]) is not None  # keys[1] is now the least recently used
+        s.set(keys[3], payload_for(keys[3]))
+        assert s.exists(keys) == [True, False, True, True]
+        assert not (s.dir / f"{keys[1]}.kv").exists()
+        st = s.stats()
+        assert st["evictions"] == 1 and st["bytes"] == 3 * file_bytes and st["bytes"] <= st["max_bytes"]
+
+
+def test_restart_rebuilds_lru_order_from_mtimes_and_enforces_bound(tmp_path):
+    keys = keys_for(3)
+    file_bytes = HEADER_SIZE + PAGE_BYTES
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES) as a:
+        for k in keys:
+            a.set(k, payload_for(k))
+    for age, k in zip((100, 300, 200), keys):  # keys[0] is the oldest on disk
+        os.utime(a.dir / f"{k}.kv", (1_000_000 + age, 1_000_000 + age))
+    a2 = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
+    assert a2.get(keys[0]) is not None  # a read refreshes the mtime that orders the next restart
+    assert os.stat(a2.dir / f"{keys[0]}.kv").st_mtime > 1_000_000 + 300
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES, max_size_bytes=2 * file_bytes) as b:
+        assert b.exists(keys) == [True, True, False]  # keys[2] (mtime 200) is now the least recently used
+        assert b.stats()["evictions"] == 1
+
+
+def test_temp_files_are_never_keys_and_stale_ones_are_cleaned(tmp_path):
+    key = keys_for(1)[0]
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES) as a:
+        a.set(key, payload_for(key))
+        good = (a.dir / f"{key}.kv").read_bytes()
+        a.delete(key)
+        old_tmp = a.dir / f"{TEMP_PREFIX}{key}-1-1-deadbeef"
+        young_tmp = a.dir / f"{TEMP_PREFIX}{key}-2-2-cafef00d"
+        old_tmp.write_bytes(good)
+        young_tmp.write_bytes(good)
+        os.utime(old_tmp, (1_000_000, 1_000_000))
+        assert a.exists([key]) == [False] and a.get(key) is None
+    with FileKVStorage(tmp_path, make_ns(), PAGE_BYTES) as b:
+        assert b.exists([key]) == [False] and b.stats()["files"] == 0
+        assert not old_tmp.exists() and young_tmp.exists()  # a young temp file may be another writer's
+
+
+def test_failed_write_leaves_nothing_behind(store, monkeypatch):
+    key = keys_for(1)[0]
+
+    def broken_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fs_mod.os, "fsync", broken_fsync)
+    assert store.set(key, payload_for(key)) is False
+    assert store.stats()["errors"] == 1 and store.exists([key]) == [False]
+    assert [p.name for p in store.dir.iterdir()] == [NAMESPACE_FILE]
+
+
+def test_instances_sharing_a_folder_see_each_others_pages(tmp_path):
+    key = keys_for(1)[0]
+    a = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
+    b = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
+    a.set(key, payload_for(key))
+    assert b.exists([key]) == [True] and b.get(key) == payload_for(key) and b.stats()["files"] == 1
+
+
+def test_clear_empties_only_this_namespace(tmp_path):
+    k1, k2 = keys_for(2)
+    a = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
+    other = FileKVStorage(tmp_path, make_ns(dtype="float16"), PAGE_BYTES)
+    a.batch_set([k1, k2], [payload_for(k1), payload_for(k2)])
+    other.set(k1, payload_for(k1))
+    assert a.clear() == 2 and a.stats()["files"] == 0 and a.exists([k1, k2]) == [False, False]
+    assert other.get(k1) == payload_for(k1)
+    assert a.set(k1, payload_for(k1)) and a.get(k1) == payload_for(k1)
+
+
+def test_namespace_folder_holding_another_id_is_refused(tmp_path):
+    ns = make_ns()
+    folder = tmp_path / ns.folder_name
+    folder.mkdir()
+    (folder / NAMESPACE_FILE).write_text(json.dumps({"id": "f" * 64}))
+    with pytest.raises(StartupError, match="another storage dir"):
+        FileKVStorage(tmp_path, ns, PAGE_BYTES)
+
+
+# --- concurrency across processes ---
+CONC_PAGE = 64 * 1024
+
+
+def _writer(root: str, writer_id: int, rounds: int, start: mp.synchronize.Event) -> None:
+    s = FileKVStorage(root, make_ns(), CONC_PAGE)
+    keys = keys_for(6)
+    start.wait()
+    for r in range(rounds):
+        for i, k in enumerate(keys):
+            if (r + i + writer_id) % 2 == 0:
+                s.delete(k)  # forces real rewrites (set() skips pages already stored)
+            s.set(k, payload_for(k, salt=writer_id, size=CONC_PAGE))
+
+
+def test_two_processes_writing_same_keys_never_expose_a_partial_file(tmp_path):
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 25, start)) for w in (1, 2)]
+    for p in procs:
+        p.start()
+    reader = FileKVStorage(tmp_path, make_ns(), CONC_PAGE)
+    keys = keys_for(6)
+    valid = {k: {payload_for(k, salt=w, size=CONC_PAGE) for w in (1, 2)} for k in keys}
+    start.set()
+    hits = reads = 0
+    while any(p.is_alive() for p in procs) or reads < 300:
+        for k in keys:
+            got = reader.get(k)
+            reads += 1
+            if got is not None:
+                assert got in valid[k]
+                hits += 1
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert reader.stats()["errors"] == 0  # a partial file would have failed its checksum and been counted
+    assert hits > 0
+    names = [p.name for p in reader.dir.iterdir()]
+    assert not [n for n in names if n.startswith(TEMP_PREFIX)]
+    for k in keys:
+        assert reader.get(k) in valid[k]
+
+
+# --- extra-config and folders ---
+def test_parse_extra_config(tmp_path):
+    assert parse_extra_config(None) == {} and parse_extra_config("  ") == {}
+    assert parse_extra_config('{"max_size_gb": 2.5}') == {"max_size_gb": 2.5}
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text('{"max_size_gb": 1}')
+    assert parse_extra_config(f"@{cfg_file}") == {"max_size_gb": 1}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_extra_config("{max_size_gb: 1}")
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_extra_config("[1, 2]")
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_extra_config(f"@{tmp_path / 'missing.json'}")
+    assert max_size_bytes_from_config({"max_size_gb": 2.5}) == 2_500_000_000
+    assert max_size_bytes_from_config({}) is None
+    with pytest.raises(ValueError, match="positive"):
+        max_size_bytes_from_config({"max_size_gb": 0})
+
+
+def test_from_extra_config_applies_the_bound(tmp_path):
+    s = FileKVStorage.from_extra_config(make_ns(), PAGE_BYTES, {"max_size_gb": 0.5}, root_dir=tmp_path)
+    assert s.max_size_bytes == 500_000_000 and s.dir.parent == tmp_path
+
+
+def test_default_storage_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(STORAGE_DIR_ENV, str(tmp_path / "l3"))
+    assert default_storage_dir() == tmp_path / "l3"
+    monkeypatch.delenv(STORAGE_DIR_ENV)
+    import platformdirs
+
+    assert default_storage_dir() == Path(platformdirs.user_cache_dir("tierlm")) / "hicache"
+
+
+# --- background I/O ---
+class GatedStorage(KVStorage):
+    """In-memory storage whose get/set wait for a gate, so tests control when I/O finishes."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.get_gate = threading.Semaphore(1000)
+        self.set_gate = threading.Event()
+        self.set_gate.set()
+
+    def exists(self, keys):
+        return [k in self.data for k in keys]
+
+    def get(self, key):
+        self.get_gate.acquire()
+        return self.data.get(key)
+
+    def set(self, key, payload):
+        self.set_gate.wait()
+        self.data[key] = bytes(payload)
+        return True
+
+    def delete(self, key):
+        return self.data.pop(key, None) is not None
+
+    def clear(self):
+        n = len(self.data)
+        self.data.clear()
+        return n
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_storage_io_backup_then_prefetch_on_files(store):
+    io = StorageIO(store)
+    keys = keys_for(4)
+    done: list[tuple[str, bool]] = []
+    assert io.backup_many(keys[:3], [payload_for(k) for k in keys[:3]], on_done=lambda k, ok: done.append((k, ok))) == 3
+    assert io.flush(timeout=30)
+    assert sorted(done) == sorted((k, True) for k in keys[:3]) and store.exists(keys[:3]) == [True] * 3
+    got: list[list[bytes]] = []
+    h = io.prefetch(keys, on_done=got.append)  # keys[3] was never stored: stops there
+    assert h.wait(timeout=30)
+    assert h.result() == [payload_for(k) for k in keys[:3]] and not h.complete and not h.cancelled
+    full = io.prefetch(keys[:2])
+    assert full.wait(timeout=30) and full.complete
+    io.close()
+    assert got == [h.result()]
+    st = io.stats()
+    assert (st["backups_done"], st["prefetches_partial"], st["prefetches_complete"]) == (3, 1, 1)
+    assert st["prefetch_pages_loaded"] == 5 and st["pending_writes"] == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        io.backup(keys[3], payload_for(keys[3]))
+
+
+def test_storage_io_cancel_freezes_the_loaded_prefix():
+    storage = GatedStorage()
+    keys = keys_for(3)
+    for k in keys:
+        storage.data[k] = payload_for(k)
+    storage.get_gate = threading.Semaphore(1)  # the first page loads, the second read blocks
+    io = StorageIO(storage)
+    called = []
+    h = io.prefetch(keys, on_done=called.append)
+    for _ in range(30_000):
+        if h.num_loaded:
+            break
+        threading.Event().wait(0.001)
+    assert h.num_loaded == 1
+    assert not h.wait(timeout=0.05)  # still blocked on the second page: the timeout policy gives up here
+    assert h.cancel() == [payload_for(keys[0])] and h.done and h.cancelled
+    storage.get_gate.release()  # the blocked read finishes; its page must not be added
+    storage.get_gate.release()
+    io.close()
+    assert h.result() == [payload_for(keys[0])] and called == []
+    assert io.stats()["prefetches_cancelled"] == 1
+
+
+def test_storage_io_flush_timeout_and_write_backlog_limit():
+    storage = GatedStorage()
+    storage.set_gate.clear()
+    keys = keys_for(4)
+    io = StorageIO(storage, max_pending_write_bytes=2 * PAGE_BYTES)
+    assert io.backup(keys[0], payload_for(keys[0])) and io.backup(keys[1], bytearray(payload_for(keys[1])))
+    assert io.backup(keys[2], payload_for(keys[2])) is False  # over the backlog limit: dropped, counted
+    assert not io.flush(timeout=0.05)
+    assert io.stats()["pending_writes"] == 2
+    storage.set_gate.set()
+    assert io.flush(timeout=30)
+    assert set(storage.data) == set(keys[:2]) and storage.data[keys[1]] == payload_for(keys[1])
+    st = io.stats()
+    assert (st["backups_done"], st["backups_dropped"], st["pending_write_bytes"]) == (2, 1, 0)
+    io.close()
+
+
+def test_storage_io_close_without_flush_drops_queued_writes_and_cancels_prefetches():
+    storage = GatedStorage()
+    storage.set_gate.clear()
+    storage.get_gate = threading.Semaphore(0)
+    keys = keys_for(3)
+    io = StorageIO(storage)
+    for k in keys:
+        io.backup(k, payload_for(k))
+    first = io.prefetch(keys)  # taken by the prefetch thread, blocked in get
+    queued = io.prefetch(keys)
+    closer = threading.Thread(target=io.close, kwargs={"flush": False, "timeout": 5})
+    closer.start()
+    assert queued.wait(timeout=30) and queued.cancelled
+    storage.set_gate.set()
+    storage.get_gate.release(10)
+    closer.join(30)
+    assert not closer.is_alive() and first.done
+    st = io.stats()
+    assert st["pending_writes"] == 0 and st["backups_dropped"] >= 1 and st["backups_done"] <= 1

@@ -32,7 +32,8 @@ class IncrementalDetokenizer:
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
         # The window: ids[:read_offset] were shown already (their text is prefix_text), ids[read_offset:] not yet.
         # Only the window is kept, so memory and the cost of a decode stay small.
-        self._ids: list[int] = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]]
+        prompt = [int(t) for t in prompt_ids]
+        self._ids: list[int] = prompt[max(len(prompt) - PROMPT_CONTEXT_TOKENS, 0):]
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
 

@@ -128,5 +128,5 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "tierlm serve") ->
         _check_cli_only(args)
         args.check()
     except ValueError as e:
-        parser.error(str(e))  # prints usage + message, exits 2
+        parser.exit(2, f"{prog}: error: {e}\n")  # the message says what to change; no usage dump
     return args

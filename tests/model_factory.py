@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+TOKENIZER_VOCAB = 285  # the demo model's byte-level BPE tokenizer (backends/demo_model.py), saved with each model
+
 # Small enough for a 2-core CPU, big enough to exercise GQA, several layers and pages.
 COMMON = dict(
-    vocab_size=384,
+    vocab_size=TOKENIZER_VOCAB,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=3,
@@ -53,7 +55,21 @@ def build_tiny_model(family: str, out_dir: Path, seed: int | None = None) -> Pat
                 p.normal_(0.0, 0.25 if "embed" not in name else 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    _write_tokenizer(out_dir)
     return out_dir
+
+
+def _write_tokenizer(out_dir: Path) -> None:
+    """The demo tokenizer (byte-level BPE, ChatML template), so the engine and server can serve the model."""
+    from tierlm.backends.demo_model import CHATML_TEMPLATE, build_tokenizer
+
+    tok = build_tokenizer()
+    assert tok.get_vocab_size(with_added_tokens=True) == TOKENIZER_VOCAB
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "chat_template": CHATML_TEMPLATE,
+    }))
 
 
 def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

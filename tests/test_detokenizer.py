@@ -49,9 +49,13 @@ def test_multibyte_characters_are_split_in_this_tokenizer(byte_bpe):
     assert sum(REPLACEMENT in byte_bpe.decode([t]) for t in ids) >= 6, "the test needs characters split over tokens"
 
 
+def encode(tok, text: str) -> list[int]:
+    encoded = tok.encode(text)
+    return encoded.ids if hasattr(encoded, "ids") else encoded
+
+
 def test_byte_bpe_deltas_concatenate_to_the_full_decode(bpe):
-    ids = bpe.encode(MULTILINGUAL).ids if hasattr(bpe.encode(""), "ids") else bpe.encode(MULTILINGUAL)
-    prompt, output = ids[:4], ids[4:]
+    prompt, output = encode(bpe, "Translate: "), encode(bpe, MULTILINGUAL)
     deltas = stream(IncrementalDetokenizer(bpe, prompt), output)
     assert "".join(deltas) == bpe.decode(output)
     assert not any(REPLACEMENT in d for d in deltas)
@@ -79,7 +83,7 @@ def test_partial_character_is_held_until_flush(byte_bpe):
 
 def test_special_tokens_are_skipped_or_kept(bpe):
     eos = bpe.token_to_id("<eos>") if hasattr(bpe, "token_to_id") else bpe.convert_tokens_to_ids("<eos>")
-    words = bpe.encode("hello world").ids if hasattr(bpe.encode(""), "ids") else bpe.encode("hello world")
+    words = encode(bpe, "hello world")
     skipped = "".join(stream(IncrementalDetokenizer(bpe, []), words[:1] + [eos] + words[1:] + [eos]))
     assert skipped == "hello world"
     kept = "".join(stream(IncrementalDetokenizer(bpe, [], skip_special_tokens=False), words + [eos]))
@@ -105,6 +109,14 @@ def test_each_step_decodes_a_short_window(byte_bpe):
     assert len(ids) > 500
     deltas = stream(IncrementalDetokenizer(counting, ids[:50]), ids)
     assert "".join(deltas) == text
+    assert counting.longest <= 16
+
+
+def test_a_run_of_skipped_special_tokens_keeps_the_window_short(byte_bpe):
+    counting = CountingTokenizer(byte_bpe)
+    eos = byte_bpe.token_to_id("<eos>")
+    ids = encode(byte_bpe, "before") + [eos] * 200 + encode(byte_bpe, " after")
+    assert "".join(stream(IncrementalDetokenizer(counting, []), ids)) == "before after"
     assert counting.longest <= 16
 
 

@@ -65,7 +65,9 @@ def parse_extra_config(s: str | None) -> dict[str, Any]:
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
-            raise ValueError(f"cannot read {source}: {e.strerror or e}; pass @<existing JSON file> or a JSON string") from e
+            raise ValueError(
+                f"cannot read {source}: {e.strerror or e}; pass @<existing JSON file> or a JSON string"
+            ) from e
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
@@ -79,7 +81,7 @@ def parse_extra_config(s: str | None) -> dict[str, Any]:
 
 
 def max_size_bytes_from_config(cfg: Mapping[str, Any]) -> int | None:
-    """The size bound from extra-config ``max_size_gb`` (GB = 1e9 bytes, as SGLang's --hicache-size); None = unbounded."""
+    """The bound from extra-config ``max_size_gb`` (GB = 1e9 bytes, as SGLang's --hicache-size); None = unbounded."""
     gb = cfg.get("max_size_gb")
     if gb is None:
         return None
@@ -134,7 +136,8 @@ class FileKVStorage(KVStorage):
         cfg = dict(extra_config or {})
         unknown = sorted(set(cfg) - set(KNOWN_EXTRA_CONFIG_KEYS))
         if unknown:
-            logger.warning("file storage ignores extra-config keys %s (it knows %s)", unknown, list(KNOWN_EXTRA_CONFIG_KEYS))
+            logger.warning("file storage ignores extra-config keys %s (it knows %s)",
+                           unknown, list(KNOWN_EXTRA_CONFIG_KEYS))
         return cls(root_dir, namespace, page_bytes, max_size_bytes_from_config(cfg))
 
     # --- KVStorage ---

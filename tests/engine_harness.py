@@ -1,0 +1,60 @@
+"""Drive a real Engine (scheduler thread + backend) from tests without HTTP."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from tierlm.runtime.engine import Engine
+from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
+from tierlm.runtime.sampling_params import SamplingParams
+from tierlm.runtime.server_args import ServerArgs
+
+_ids = itertools.count()
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    last: GenerateOutput
+    increments: int
+
+
+def start_engine(model_path, **kw) -> Engine:
+    kw.setdefault("warmup", False)
+    engine = Engine(ServerArgs(model_path=str(model_path), **kw))
+    engine.start()
+    return engine
+
+
+def greedy(max_new_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **kw).normalize()
+
+
+async def _collect(engine: Engine, ids: list[int], params: SamplingParams, stream: bool) -> Result:
+    rid = f"t{next(_ids)}"
+    text, toks, n, last = "", [], 0, None
+    async for out in engine.generate(GenerateRequest(rid=rid, input_ids=list(ids), sampling_params=params,
+                                                     stream=stream)):
+        text += out.text
+        toks += out.token_ids
+        n += 1
+        last = out
+    return Result(text, toks, last, n)
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        stream: bool = False) -> list[Result]:
+    """Submit all prompts at once (they batch together) and wait for every result."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+
+    async def main():
+        return await asyncio.gather(*[_collect(engine, p, sp, stream) for p, sp in zip(prompts, plist)])
+
+    return asyncio.run(main())
+
+
+def pool_is_clean(engine: Engine) -> bool:
+    acc = engine.parts.cache.accounting()
+    return acc["in_use_pages"] == 0 and acc["free_pages"] + acc["cached_pages"] == acc["total_pages"]

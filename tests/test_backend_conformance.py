@@ -1,0 +1,212 @@
+"""One conformance suite, run on every backend: greedy output equals transformers' float32 reference token for
+token (tiny families, stories260K), whatever the batch mix, chunking and page size; page copies to the host
+tier and back are lossless."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend_driver import GreedyDriver, run_greedy
+from conftest import STORIES_FIRST_40, STORIES_PROMPT
+from model_factory import reference_greedy
+from tierlm.backends.base import HostKVPool, ModelBackend
+
+BACKENDS = ["torch", "mlx"]
+NEW_TOKENS = 64
+
+
+def _missing_reason(name: str) -> str | None:
+    if name == "torch":
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed"
+        if importlib.util.find_spec("tierlm.backends.torch.backend") is None:
+            return "tierlm.backends.torch.backend does not exist yet"
+        return None
+    try:
+        import mlx.core  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken native library
+        return f"mlx cannot be imported ({exc}); install it with `pip install 'mlx[cpu]' mlx-lm`"
+    return None
+
+
+_BACKENDS: dict[tuple[str, str, str], ModelBackend] = {}
+
+
+def make_backend(name: str, model_dir: Path, dtype: str = "float32") -> ModelBackend:
+    """A loaded backend (cached per name, folder and dtype; every driver run re-initialises its KV pool)."""
+    reason = _missing_reason(name)
+    if reason:
+        pytest.skip(reason)
+    key = (name, str(model_dir), dtype)
+    if key not in _BACKENDS:
+        if name == "torch":
+            from tierlm.backends.torch.backend import TorchBackend
+
+            _BACKENDS[key] = TorchBackend(model_dir, dtype=dtype, device="cpu")
+        else:
+            from tierlm.backends.mlx.backend import MLXBackend
+
+            _BACKENDS[key] = MLXBackend(model_dir, dtype=dtype)
+    return _BACKENDS[key]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request) -> str:
+    return request.param
+
+
+_REFERENCES: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+
+def reference(model_dir: Path, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    key = (str(model_dir), tuple(prompt), n)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_greedy(model_dir, prompt, n)
+    return _REFERENCES[key]
+
+
+def prompts_of(lengths, vocab: int = 384, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def test_mixed_batch_matches_reference_on_every_family(backend_name, tiny_model):
+    """Prompts of 1..33 tokens, joining one step apart, prefilled in 5-token chunks next to decodes."""
+    backend = make_backend(backend_name, tiny_model)
+    prompts = prompts_of([1, 7, 33, 20])
+    drivers: list[GreedyDriver] = []
+    outputs = run_greedy(backend, prompts, NEW_TOKENS, page_size=4, chunk_size=5, driver_out=drivers)
+    # The schedule really mixed prefill chunks with other requests' decode tokens in one forward.
+    assert any(1 in shape and max(shape) > 1 for shape in drivers[0].batch_shapes)
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference(tiny_model, prompt), f"prompt of {len(prompt)} tokens diverged"
+
+
+@pytest.mark.parametrize("page_size,chunk_size", [(1, 3), (4, 7), (16, 13), (16, None)])
+def test_page_sizes_and_chunk_boundaries(backend_name, tiny_llama, page_size, chunk_size):
+    """Chunks that straddle page boundaries, pages of one token and pages longer than a chunk."""
+    backend = make_backend(backend_name, tiny_llama)
+    prompts = prompts_of([29, 2, 17], seed=page_size)
+    outputs = run_greedy(backend, prompts, 40, page_size=page_size, chunk_size=chunk_size, stagger=2)
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference(tiny_llama, prompt, 40)
+
+
+def test_requests_are_isolated_in_one_batch(backend_name, tiny_llama):
+    """All requests start together (no stagger): identical prompts agree, different ones match alone."""
+    backend = make_backend(backend_name, tiny_llama)
+    prompts = prompts_of([9, 9, 30])
+    prompts[1] = list(prompts[0])
+    outputs = run_greedy(backend, prompts, 24, page_size=4, chunk_size=None, stagger=0)
+    assert outputs[0] == outputs[1] == reference(tiny_llama, prompts[0], 24)
+    assert outputs[2] == reference(tiny_llama, prompts[2], 24)
+
+
+def test_stories260k_greedy_text(backend_name, stories_dir):
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(stories_dir)(STORIES_PROMPT).input_ids
+    backend = make_backend(backend_name, stories_dir)
+    out = run_greedy(backend, [prompt, prompt[:2]], 40, page_size=16, chunk_size=3)
+    assert out[0] == STORIES_FIRST_40
+    assert out[1] == reference(stories_dir, prompt[:2], 40)
+
+
+def _host_pool(backend: ModelBackend, page_size: int, num_pages: int, layout: str) -> HostKVPool:
+    return HostKVPool(num_pages=num_pages, page_bytes=backend.kv_bytes_per_token() * page_size,
+                      num_layers=backend.info.num_layers, layout=layout)
+
+
+def _decode_until(driver: GreedyDriver, req, n: int) -> None:
+    while len(req.output) < n:
+        driver.step()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pages_survive_a_round_trip_through_the_host_tier(backend_name, tiny_llama, layout):
+    """Decode a while, copy the request's pages to the host (and through L3-style bytes into a pool of the
+    other layout), load them into *different* device pages, continue there: the output is unchanged."""
+    backend = make_backend(backend_name, tiny_llama)
+    page_size, prompt = 4, prompts_of([13], seed=3)[0]
+    driver = GreedyDriver(backend, page_size, num_pages=40, chunk_size=6)
+    n_pages = driver.pages_needed(len(prompt), NEW_TOKENS)
+    req = driver.add(prompt, NEW_TOKENS, pages=list(range(n_pages)))
+    _decode_until(driver, req, 10)
+    used = -(-req.kv_len // page_size)  # the last page is partly filled: it must move too
+
+    host = _host_pool(backend, page_size, 16, layout)
+    host_pages = np.arange(5, 5 + used)
+    backend.copy_pages_to_host(np.arange(used), host, host_pages)
+    other = _host_pool(backend, page_size, 16, "layer_first" if layout == "page_first" else "page_first")
+    other_pages = host_pages[::-1] + 1
+    for src, dst in zip(host_pages, other_pages):
+        other.page_from_bytes(int(dst), host.page_to_bytes(int(src)))
+
+    new_pages = list(range(20, 20 + n_pages))  # never written: zeros unless the copy lands
+    backend.copy_pages_from_host(other, other_pages, np.array(new_pages[:used]))
+    req.pages = new_pages
+    driver.run()
+    assert req.output == reference(tiny_llama, prompt)
+
+
+def test_copy_to_host_is_byte_exact_in_bfloat16(tiny_llama):
+    """bfloat16 pages travel as their raw 2-byte values: device -> host -> device -> host is the identity."""
+    backend = make_backend("mlx", tiny_llama, dtype="bfloat16")
+    assert backend.info.dtype == "bfloat16" and backend.kv_bytes_per_token() == 3 * 2 * 2 * 16 * 2
+    driver = GreedyDriver(backend, page_size=4, num_pages=12)
+    driver.add(prompts_of([11])[0], 2, pages=[0, 1, 2])
+    driver.run()
+    first = _host_pool(backend, 4, 6, "page_first")
+    backend.copy_pages_to_host(np.array([0, 1, 2]), first, np.array([0, 1, 2]))
+    assert np.count_nonzero(first.data[:3]) > 0
+    backend.copy_pages_from_host(first, np.array([0, 1, 2]), np.array([9, 10, 11]))
+    second = _host_pool(backend, 4, 6, "layer_first")
+    backend.copy_pages_to_host(np.array([9, 10, 11]), second, np.array([3, 4, 5]))
+    for i in range(3):
+        assert second.page_to_bytes(3 + i) == first.page_to_bytes(i)
+
+
+def test_pages_written_by_torch_continue_on_mlx(tiny_llama):
+    """Both pools store post-RoPE K/V as [layer, K/V, token, head, dim] float32: a page one backend wrote
+    continues on the other with the reference output."""
+    writer, reader = make_backend("torch", tiny_llama), make_backend("mlx", tiny_llama)
+    page_size, prompt = 4, prompts_of([10], seed=7)[0]
+    first = GreedyDriver(writer, page_size, num_pages=24)
+    n_pages = first.pages_needed(len(prompt), 32)
+    req = first.add(prompt, 32, pages=list(range(n_pages)))
+    _decode_until(first, req, 6)
+    used = -(-req.kv_len // page_size)
+    host = _host_pool(writer, page_size, 8, "page_first")
+    assert host.page_bytes == _host_pool(reader, page_size, 8, "page_first").page_bytes
+    writer.copy_pages_to_host(np.arange(used), host, np.arange(used))
+
+    second = GreedyDriver(reader, page_size, num_pages=24)
+    reader.copy_pages_from_host(host, np.arange(used), np.arange(used))
+    second.requests.append(req)  # same request state: prompt, outputs so far, kv_len
+    second.run()
+    assert req.output == reference(tiny_llama, prompt, 32)
+
+
+def test_model_info_and_sizes(backend_name, tiny_model):
+    backend = make_backend(backend_name, tiny_model)
+    info = backend.info
+    import json
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert info.num_layers == config["num_hidden_layers"] and info.vocab_size == config["vocab_size"]
+    assert info.num_kv_heads == config["num_key_value_heads"]
+    assert info.head_dim == config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    assert info.eos_token_ids == [2] and info.dtype == "float32" and len(info.fingerprint) == 64
+    assert backend.kv_bytes_per_token() == info.num_layers * 2 * info.num_kv_heads * info.head_dim * 4
+    n_params = sum(int(np.prod(v)) for v in _param_shapes(tiny_model).values())
+    assert backend.weight_bytes() == 4 * n_params
+
+
+def _param_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "np") as f:
+        return {k: f.get_slice(k).get_shape() for k in f.keys()}

@@ -1,0 +1,31 @@
+import pytest
+
+from tierlm.runtime.page_allocator import OutOfPages, PageAllocator
+
+
+def test_alloc_and_free_account_exactly():
+    a = PageAllocator(8)
+    p = a.alloc(3)
+    assert len(set(p)) == 3 and a.num_free == 5
+    q = a.alloc(5)
+    assert a.num_free == 0 and not set(p) & set(q)
+    with pytest.raises(OutOfPages):
+        a.alloc(1)
+    a.free(p)
+    assert a.num_free == 3
+    assert sorted(a.alloc(3)) == sorted(p)
+
+
+def test_double_free_and_foreign_pages_raise():
+    a = PageAllocator(4)
+    p = a.alloc(2)
+    a.free(p[:1])
+    with pytest.raises(ValueError, match="twice"):
+        a.free(p[:1])
+    with pytest.raises(ValueError, match="not in this pool"):
+        a.free([4])
+
+
+def test_alloc_zero_is_empty():
+    a = PageAllocator(2)
+    assert a.alloc(0) == [] and a.num_free == 2

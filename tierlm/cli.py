@@ -1,0 +1,59 @@
+"""The `tierlm` command: `tierlm serve ...`, `tierlm doctor`, `tierlm bench ...`."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+USAGE = """usage: tierlm <command> [options]
+
+commands:
+  serve    start the OpenAI-compatible server (tierlm serve --help for flags)
+  doctor   check this machine: devices, memory, installed backends
+  bench    benchmark a running server
+
+Run `tierlm <command> --help` for a command's options."""
+
+# Commands implemented in their own modules, imported only when used (keeps `tierlm serve` start-up lean).
+_LAZY_COMMANDS = {"doctor": "tierlm.server.doctor_cmd", "bench": "tierlm.server.bench_cmd"}
+
+
+def _run_lazy(command: str, argv: list[str]) -> int:
+    module_name = _LAZY_COMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise  # the command exists but one of its dependencies is missing: show the real error
+        print(f"tierlm {command}: this command is not available in this build ({module_name} is missing)",
+              file=sys.stderr)
+        return 2
+    result = module.main(argv)
+    return int(result or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"tierlm {version('tierlm')}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        from tierlm.server.cli_args import parse_args
+        from tierlm.server.launch import run_server
+
+        run_server(parse_args(rest, prog="tierlm serve"))
+        return 0
+    if command in _LAZY_COMMANDS:
+        return _run_lazy(command, rest)
+    print(f"tierlm: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

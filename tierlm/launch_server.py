@@ -1,0 +1,16 @@
+"""`python -m tierlm.launch_server --model-path ...`: the SGLang-style way to start the server."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from tierlm.server.cli_args import parse_args
+    from tierlm.server.launch import run_server
+
+    run_server(parse_args(sys.argv[1:] if argv is None else argv, prog="python -m tierlm.launch_server"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""tierlm.platforms: knows the machine and decides; owns no tensors and imports neither torch nor mlx at load.
+
+    facts = detect()
+    decision = choose_backend(facts, os.environ, args.device)
+    plan = plan_memory_for_args(facts, decision, args, weight_bytes=..., kv_bytes_per_token=...)
+    for line in pitfalls(facts, os.environ) + plan.warnings: logger.warning(line)
+"""
+from tierlm.platforms.backend_choice import BackendChoiceError, Decision, choose_backend
+from tierlm.platforms.facts import Facts, detect
+from tierlm.platforms.install_commands import install_command, install_set, mlx_install_command
+from tierlm.platforms.memory_plan import MemoryPlan, MemoryPlanError, plan_memory, plan_memory_for_args
+from tierlm.platforms.pitfalls import pitfalls
+
+__all__ = [
+    "BackendChoiceError", "Decision", "Facts", "MemoryPlan", "MemoryPlanError", "choose_backend", "detect",
+    "install_command", "install_set", "mlx_install_command", "pitfalls", "plan_memory", "plan_memory_for_args",
+]

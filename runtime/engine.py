@@ -151,7 +151,8 @@ class Engine:
             if self._stop.is_set():
                 break
             try:
-                sched.step()
+                if not sched.step() and sched.has_work():
+                    time.sleep(0.001)  # waiting only on a storage prefetch
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
                 log.exception("scheduler step failed; failing the requests in it")
                 sched.fail_all(f"internal error in the model step: {e}")

@@ -24,6 +24,12 @@ class KVCacheManager:
         self.evicted_device_pages = 0
 
     # ------------------------------------------------------------ admission
+    def on_request_added(self, req: Req) -> None:
+        """A request entered the waiting queue (HiCache starts reading its storage pages here)."""
+
+    def ready_to_admit(self, req: Req) -> bool:
+        return True
+
     def match(self, req: Req) -> None:
         """Start ``req`` on the longest cached prefix (at least one token is left to compute)."""
         if req.pages or self.tree is None:

@@ -25,6 +25,7 @@ class Req:
     last_node: TreeNode | None = None
     cached: CachedTokens = field(default_factory=CachedTokens)
     admitted_once: bool = False
+    prefetch: Any = None  # HiCache: (start page, PrefetchHandle, started) while L3 pages are read
     # output
     detokenizer: Any = None
     stop_checker: Any = None

@@ -43,6 +43,7 @@ class Scheduler:
         if req.finished:  # e.g. max_tokens=0: nothing to compute
             self._finish(req, req.finish_reason)
             return
+        self.cache.on_request_added(req)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
@@ -108,6 +109,8 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if not self.cache.ready_to_admit(req):
+                break  # its storage pages are still arriving (prefetch policy "timeout")
             self.cache.match(req)
             n = self._prefill_chunk(req, budget)
             if n == 0:
@@ -145,6 +148,20 @@ class Scheduler:
             req.finish_reason = reason
         self.cache.release(req, cache_kv=True)
         self.emit(req, self.outputs.final(req))
+
+    def fail_all(self, message: str) -> None:
+        """A step raised: end every request with an error; their KV is not trusted, so nothing is cached."""
+        for req in list(self.running) + list(self.waiting):
+            req.finish_reason = "abort"
+            try:
+                self.cache.release(req, cache_kv=False)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("could not release the pages of %s", req.rid)
+            out = self.outputs.final(req)
+            out.error = message
+            self.emit(req, out)
+        self.running.clear()
+        self.waiting.clear()
 
     def flush_cache(self, storage: bool = False) -> bool:
         if self.running or self.waiting:

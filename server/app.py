@@ -1,6 +1,9 @@
 """The FastAPI app factory. Takes any object with the Engine API, so tests can pass a fake engine."""
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,14 +15,29 @@ from tierlm.server.native_generate import router as native_router
 from tierlm.server.openai_chat import router as chat_router
 from tierlm.server.openai_completions import router as completions_router
 
+logger = logging.getLogger("tierlm.server")
 
-def create_app(engine: Any) -> FastAPI:
+
+def create_app(engine: Any, *, shutdown_engine_on_exit: bool = False) -> FastAPI:
     """Routes: OpenAI /v1/*, SGLang-native /generate, health, info, flush_cache, metrics.
 
     ``engine`` needs: args (ServerArgs), ready, tokenizer, context_length, validate, generate, abort,
-    flush_cache, server_info, metrics_text.
+    flush_cache, server_info, metrics_text (and shutdown when ``shutdown_engine_on_exit``).
     """
-    app = FastAPI(title="tierlm", docs_url="/docs", redoc_url=None)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn re-raises SIGINT/SIGTERM after its own shutdown, so code after server.run() may never
+        # run: the app's shutdown is the reliable place to stop the scheduler thread.
+        if shutdown_engine_on_exit and engine.ready:
+            logger.info("stopping the engine")
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - exiting anyway; say what went wrong
+                logger.exception("engine shutdown failed")
+
+    app = FastAPI(title="tierlm", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
     for router in (chat_router, completions_router, native_router, info_router):
         app.include_router(router)

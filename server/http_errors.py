@@ -70,6 +70,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "missing" and not param:
         text = "request body is missing: send a JSON object"
+    elif not param and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        text = "the request body must be a JSON object; send it with 'Content-Type: application/json'"
     elif first.get("type") == "extra_forbidden":
         text = f"unknown field '{param}'"
     else:

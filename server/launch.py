@@ -108,14 +108,16 @@ def run_server(args: ServerArgs) -> None:
         logger.error("startup failed: %s", e)
         raise SystemExit(1) from None
     engine = Engine(args)
-    app = create_app(engine)
+    app = create_app(engine, shutdown_engine_on_exit=True)
     config = uvicorn.Config(app, log_config=None, log_level=args.log_level, access_log=args.log_level == "debug",
                             timeout_graceful_shutdown=5, timeout_keep_alive=30)
     server = uvicorn.Server(config)
     loader = ModelLoader(engine, server, args)
     loader.start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[sock])  # re-raises SIGINT/SIGTERM once it has shut down (engine stopped in lifespan)
+    except KeyboardInterrupt:
+        pass
     finally:
         sock.close()
     if loader.failed:
@@ -125,8 +127,4 @@ def run_server(args: ServerArgs) -> None:
         logger.info("stopped while the model was still loading")
         logging.shutdown()
         os._exit(0)
-    try:
-        engine.shutdown()
-    except Exception:  # noqa: BLE001 - we are exiting anyway; say what went wrong
-        logger.exception("engine shutdown failed")
     logger.info("server stopped")

@@ -57,4 +57,6 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[
 
 def pool_is_clean(engine: Engine) -> bool:
     acc = engine.parts.cache.accounting()
-    return acc["in_use_pages"] == 0 and acc["free_pages"] + acc["cached_pages"] == acc["total_pages"]
+    device_ok = acc["in_use_pages"] == 0 and acc["free_pages"] + acc["cached_pages"] == acc["total_pages"]
+    host_ok = "host_total_pages" not in acc or acc["host_free_pages"] + acc["host_cached_pages"] == acc["host_total_pages"]
+    return device_ok and host_ok

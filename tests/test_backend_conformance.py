@@ -4,6 +4,7 @@ tier and back are lossless."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from backend_driver import GreedyDriver, run_greedy
 from conftest import STORIES_FIRST_40, STORIES_PROMPT
-from model_factory import reference_greedy
+from model_factory import build_tiny_model, reference_greedy
 from tierlm.backends.base import HostKVPool, ModelBackend
 
 BACKENDS = ["torch", "mlx"]
@@ -68,15 +69,21 @@ def reference(model_dir: Path, prompt: list[int], n: int = NEW_TOKENS) -> list[i
     return _REFERENCES[key]
 
 
-def prompts_of(lengths, vocab: int = 384, seed: int = 0) -> list[list[int]]:
+def prompts_of(model_dir: Path, lengths, seed: int = 0) -> list[list[int]]:
+    """Seeded random prompts over the model's vocabulary (ids 0-2 are special: left out)."""
+    vocab = _config(model_dir)["vocab_size"]
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def test_mixed_batch_matches_reference_on_every_family(backend_name, tiny_model):
     """Prompts of 1..33 tokens, joining one step apart, prefilled in 5-token chunks next to decodes."""
     backend = make_backend(backend_name, tiny_model)
-    prompts = prompts_of([1, 7, 33, 20])
+    prompts = prompts_of(tiny_model, [1, 7, 33, 20])
     drivers: list[GreedyDriver] = []
     outputs = run_greedy(backend, prompts, NEW_TOKENS, page_size=4, chunk_size=5, driver_out=drivers)
     # The schedule really mixed prefill chunks with other requests' decode tokens in one forward.
@@ -89,7 +96,7 @@ def test_mixed_batch_matches_reference_on_every_family(backend_name, tiny_model)
 def test_page_sizes_and_chunk_boundaries(backend_name, tiny_llama, page_size, chunk_size):
     """Chunks that straddle page boundaries, pages of one token and pages longer than a chunk."""
     backend = make_backend(backend_name, tiny_llama)
-    prompts = prompts_of([29, 2, 17], seed=page_size)
+    prompts = prompts_of(tiny_llama, [29, 2, 17], seed=page_size)
     outputs = run_greedy(backend, prompts, 40, page_size=page_size, chunk_size=chunk_size, stagger=2)
     for prompt, out in zip(prompts, outputs):
         assert out == reference(tiny_llama, prompt, 40)
@@ -98,11 +105,35 @@ def test_page_sizes_and_chunk_boundaries(backend_name, tiny_llama, page_size, ch
 def test_requests_are_isolated_in_one_batch(backend_name, tiny_llama):
     """All requests start together (no stagger): identical prompts agree, different ones match alone."""
     backend = make_backend(backend_name, tiny_llama)
-    prompts = prompts_of([9, 9, 30])
+    prompts = prompts_of(tiny_llama, [9, 9, 30])
     prompts[1] = list(prompts[0])
     outputs = run_greedy(backend, prompts, 24, page_size=4, chunk_size=None, stagger=0)
     assert outputs[0] == outputs[1] == reference(tiny_llama, prompts[0], 24)
     assert outputs[2] == reference(tiny_llama, prompts[2], 24)
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral(tiny_models_root) -> Path:
+    """The tiny mistral with a 5-token sliding window, which transformers applies on every layer."""
+    import shutil
+
+    source = build_tiny_model("mistral", tiny_models_root / "mistral")
+    folder = tiny_models_root / "mistral_window5"
+    if not folder.exists():
+        shutil.copytree(source, folder)
+        config = _config(folder)
+        config["sliding_window"] = 5
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_sliding_window_matches_reference(backend_name, windowed_mistral):
+    backend = make_backend(backend_name, windowed_mistral)
+    assert backend.info.sliding_window == 5
+    prompts = prompts_of(windowed_mistral, [12, 3], seed=5)
+    outputs = run_greedy(backend, prompts, 40, page_size=4, chunk_size=7)
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference(windowed_mistral, prompt, 40)
 
 
 def test_stories260k_greedy_text(backend_name, stories_dir):
@@ -130,7 +161,7 @@ def test_pages_survive_a_round_trip_through_the_host_tier(backend_name, tiny_lla
     """Decode a while, copy the request's pages to the host (and through L3-style bytes into a pool of the
     other layout), load them into *different* device pages, continue there: the output is unchanged."""
     backend = make_backend(backend_name, tiny_llama)
-    page_size, prompt = 4, prompts_of([13], seed=3)[0]
+    page_size, prompt = 4, prompts_of(tiny_llama, [13], seed=3)[0]
     driver = GreedyDriver(backend, page_size, num_pages=40, chunk_size=6)
     n_pages = driver.pages_needed(len(prompt), NEW_TOKENS)
     req = driver.add(prompt, NEW_TOKENS, pages=list(range(n_pages)))
@@ -155,9 +186,11 @@ def test_pages_survive_a_round_trip_through_the_host_tier(backend_name, tiny_lla
 def test_copy_to_host_is_byte_exact_in_bfloat16(tiny_llama):
     """bfloat16 pages travel as their raw 2-byte values: device -> host -> device -> host is the identity."""
     backend = make_backend("mlx", tiny_llama, dtype="bfloat16")
-    assert backend.info.dtype == "bfloat16" and backend.kv_bytes_per_token() == 3 * 2 * 2 * 16 * 2
+    info = backend.info
+    assert info.dtype == "bfloat16"
+    assert backend.kv_bytes_per_token() == info.num_layers * 2 * info.num_kv_heads * info.head_dim * 2
     driver = GreedyDriver(backend, page_size=4, num_pages=12)
-    driver.add(prompts_of([11])[0], 2, pages=[0, 1, 2])
+    driver.add(prompts_of(tiny_llama, [11])[0], 2, pages=[0, 1, 2])
     driver.run()
     first = _host_pool(backend, 4, 6, "page_first")
     backend.copy_pages_to_host(np.array([0, 1, 2]), first, np.array([0, 1, 2]))
@@ -173,7 +206,7 @@ def test_pages_written_by_torch_continue_on_mlx(tiny_llama):
     """Both pools store post-RoPE K/V as [layer, K/V, token, head, dim] float32: a page one backend wrote
     continues on the other with the reference output."""
     writer, reader = make_backend("torch", tiny_llama), make_backend("mlx", tiny_llama)
-    page_size, prompt = 4, prompts_of([10], seed=7)[0]
+    page_size, prompt = 4, prompts_of(tiny_llama, [10], seed=7)[0]
     first = GreedyDriver(writer, page_size, num_pages=24)
     n_pages = first.pages_needed(len(prompt), 32)
     req = first.add(prompt, 32, pages=list(range(n_pages)))
@@ -193,9 +226,7 @@ def test_pages_written_by_torch_continue_on_mlx(tiny_llama):
 def test_model_info_and_sizes(backend_name, tiny_model):
     backend = make_backend(backend_name, tiny_model)
     info = backend.info
-    import json
-
-    config = json.loads((tiny_model / "config.json").read_text())
+    config = _config(tiny_model)
     assert info.num_layers == config["num_hidden_layers"] and info.vocab_size == config["vocab_size"]
     assert info.num_kv_heads == config["num_key_value_heads"]
     assert info.head_dim == config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])

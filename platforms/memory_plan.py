@@ -1,0 +1,366 @@
+"""Size the device (L1) and host (L2) KV tiers for the memory this machine really has.
+
+Three cases, decided by the backend's device and the facts:
+- discrete GPU (torch on CUDA, own memory): as SGLang. L1 = free GPU memory - weights - (1 - f) x total GPU
+  memory, f = --mem-fraction-static; L2 = --hicache-ratio x L1 (or --hicache-size GB) from host RAM, which
+  must fit the RAM available minus a headroom, else an error with the numbers.
+- unified memory (Apple Silicon, DGX Spark GB10, Jetson): L1 and L2 share one physical pool, so one budget:
+  weights + L1 + L2 + headroom <= the OS's available memory. On GB10 CUDA's free figure excludes the page
+  cache and NVML reports no memory, so the OS figure is the only honest one. A --hicache-ratio (or size)
+  that would overcommit is reduced, with a warning showing the numbers.
+- CPU: L1 and L2 both live in RAM, sized from the same budget; explicit settings that do not fit are an
+  error with the numbers and the fix.
+
+Facts must be detected *before* the weights are loaded: the weights are subtracted here.
+Pure: no probing, no allocation. Sizes in messages are GB = 1e9 bytes, as SGLang prints them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierlm.platforms.backend_choice import Decision
+from tierlm.platforms.facts import ACCELERATOR_APPLE, Facts
+
+GiB = 1024**3
+GB = 1e9
+HEADROOM_SHARE = 0.10  # of total RAM kept free for the OS, activations and everything else...
+HEADROOM_MIN = 1 * GiB  # ...at least this much...
+HEADROOM_MAX = 10 * GiB  # ...and at most SGLang's fixed 10 GiB host reserve.
+DEFAULT_UNIFIED_FRACTION = 0.80  # weights + L1 share of available memory on unified machines
+DEFAULT_CPU_FRACTION = 0.40  # CPU decode is slow; a larger pool mostly pins RAM the rest of the box needs
+GPU_RESERVE_FIXED = 1 * GiB  # CUDA context, cuBLAS workspace...
+GPU_RESERVE_SHARE = 0.10  # ...plus activations and graphs, as a share of GPU memory
+
+KIND_DISCRETE = "discrete"
+KIND_UNIFIED = "unified"
+KIND_CPU = "cpu"
+
+
+class MemoryPlanError(ValueError):
+    """The tiers cannot be sized as configured; the message carries the numbers and the flag to change."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    memory_kind: str  # "discrete" | "unified" | "cpu"
+    device_kv_tokens: int  # L1, a multiple of page_size
+    host_kv_tokens: int  # L2, a multiple of page_size; 0 when HiCache is off
+    kv_bytes_per_token: int
+    weight_bytes: int
+    available_bytes: int  # where sizing started: free GPU memory (discrete) or the OS's available memory
+    headroom_bytes: int  # RAM left untouched for everything else
+    mem_fraction_static: float  # the fraction used (given or default)
+    hicache_ratio: float | None  # effective host/device ratio; None when HiCache is off
+    warnings: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def device_kv_bytes(self) -> int:
+        return self.device_kv_tokens * self.kv_bytes_per_token
+
+    @property
+    def host_kv_bytes(self) -> int:
+        return self.host_kv_tokens * self.kv_bytes_per_token
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "memory_kind": self.memory_kind,
+            "device_kv_tokens": self.device_kv_tokens,
+            "host_kv_tokens": self.host_kv_tokens,
+            "device_kv_bytes": self.device_kv_bytes,
+            "host_kv_bytes": self.host_kv_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_bytes": self.weight_bytes,
+            "available_bytes": self.available_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "mem_fraction_static": self.mem_fraction_static,
+            "hicache_ratio": self.hicache_ratio,
+            "warnings": list(self.warnings),
+            "reasons": list(self.reasons),
+        }
+
+
+def headroom_for(ram_total_bytes: int) -> int:
+    """RAM kept free: 10% of total, within [1 GiB, 10 GiB]."""
+    return int(min(HEADROOM_MAX, max(HEADROOM_MIN, ram_total_bytes * HEADROOM_SHARE)))
+
+
+def default_gpu_fraction(total_bytes: int) -> float:
+    """SGLang-like default --mem-fraction-static for a discrete GPU: ~0.78 at 8 GB, ~0.89 at 80 GB."""
+    reserve = GPU_RESERVE_FIXED + GPU_RESERVE_SHARE * total_bytes
+    return round(max(0.5, (total_bytes - reserve) / total_bytes), 3)
+
+
+def memory_kind(facts: Facts, decision: Decision) -> str:
+    if decision.device == "cpu":
+        return KIND_CPU
+    if decision.device == "mps" or facts.unified_memory:
+        return KIND_UNIFIED
+    return KIND_DISCRETE
+
+
+def plan_memory(
+    facts: Facts,
+    decision: Decision,
+    *,
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    page_size: int = 1,
+    max_total_tokens: int | None = None,
+    mem_fraction_static: float | None = None,
+    enable_hierarchical_cache: bool = False,
+    hicache_ratio: float = 2.0,
+    hicache_size_gb: float = 0.0,
+) -> MemoryPlan:
+    """Size L1 (device KV) and, with HiCache, L2 (host KV). Raises MemoryPlanError when nothing sensible fits."""
+    if kv_bytes_per_token < 1 or page_size < 1 or weight_bytes < 0:
+        raise ValueError(
+            f"need kv_bytes_per_token >= 1, page_size >= 1, weight_bytes >= 0; got {kv_bytes_per_token}, "
+            f"{page_size}, {weight_bytes}"
+        )
+    if enable_hierarchical_cache and hicache_size_gb <= 0 and hicache_ratio <= 0:
+        raise MemoryPlanError(f"--hicache-ratio must be > 0 (got {hicache_ratio}), or set --hicache-size in GB")
+    req = _Request(
+        facts, decision, weight_bytes, kv_bytes_per_token, page_size, max_total_tokens, mem_fraction_static,
+        enable_hierarchical_cache, hicache_ratio, int(hicache_size_gb * GB) if hicache_size_gb > 0 else 0,
+    )
+    kind = memory_kind(facts, decision)
+    if kind == KIND_DISCRETE:
+        return _plan_discrete(req)
+    return _plan_shared(req, kind)
+
+
+def plan_memory_for_args(
+    facts: Facts, decision: Decision, args: Any, *, weight_bytes: int, kv_bytes_per_token: int
+) -> MemoryPlan:
+    """plan_memory reading the flags from a ServerArgs-like object (same attribute names as ServerArgs)."""
+    return plan_memory(
+        facts,
+        decision,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+        page_size=getattr(args, "page_size", 1),
+        max_total_tokens=getattr(args, "max_total_tokens", None),
+        mem_fraction_static=getattr(args, "mem_fraction_static", None),
+        enable_hierarchical_cache=getattr(args, "enable_hierarchical_cache", False),
+        hicache_ratio=getattr(args, "hicache_ratio", 2.0),
+        hicache_size_gb=getattr(args, "hicache_size", 0.0),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ internals
+
+
+@dataclass
+class _Request:
+    facts: Facts
+    decision: Decision
+    weights: int
+    per_token: int
+    page_size: int
+    max_total_tokens: int | None
+    fraction: float | None
+    hicache: bool
+    ratio: float
+    host_size: int  # bytes; >0 overrides the ratio
+
+    def tokens(self, nbytes: float) -> int:
+        """Whole pages of KV that fit in nbytes, as tokens."""
+        pages = int(max(0, nbytes) // (self.per_token * self.page_size))
+        return pages * self.page_size
+
+    def cap_by_max_total_tokens(self, l1: float, reasons: list[str]) -> float:
+        if self.max_total_tokens and self.max_total_tokens * self.per_token < l1:
+            reasons.append(
+                f"--max-total-tokens {self.max_total_tokens} caps device KV at {_gb(self.max_total_tokens * self.per_token)}"
+                f" (memory would allow {_gb(l1)})"
+            )
+            return self.max_total_tokens * self.per_token
+        return l1
+
+    def host_request(self, l1_bytes: int) -> tuple[int, str]:
+        if self.host_size:
+            return self.host_size, f"--hicache-size {self.host_size / GB:g} GB"
+        return int(self.ratio * l1_bytes), f"--hicache-ratio {self.ratio:g} x device KV {_gb(l1_bytes)}"
+
+
+def _gb(nbytes: float) -> str:
+    """GB with two decimals; MB below 1 GB so a small model's weights do not print as 0.00 GB."""
+    if abs(nbytes) < GB:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / GB:.2f} GB"
+
+
+def _plan_discrete(r: _Request) -> MemoryPlan:
+    f = r.facts
+    reasons: list[str] = []
+    warnings: list[str] = []
+    total = f.device_memory_total_bytes
+    if not total:
+        raise MemoryPlanError(
+            f"the GPU ({f.device_name}) reports no memory size, so the KV pool cannot be sized: "
+            "check nvidia-smi, or pass --max-total-tokens and --mem-fraction-static explicitly"
+        )
+    free = f.device_memory_free_bytes if f.device_memory_free_bytes is not None else total
+    frac = r.fraction if r.fraction is not None else default_gpu_fraction(total)
+    source = "--mem-fraction-static" if r.fraction is not None else "default mem_fraction_static"
+    reserved = total * (1 - frac)
+    l1 = free - r.weights - reserved
+    reasons.append(
+        f"discrete GPU {f.device_name}: device KV = free {_gb(free)} - weights {_gb(r.weights)} - "
+        f"(1 - {source} {frac:g}) x total {_gb(total)} = {_gb(l1)}"
+    )
+    if r.tokens(l1) < r.page_size:
+        raise MemoryPlanError(
+            f"no GPU memory left for the KV cache: free {_gb(free)} of {_gb(total)}, weights {_gb(r.weights)}, "
+            f"{_gb(reserved)} reserved by mem_fraction_static {frac:g}. Raise --mem-fraction-static, free GPU "
+            f"memory held by other processes ({_gb(total - free)} in use), or use a smaller model"
+        )
+    l1 = r.cap_by_max_total_tokens(l1, reasons)
+    device_tokens = r.tokens(l1)
+    l1_bytes = device_tokens * r.per_token
+
+    host_tokens, ratio = 0, None
+    headroom = headroom_for(f.ram_total_bytes)
+    if r.hicache:
+        want, what = r.host_request(l1_bytes)
+        limit = f.ram_available_bytes - headroom
+        if want > limit:
+            raise MemoryPlanError(
+                f"not enough host RAM for the HiCache host tier: {what} needs {_gb(want)}, but RAM has "
+                f"{_gb(f.ram_available_bytes)} available and {_gb(headroom)} stays free, so at most {_gb(max(0, limit))}. "
+                + _host_fix(limit, l1_bytes)
+            )
+        host_tokens = r.tokens(want)
+        ratio = round(host_tokens / device_tokens, 3)
+        reasons.append(f"host KV from host RAM: {what} = {_gb(host_tokens * r.per_token)}")
+        _warn_small_host(host_tokens, device_tokens, warnings)
+    return MemoryPlan(
+        KIND_DISCRETE, device_tokens, host_tokens, r.per_token, r.weights, free, headroom, frac, ratio,
+        warnings, reasons,
+    )
+
+
+def _plan_shared(r: _Request, kind: str) -> MemoryPlan:
+    """Unified memory and CPU: weights, L1 and L2 all come out of one pool, the OS's available memory."""
+    f = r.facts
+    reasons: list[str] = []
+    warnings: list[str] = []
+    avail = f.ram_available_bytes
+    headroom = headroom_for(f.ram_total_bytes)
+    budget = avail - headroom  # weights + L1 + L2
+    where = _shared_pool_name(f, kind)
+    reasons.append(
+        f"{where}: one budget of available {_gb(avail)} - headroom {_gb(headroom)} = {_gb(budget)} "
+        "for weights + device KV + host KV"
+    )
+    if r.weights >= budget:
+        raise MemoryPlanError(
+            f"the weights ({_gb(r.weights)}) do not fit in {_gb(avail)} of available memory with {_gb(headroom)} "
+            "kept free: close other programs or use a smaller (or quantized) model"
+        )
+
+    default_frac = DEFAULT_CPU_FRACTION if kind == KIND_CPU else DEFAULT_UNIFIED_FRACTION
+    if r.fraction is not None:
+        frac, static = r.fraction, avail * r.fraction
+        reasons.append(f"--mem-fraction-static {frac:g}: weights + device KV get {_gb(static)}")
+        if static > budget:
+            warnings.append(
+                f"--mem-fraction-static {frac:g} asks for {_gb(static)} but only {_gb(budget)} can be used with "
+                f"{_gb(headroom)} kept free: using {_gb(budget)}"
+            )
+            static = budget
+    else:
+        frac, static = default_frac, avail * default_frac
+        reasons.append(f"weights + device KV get {default_frac:g} of available memory = {_gb(static)}")
+        if r.hicache:
+            # Size L1 so the requested host tier fits beside it: the ratio is honoured, not cut later.
+            fit = budget - r.host_size if r.host_size else r.weights + (budget - r.weights) / (1 + r.ratio)
+            if fit < static:
+                static = fit
+                reasons.append(f"device KV shrunk so the HiCache host tier fits the same budget: weights + device KV = {_gb(static)}")
+    static = _cap_by_metal_working_set(f, r.decision, static, reasons)
+    l1 = static - r.weights
+    reasons.append(f"device KV = {_gb(static)} - weights {_gb(r.weights)} = {_gb(l1)}")
+    if r.tokens(l1) < r.page_size:
+        raise MemoryPlanError(
+            f"no memory left for the KV cache: weights {_gb(r.weights)} take the whole {_gb(static)} given to "
+            f"weights + device KV ({_gb(avail)} available). Raise --mem-fraction-static, close other programs, "
+            "or use a smaller model"
+        )
+    l1 = r.cap_by_max_total_tokens(l1, reasons)
+    device_tokens = r.tokens(l1)
+    l1_bytes = device_tokens * r.per_token
+
+    host_tokens, ratio = 0, None
+    if r.hicache:
+        want, what = r.host_request(l1_bytes)
+        room = budget - r.weights - l1_bytes
+        host = want
+        if want > room:
+            numbers = (
+                f"{what} = {_gb(want)} on top of weights {_gb(r.weights)} + device KV {_gb(l1_bytes)} + headroom "
+                f"{_gb(headroom)} exceeds the {_gb(avail)} available"
+            )
+            if kind == KIND_CPU or r.tokens(room) < r.page_size:
+                raise MemoryPlanError(f"the HiCache host tier does not fit in RAM: {numbers}. " + _host_fix(room, l1_bytes, r))
+            host = room
+            warnings.append(
+                f"{where}: {numbers}; host KV reduced to {_gb(room)} (ratio {r.tokens(room) / device_tokens:.2f})."
+                + _keep_ratio_hint(r, avail, budget)
+            )
+        host_tokens = r.tokens(host)
+        ratio = round(host_tokens / device_tokens, 3)
+        reasons.append(f"host KV = {_gb(host_tokens * r.per_token)} (ratio {ratio:g}) in the same memory")
+        _warn_small_host(host_tokens, device_tokens, warnings)
+    return MemoryPlan(
+        kind, device_tokens, host_tokens, r.per_token, r.weights, avail, headroom, frac, ratio, warnings, reasons
+    )
+
+
+def _shared_pool_name(f: Facts, kind: str) -> str:
+    if kind == KIND_CPU:
+        return "CPU: device and host KV both live in RAM"
+    if f.is_dgx_spark:
+        return (
+            "DGX Spark (GB10) unified memory, sized from the OS's available memory (CUDA's free figure "
+            "excludes the page cache and NVML reports no memory)"
+        )
+    if f.is_jetson:
+        return "Jetson unified memory, sized from the OS's available memory"
+    return f"{f.device_name or 'Apple Silicon'} unified memory"
+
+
+def _cap_by_metal_working_set(f: Facts, d: Decision, static: float, reasons: list[str]) -> float:
+    """On Apple Silicon, Metal only keeps its recommended working set resident: weights + L1 must fit it."""
+    ws = f.device_memory_total_bytes
+    if d.device == "mps" and f.accelerator == ACCELERATOR_APPLE and ws and static > ws:
+        reasons.append(f"Metal's recommended working set {_gb(ws)} caps weights + device KV")
+        return float(ws)
+    return static
+
+
+def _host_fix(room: float, l1_bytes: int, r: _Request | None = None) -> str:
+    if room <= 0:
+        return "Lower --mem-fraction-static or --max-total-tokens to leave room, or disable --enable-hierarchical-cache"
+    fix = f"Use --hicache-ratio {max(0.01, int(100 * room / l1_bytes) / 100):g} or --hicache-size {int(room / GB * 100) / 100:g} (GB)"
+    if r is not None and r.fraction is not None:
+        fix += ", or drop --mem-fraction-static so tierlm sizes both tiers from one budget"
+    return fix + ", or free RAM"
+
+
+def _keep_ratio_hint(r: _Request, avail: int, budget: int) -> str:
+    if r.host_size or r.fraction is None:
+        return ""
+    l1_fit = (budget - r.weights) / (1 + r.ratio)
+    frac_fit = (r.weights + l1_fit) / avail
+    return f" To keep ratio {r.ratio:g}, use --mem-fraction-static {int(frac_fit * 1000) / 1000:g} or lower."
+
+
+def _warn_small_host(host_tokens: int, device_tokens: int, warnings: list[str]) -> None:
+    if host_tokens <= device_tokens:
+        warnings.append(
+            f"the host KV tier ({host_tokens} tokens) is not larger than the device tier ({device_tokens} tokens), "
+            "so it can hold little the device does not already have: raise --hicache-ratio above 1 or free memory"
+        )

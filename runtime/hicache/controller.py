@@ -1,0 +1,325 @@
+"""HiCacheManager: the KV cache manager with host (L2) and storage (L3) tiers under the radix cache.
+
+Backend-neutral: tensors only move through the backend's page-copy calls; L3 sees raw page bytes.
+- Write policies (SGLang): write_through backs a node up to the host when it is inserted; write_through_selective
+  once it has been hit twice; write_back only when it is evicted from the device.
+- Every page that reaches the host is also written to L3 in the background (when a storage backend is set).
+- A request's prefix is served from the fastest tier holding it: device pages are used in place, host pages are
+  copied back to the device, and storage pages are read (prefetched while the request waits) into host then
+  device. Per-request counts land in ``req.cached`` (device / host / storage).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from tierlm.backends.base import HostKVPool, ModelBackend
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
+from tierlm.runtime.hicache.host_sizing import plan_host_pool
+from tierlm.runtime.hicache.page_keys import page_keys
+from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.metrics import EngineMetrics
+from tierlm.runtime.page_allocator import PageAllocator
+from tierlm.runtime.radix_cache import TreeNode
+from tierlm.runtime.request import Req
+from tierlm.runtime.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# Keys of --hicache-storage-backend-extra-config read here (the rest goes to the storage backend).
+PREFETCH_TIMEOUT_BASE_S = 0.5
+PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
+
+
+class HiCacheManager(KVCacheManager):
+    def __init__(self, backend: ModelBackend, num_pages: int, page_size: int, host_pages: int, *,
+                 write_policy: str, layout: str, metrics: EngineMetrics, storage=None, storage_io=None,
+                 prefetch_policy: str = "timeout", prefetch_timeout: tuple[float, float] = (
+                     PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)) -> None:
+        super().__init__(num_pages, page_size, enable_radix=False)
+        self.backend = backend
+        self.metrics = metrics
+        self.write_policy = write_policy
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout = prefetch_timeout
+        page_bytes = backend.kv_bytes_per_token() * page_size
+        self.host = HostKVPool(num_pages=host_pages, page_bytes=page_bytes, num_layers=backend.info.num_layers,
+                               layout="layer_first" if layout == "layer_first" else "page_first")
+        self.host_alloc = PageAllocator(host_pages)
+        self.tree = HiRadixCache(page_size, self.allocator.free, self.host_alloc.free,
+                                 backup_node=self._backup_node, on_new_node=self._on_new_node)
+        self.storage = storage
+        self.storage_io = storage_io
+        self.loaded_host_pages = 0
+        self.loaded_storage_pages = 0
+
+    # ------------------------------------------------------------ construction from flags
+    @classmethod
+    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, metrics: EngineMetrics
+               ) -> "HiCacheManager":
+        for name, value, allowed in (("--hicache-write-policy", args.hicache_write_policy, WRITE_POLICIES),
+                                     ("--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy,
+                                      PREFETCH_POLICIES),
+                                     ("--hicache-mem-layout", args.hicache_mem_layout, LAYOUTS),
+                                     ("--hicache-io-backend", args.hicache_io_backend, ("kernel", "direct"))):
+            if value not in allowed:
+                raise StartupError(f"{name} {value!r} is not one of {', '.join(allowed)}")
+        ps = args.page_size
+        page_bytes = backend.kv_bytes_per_token() * ps
+        host_pages = plan_host_pool(num_pages, page_bytes, args.hicache_ratio, args.hicache_size)
+        storage = storage_io = None
+        timeout = (PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)
+        if args.hicache_storage_backend:
+            storage, storage_io, timeout = _open_storage(args, backend, page_bytes)
+        mgr = cls(backend, num_pages, ps, host_pages, write_policy=args.hicache_write_policy,
+                  layout=args.hicache_mem_layout, metrics=metrics, storage=storage, storage_io=storage_io,
+                  prefetch_policy=args.hicache_storage_prefetch_policy, prefetch_timeout=timeout)
+        log.info("HiCache host pool (L2): %d pages x %d tokens = %d tokens, %.1f MiB, layout %s, write policy %s",
+                 host_pages, ps, host_pages * ps, mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy)
+        if storage is not None:
+            st = storage.stats()
+            log.info("HiCache storage (L3): file backend at %s, %d pages already stored (%.1f MiB), prefetch policy %s",
+                     storage.dir, st["files"], st["bytes"] / 2**20, args.hicache_storage_prefetch_policy)
+        mgr._register_gauges()
+        return mgr
+
+    # ------------------------------------------------------------ write policies
+    def _on_new_node(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._backup_node(node)
+
+    def _backup_node(self, node: TreeNode) -> bool:
+        """Copy a device node to the host tier (and queue it for storage). False when the host is full."""
+        n = len(node.device_pages)
+        if self.host_alloc.num_free < n:
+            self.tree.evict_host(n - self.host_alloc.num_free)
+            if self.host_alloc.num_free < n:
+                return False
+        host_pages = self.host_alloc.alloc(n)
+        self.backend.copy_pages_to_host(np.asarray(node.device_pages), self.host, np.asarray(host_pages))
+        self.tree.set_host_pages(node, host_pages)
+        self._backup_to_storage(node)
+        return True
+
+    def _backup_to_storage(self, node: TreeNode) -> None:
+        if self.storage_io is None:
+            return
+        n = len(node.host_pages)
+        keys = page_keys(self.tree.path_tokens(node), self.page_size)[-n:]
+        stored = self.storage.exists(keys)
+        for key, hp, present in zip(keys, node.host_pages, stored):
+            if not present:
+                self.storage_io.backup(key, self.host.page_to_bytes(hp))
+
+    # ------------------------------------------------------------ admission
+    def on_request_added(self, req: Req) -> None:
+        """Start reading the request's storage-resident pages into memory while it waits in the queue."""
+        if self.storage_io is None:
+            return
+        tokens = req.input_ids
+        max_pages = (len(tokens) - 1) // self.page_size
+        m = self.tree.match_prefix(tokens, max_pages)
+        have = len(m.device_pages) + len(m.host_pages)
+        if have >= max_pages:
+            return
+        keys = page_keys(tokens[:max_pages * self.page_size], self.page_size)[have:]
+        hits = self.storage.batch_exists_prefix(keys)
+        if hits:
+            req.prefetch = (have, self.storage_io.prefetch(keys[:hits]), time.perf_counter())
+
+    def ready_to_admit(self, req: Req) -> bool:
+        """False while a timeout-policy prefetch is still loading within its time budget."""
+        pf = getattr(req, "prefetch", None)
+        if pf is None or self.prefetch_policy != "timeout":
+            return True
+        _, handle, started = pf
+        base, per_page = self.prefetch_timeout
+        return handle.done or time.perf_counter() - started >= base + per_page * len(handle.keys)
+
+    def match(self, req: Req) -> None:
+        if req.pages:
+            return
+        tokens = req.input_ids + req.output_ids if req.output_ids else req.input_ids
+        max_pages = (len(tokens) - 1) // self.page_size
+        m = self.tree.match_prefix(tokens, max_pages)
+        for node in _path(self.tree, m.last_node):
+            node.hit_count += 1
+            if self.write_policy == "write_through_selective" and node.hit_count >= 2 and node.host_pages is None:
+                self._backup_node(node)
+        node = m.last_node
+        pages = list(m.device_pages)
+        n_dev = len(pages)
+        n_host = 0
+        if m.host_pages:
+            node, loaded = self._load_from_host(m)
+            pages += loaded
+            n_host = len(loaded)
+        n_store = 0
+        pf = getattr(req, "prefetch", None)
+        if pf is not None:
+            req.prefetch = None
+            node, pages, n_store = self._load_from_storage(req, tokens, node, pages, pf)
+        self.tree.lock(node)
+        req.last_node = node
+        req.pages = pages
+        req.tree_pages = len(pages)
+        req.kv_len = len(pages) * self.page_size
+        if not req.admitted_once:
+            ps = self.page_size
+            req.cached.device, req.cached.host, req.cached.storage = n_dev * ps, n_host * ps, n_store * ps
+
+    def _load_from_host(self, m) -> tuple[TreeNode, list[int]]:
+        """Copy the host-only continuation of a match back to device pages; returns (deepest node, pages)."""
+        nodes = _path_between(self.tree, m.last_node, m.host_last_node)
+        n = len(m.host_pages)
+        self.tree.lock(m.host_last_node)  # neither tier may evict these nodes while we make room
+        try:
+            if not self._make_free(n):
+                return m.last_node, []
+            dev = self.allocator.alloc(n)
+        finally:
+            self.tree.unlock(m.host_last_node)
+        self.backend.copy_pages_from_host(self.host, np.asarray(m.host_pages), np.asarray(dev))
+        i = 0
+        for node in nodes:
+            k = len(node.host_pages)
+            self.tree.attach_device_pages(node, dev[i:i + k])
+            i += k
+        self.loaded_host_pages += n
+        return m.host_last_node, dev
+
+    def _load_from_storage(self, req: Req, tokens, node: TreeNode, pages: list[int], pf
+                           ) -> tuple[TreeNode, list[int], int]:
+        start, handle, _ = pf
+        if self.prefetch_policy == "wait_complete":
+            handle.wait()
+            payloads = handle.result()
+        else:
+            payloads = handle.cancel()  # best_effort / timeout: what has arrived by now
+        have = len(pages)
+        skip = have - start  # pages that meanwhile became available in a faster tier
+        payloads = payloads[skip:] if skip >= 0 else []
+        n = len(payloads)
+        if n == 0:
+            return node, pages, 0
+        self.tree.lock(node)
+        try:
+            ok = self._make_free(n) and self._make_host_free(n)
+            if not ok:
+                return node, pages, 0
+            dev = self.allocator.alloc(n)
+            host_pages = self.host_alloc.alloc(n)
+        finally:
+            self.tree.unlock(node)
+        for hp, payload in zip(host_pages, payloads):
+            self.host.page_from_bytes(hp, payload)
+        self.backend.copy_pages_from_host(self.host, np.asarray(host_pages), np.asarray(dev))
+        total = have + n
+        tree_pages, last = self.tree.insert_with_host(tokens[:total * self.page_size], pages + dev, host_pages, have)
+        # Pages another path inserted meanwhile cannot exist (same thread), so the tree adopted ours.
+        assert tree_pages[have:] == dev
+        self.loaded_storage_pages += n
+        return last, tree_pages, n
+
+    def _make_host_free(self, n: int) -> bool:
+        short = n - self.host_alloc.num_free
+        if short > 0:
+            self.tree.evict_host(short)
+        return self.host_alloc.num_free >= n
+
+    # ------------------------------------------------------------ flush / close / reporting
+    def flush(self, storage: bool = False) -> None:
+        self.tree.reset()
+        if storage and self.storage is not None:
+            self.storage_io.flush(timeout=30)
+            removed = self.storage.clear()
+            log.info("flushed L3 storage: %d pages removed", removed)
+
+    def close(self) -> None:
+        if self.storage_io is not None:
+            self.storage_io.close(flush=True, timeout=30)
+        if self.storage is not None:
+            self.storage.close()
+
+    def tiers_info(self) -> dict[str, Any]:
+        ps = self.page_size
+        info: dict[str, Any] = {
+            "device": {"total_tokens": self.num_pages * ps, "cached_tokens": self.tree.device_pages_cached * ps,
+                       "bytes_per_page": self.host.page_bytes},
+            "host": {"total_pages": self.host.num_pages, "total_tokens": self.host.num_pages * ps,
+                     "used_pages": self.host.num_pages - self.host_alloc.num_free,
+                     "total_bytes": self.host.total_bytes, "layout": self.host.layout,
+                     "write_policy": self.write_policy},
+        }
+        if self.storage is not None:
+            info["storage"] = {"backend": "file", "dir": str(self.storage.dir), **self.storage.stats(),
+                               "prefetch_policy": self.prefetch_policy, "io": self.storage_io.stats()}
+        return info
+
+    def accounting(self) -> dict[str, int]:
+        acc = super().accounting()
+        acc.update(host_total_pages=self.host.num_pages, host_free_pages=self.host_alloc.num_free,
+                   host_cached_pages=self.tree.host_pages_cached)
+        return acc
+
+    def _register_gauges(self) -> None:
+        m = self.metrics
+        ps = self.page_size
+        t = self.tree
+        m.gauge("tierlm_hicache_host_pages_total", "Host (L2) KV pages", lambda: self.host.num_pages)
+        m.gauge("tierlm_hicache_host_pages_used", "Host (L2) KV pages in use",
+                lambda: self.host.num_pages - self.host_alloc.num_free)
+        m.gauge("tierlm_hicache_demoted_pages", "Device pages demoted to host on eviction", lambda: t.demoted_pages)
+        m.gauge("tierlm_hicache_host_evicted_pages", "Host pages evicted", lambda: t.evicted_host_pages)
+        m.gauge("tierlm_hicache_loaded_host_tokens", "Tokens loaded back from host to device",
+                lambda: self.loaded_host_pages * ps)
+        m.gauge("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage",
+                lambda: self.loaded_storage_pages * ps)
+        if self.storage is not None:
+            for stat in ("files", "bytes", "bytes_read", "bytes_written", "misses", "errors", "evictions"):
+                m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
+                        lambda stat=stat: self.storage.stats()[stat])
+
+
+def _path(tree, node: TreeNode) -> list[TreeNode]:
+    out = []
+    while node is not tree.root:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
+
+
+def _path_between(tree, upper: TreeNode, lower: TreeNode) -> list[TreeNode]:
+    """Nodes strictly below ``upper`` down to and including ``lower``, top first."""
+    out = []
+    while lower is not upper:
+        out.append(lower)
+        lower = lower.parent
+    return out[::-1]
+
+
+def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int):
+    from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
+    from tierlm.runtime.hicache.storage_io import StorageIO
+    from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+
+    if args.hicache_storage_backend != "file":
+        raise StartupError(f"--hicache-storage-backend {args.hicache_storage_backend!r} is not available; "
+                           "tierlm ships the 'file' backend")
+    try:
+        cfg = parse_extra_config(args.hicache_storage_backend_extra_config)
+    except ValueError as e:
+        raise StartupError(f"--hicache-storage-backend-extra-config: {e}") from e
+    timeout = (float(cfg.pop("prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S)),
+               float(cfg.pop("prefetch_timeout_per_page", PREFETCH_TIMEOUT_PER_PAGE_S)))
+    # Host pages are always written to files in page-first byte order, whatever the host layout.
+    ns = StorageNamespace.from_fields({**backend.kv_namespace(), "page_size": args.page_size, "layout": "page_first"})
+    storage = FileKVStorage.from_extra_config(ns, page_bytes, cfg)
+    return storage, StorageIO(storage, num_threads=1), timeout

@@ -1,0 +1,195 @@
+"""`tierlm doctor [--json]`: what this machine is, which backend tierlm would pick and why, the KV tier sizes
+it would use, the install command for this platform, and the warnings worth acting on.
+
+Takes the same flags as `tierlm serve` (so `tierlm doctor --device cuda --enable-hierarchical-cache` checks
+exactly that launch) plus --json and --backend. Exit status 1 when that launch could not start here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from tierlm.platforms import (
+    BackendChoiceError,
+    Facts,
+    MemoryPlanError,
+    choose_backend,
+    detect,
+    install_command,
+    pitfalls,
+    plan_memory_for_args,
+)
+from tierlm.server.cli_args import build_parser, namespace_to_server_args
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _parser():
+    p = build_parser(prog="tierlm doctor")
+    p.description = (
+        "Check this machine: facts, the backend/device tierlm would choose and why, KV tier sizes, "
+        "the install command, warnings. Accepts the same flags as `tierlm serve`."
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--backend", default=None, choices=["torch", "mlx"],
+                   help="force a backend (same as TIERLM_BACKEND)")
+    return p
+
+
+def model_sizes(model_path: str | None, dtype: str = "auto") -> dict[str, Any] | None:
+    """KV bytes per token and weight bytes of a local model folder, from config.json and file sizes."""
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return None
+    folder = Path(model_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model
+    if dtype == "auto":
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    layers = int(cfg["num_hidden_layers"])
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in folder.glob("*.bin")
+    )
+    return {
+        "path": str(folder),
+        "dtype": dtype,
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2),
+        "weight_bytes": int(weights),
+    }
+
+
+def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str, Any]:
+    """Everything the doctor reports, as one JSON-able dict (the text view prints this)."""
+    ns = _parser().parse_args(list(argv))
+    as_json, backend = ns.json, ns.backend
+    del ns.json, ns.backend
+    args = namespace_to_server_args(ns)
+    report: dict[str, Any] = {
+        "facts": facts.to_dict(),
+        "platform": facts.platform_kind,
+        "install_command": install_command(facts),
+        "decision": None,
+        "model": None,
+        "memory": None,
+        "errors": [],
+        "warnings": pitfalls(facts, env),
+        "json": as_json,
+    }
+    try:
+        decision = choose_backend(facts, env, args.device, backend)
+    except BackendChoiceError as e:
+        report["errors"].append(str(e))
+        return report
+    report["decision"] = decision.to_dict()
+
+    sizes = model_sizes(args.model_path, args.dtype)
+    report["model"] = sizes
+    if args.model_path and sizes is None:
+        report["warnings"].append(
+            f"--model-path {args.model_path} is not a local folder with config.json: tier sizes are shown in bytes"
+        )
+    # Without a model, plan in bytes: 1 "token" = 1 byte, so the sizes read as byte budgets.
+    per_token = sizes["kv_bytes_per_token"] if sizes else 1
+    weights = sizes["weight_bytes"] if sizes else 0
+    if not sizes:
+        args.page_size, args.max_total_tokens = 1, None
+    try:
+        plan = plan_memory_for_args(facts, decision, args, weight_bytes=weights, kv_bytes_per_token=per_token)
+    except MemoryPlanError as e:
+        report["errors"].append(str(e))
+        return report
+    report["memory"] = plan.to_dict()
+    report["warnings"] += plan.warnings
+    return report
+
+
+def _gb(n: float | None) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n / 1e6:.2f} MB" if abs(n) < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+def render_text(report: dict[str, Any]) -> str:
+    f = report["facts"]
+    lines = ["tierlm doctor", "", f"Machine ({report['platform']})"]
+    lines.append(f"  OS / CPU         {f['os_name']} {f['arch']}, {f['cpu_count']} cores, Python {f['python_version']}"
+                 + (" (Rosetta)" if f["rosetta"] else ""))
+    lines.append(f"  RAM              {_gb(f['ram_total_bytes'])} total, {_gb(f['ram_available_bytes'])} available")
+    if f["accelerator"] == "none":
+        lines.append("  Accelerator      none")
+    else:
+        cap = f["compute_capability"]
+        lines.append(
+            f"  Accelerator      {f['device_name']} ({f['accelerator']}"
+            + (f", sm_{cap[0]}{cap[1]}" if cap else "") + (f", x{f['device_count']}" if f["device_count"] > 1 else "")
+            + f"), memory {_gb(f['device_memory_total_bytes'])}"
+            + (f", driver {f['driver_version']}" if f["driver_version"] else "")
+        )
+    lines.append(f"  Unified memory   {'yes' if f['unified_memory'] else 'no'}"
+                 + (f" ({f['board_model']})" if f["board_model"] else ""))
+    if f["torch_version"]:
+        build = f"CUDA {f['torch_cuda_version']}" if f["torch_cuda_version"] else "CPU build"
+        lines.append(f"  torch            {f['torch_version']} ({build}, CUDA usable: {'yes' if f['torch_cuda_available'] else 'no'})")
+    else:
+        lines.append(f"  torch            not importable{': ' + f['torch_error'] if f['torch_error'] else ''}")
+    if f["mlx_version"]:
+        lines.append(f"  mlx              {f['mlx_version']} ({'Metal' if f['mlx_metal_available'] else 'CPU only'}), "
+                     f"mlx-lm {f['mlx_lm_version'] or 'not installed'}")
+    else:
+        lines.append(f"  mlx              not importable{': ' + f['mlx_error'] if f['mlx_error'] else ''}")
+
+    d = report["decision"]
+    lines.append("")
+    if d:
+        lines.append(f"Backend            {d['backend']} on {d['device']}")
+        lines += [f"  - {r}" for r in d["reasons"]]
+    else:
+        lines.append("Backend            cannot start as configured (see Errors)")
+
+    m = report["memory"]
+    if m:
+        model = report["model"]
+        lines.append("")
+        if model:
+            lines.append(f"KV tiers           {model['path']} ({model['dtype']}): {model['kv_bytes_per_token']} bytes/token, "
+                         f"weights {_gb(model['weight_bytes'])}")
+            lines.append(f"  device KV (L1)   {m['device_kv_tokens']} tokens, {_gb(m['device_kv_bytes'])}")
+            host = (f"{m['host_kv_tokens']} tokens, {_gb(m['host_kv_bytes'])} (ratio {m['hicache_ratio']:g})"
+                    if m["hicache_ratio"] is not None else "off (--enable-hierarchical-cache to size it)")
+        else:
+            lines.append("KV tiers           byte budgets (no --model-path: tokens = bytes / your model's KV bytes per token)")
+            lines.append(f"  device KV (L1)   {_gb(m['device_kv_bytes'])}")
+            host = (f"{_gb(m['host_kv_bytes'])} (ratio {m['hicache_ratio']:g})"
+                    if m["hicache_ratio"] is not None else "off (--enable-hierarchical-cache to size it)")
+        lines.append(f"  host KV (L2)     {host}")
+        lines.append(f"  memory           {m['memory_kind']}, sized from {_gb(m['available_bytes'])}, "
+                     f"{_gb(m['headroom_bytes'])} RAM kept free, mem_fraction_static {m['mem_fraction_static']:g}")
+        lines += [f"  - {r}" for r in m["reasons"]]
+
+    lines += ["", f"Install            {report['install_command']}  (from the repository root)"]
+    lines += ["", "Warnings" + ("" if report["warnings"] else "           none")]
+    lines += [f"  ! {w}" for w in report["warnings"]]
+    if report["errors"]:
+        lines += ["", "Errors"] + [f"  x {e}" for e in report["errors"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        report = diagnose(detect(), dict(os.environ), argv)
+    except ValueError as e:  # a flag value ServerArgs rejects
+        print(f"tierlm doctor: error: {e}", file=sys.stderr)
+        return 2
+    as_json = report.pop("json")
+    print(json.dumps(report, indent=2) if as_json else render_text(report))
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

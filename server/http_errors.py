@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierlm.runtime.errors import RequestError
@@ -147,6 +148,10 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as e:  # noqa: BLE001 - this is the last line of defence
+            if isinstance(e, ClientDisconnect) or (started and isinstance(e, OSError)):
+                # The client went away; the stream's cleanup has already aborted its engine requests.
+                logger.info("client disconnected during %s %s", scope.get("method"), scope.get("path"))
+                return
             logger.exception("internal error while serving %s %s", scope.get("method"), scope.get("path"))
             if started:
                 try:

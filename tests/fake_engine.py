@@ -51,7 +51,7 @@ class FakeEngine:
         self.hang_after_tokens: int | None = None  # stop producing (until cancelled) after this many tokens
         self.error_after_tokens: int | None = None  # emit an in-band error after this many tokens
         self.raise_in_generate: Exception | None = None
-        self.fail_rids: set[str] = set()  # only these requests fail (error_after_tokens or at once)
+        self.fail_rid_suffix = ""  # with error_after_tokens: only requests whose rid ends with this fail
         self.flush_result = True
 
     # -- Engine API --------------------------------------------------------------------------
@@ -71,7 +71,7 @@ class FakeEngine:
         prompt = tuple(req.input_ids)
         cached = CachedTokens(device=len(prompt) - 1) if prompt in self.seen_prompts else CachedTokens()
         self.seen_prompts.add(prompt)
-        fails = not self.fail_rids or req.rid in self.fail_rids
+        fails = req.rid.endswith(self.fail_rid_suffix)
         produced: list[int] = []
         text = ""
         for step in range(sp.max_new_tokens + 1):

@@ -112,19 +112,37 @@ def test_requests_are_isolated_in_one_batch(backend_name, tiny_llama):
     assert outputs[2] == reference(tiny_llama, prompts[2], 24)
 
 
+def _variant(root: Path, family: str, name: str, **config_changes) -> Path:
+    """A copy of a tiny family model with some config.json entries changed (same weights)."""
+    import shutil
+
+    folder = root / name
+    if not folder.exists():
+        shutil.copytree(build_tiny_model(family, root / family), folder)
+        config = _config(folder)
+        for key, value in config_changes.items():
+            config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def windowed_mistral(tiny_models_root) -> Path:
     """The tiny mistral with a 5-token sliding window, which transformers applies on every layer."""
-    import shutil
+    return _variant(tiny_models_root, "mistral", "mistral_window5", sliding_window=5)
 
-    source = build_tiny_model("mistral", tiny_models_root / "mistral")
-    folder = tiny_models_root / "mistral_window5"
-    if not folder.exists():
-        shutil.copytree(source, folder)
-        config = _config(folder)
-        config["sliding_window"] = 5
-        (folder / "config.json").write_text(json.dumps(config))
-    return folder
+
+@pytest.fixture(scope="module")
+def llama_theta_5e5(tiny_models_root) -> Path:
+    """The tiny llama with rope_theta 500000, written the transformers-5 way (nested in rope_parameters)."""
+    return _variant(tiny_models_root, "llama", "llama_theta_5e5",
+                    rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+
+
+def test_rope_theta_from_rope_parameters(backend_name, llama_theta_5e5):
+    backend = make_backend(backend_name, llama_theta_5e5)
+    prompt = prompts_of(llama_theta_5e5, [30], seed=11)[0]
+    assert run_greedy(backend, [prompt], 40, page_size=4, chunk_size=8)[0] == reference(llama_theta_5e5, prompt, 40)
 
 
 def test_sliding_window_matches_reference(backend_name, windowed_mistral):

@@ -290,15 +290,13 @@ def test_in_band_engine_error_is_500_and_server_keeps_serving(client: TestClient
 
 
 def test_in_band_error_in_one_choice_aborts_the_others(client: TestClient, engine: FakeEngine) -> None:
-    engine.token_delay_s = 0.01
+    engine.token_delay_s = 0.01  # the healthy choice is still running when its sibling fails
     engine.error_after_tokens = 0
-    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})  # learn the rid scheme
-    engine.received.clear()
-    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 50, "n": 2})
-    assert r.status_code == 500
-    # the fake fails every rid here; whichever failed first, the sibling must have been aborted
-    rids = {req.rid for req in engine.received}
-    assert len(rids) == 2 and set(engine.aborted) & rids
+    engine.fail_rid_suffix = "-1"
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 200, "n": 2})
+    assert_error(r, 500, contains="fake model exploded")
+    healthy = [req.rid for req in engine.received if req.rid.endswith("-0")]
+    assert len(healthy) == 1 and engine.aborted == healthy
 
 
 def test_stream_error_becomes_error_event_then_done(client: TestClient, engine: FakeEngine) -> None:

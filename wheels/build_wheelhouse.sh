@@ -25,15 +25,16 @@ version="$("$python" -c 'import tomllib;print(tomllib.load(open("pyproject.toml"
   || "$python" -c 'from importlib.metadata import version;print(version("tierlm"))')"
 wheel="$(ls "$out"/tierlm-"$version"-*.whl | head -n1)"
 
-# requirements.txt for the target: the set without its "-e ." line, plus tierlm pinned with the same extras.
+# requirements.txt for the target: the set's requirement lines (no options, no "-e ."), plus tierlm pinned
+# with the same extras.
 extras="$(sed -nE 's/^-e \.(\[[^]]*\])?.*$/\1/p' "$set_file" | head -n1)"
-grep -vE '^\s*(-e\s|#|$)' "$set_file" > "$out/requirements.txt"
+grep -vE '^\s*(-|#|$)' "$set_file" > "$out/requirements.txt"
 echo "tierlm${extras}==${version}" >> "$out/requirements.txt"
 
 # Download every dependency (index options in the set are honoured: e.g. the cu130 index for torch).
 grep -E '^\s*--(extra-)?index-url' "$set_file" | tr '\n' ' ' > "$out/.index-options" || true
 # shellcheck disable=SC2046
 "$python" -m pip download --dest "$out" $(cat "$out/.index-options") \
-  -r <(grep -vE '^\s*(--|tierlm)' "$out/requirements.txt") "${wheel}${extras}"
+  -r <(grep -v '^tierlm' "$out/requirements.txt") "${wheel}${extras}"
 rm -f "$out/.index-options"
 echo "wheelhouse ready: $out  (install: pip install --no-index --find-links $out -r $out/requirements.txt)"

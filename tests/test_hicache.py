@@ -1,0 +1,200 @@
+"""HiCache through the real engine: L1 eviction -> host (L2) hits, restarts -> storage (L3) hits, damaged files,
+foreign namespaces, write and prefetch policies. A hit in any tier must give exactly the cold output."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from engine_harness import greedy, pool_is_clean, run, start_engine
+from model_factory import reference_greedy
+from tierlm.runtime.errors import StartupError
+
+PS = 4
+DEVICE_TOKENS = 96  # 24 pages: a 60-token prefix plus a few other prompts overflow it
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "hicache"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(d))
+    return d
+
+
+def hicache_engine(model, storage=True, **kw):
+    kw = {"page_size": PS, "max_total_tokens": DEVICE_TOKENS, "enable_hierarchical_cache": True,
+          "hicache_ratio": 4.0, **kw}
+    if storage:
+        kw.setdefault("hicache_storage_backend", "file")
+        kw.setdefault("hicache_storage_prefetch_policy", "wait_complete")
+    return start_engine(model, **kw)
+
+
+def doc(seed: int, n: int = 60) -> list[int]:
+    return [(seed * 31 + j * 7) % 270 + 5 for j in range(n)]
+
+
+def push_out_of_device(engine, rounds: int = 3):
+    for i in range(rounds):
+        run(engine, [doc(100 + i)], greedy(4))
+
+
+def test_host_hit_after_device_eviction(tiny_model, store):
+    engine = hicache_engine(tiny_model, storage=False)
+    try:
+        prompt = doc(1) + [9, 9]
+        cold, = run(engine, [prompt], greedy(12))
+        push_out_of_device(engine)
+        hot, = run(engine, [prompt], greedy(12))
+        assert hot.last.cached.host == 60 and hot.last.cached.device == 0
+        assert hot.token_ids == cold.token_ids == reference_greedy(tiny_model, prompt, 12)
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_storage_hit_after_restart(tiny_model, store):
+    prompt = doc(2) + [7]
+    engine = hicache_engine(tiny_model)
+    try:
+        cold, = run(engine, [prompt], greedy(12))
+    finally:
+        engine.shutdown()  # flushes queued writes
+    engine = hicache_engine(tiny_model)
+    try:
+        hot, = run(engine, [prompt], greedy(12))
+        assert hot.last.cached.storage == 60 and hot.last.cached.total == 60
+        assert hot.token_ids == cold.token_ids
+        assert pool_is_clean(engine)
+        metrics = engine.metrics_text().decode()
+        assert 'tierlm_cache_hit_tokens_total{model_name="' in metrics and 'tier="storage"} 60.0' in metrics
+    finally:
+        engine.shutdown()
+
+
+def _page_files(store: Path) -> list[Path]:
+    return sorted(p for p in store.rglob("*") if p.is_file() and p.name != "namespace.json"
+                  and not p.name.startswith(".tmp-"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_files_are_misses_and_output_is_unchanged(tiny_llama, store, damage):
+    prompt = doc(3) + [5]
+    engine = hicache_engine(tiny_llama)
+    try:
+        cold, = run(engine, [prompt], greedy(12))
+    finally:
+        engine.shutdown()
+    files = _page_files(store)
+    assert len(files) >= 15
+    for f in files[::2]:
+        raw = bytearray(f.read_bytes())
+        if damage == "flip":
+            raw[-5] ^= 0xFF
+            f.write_bytes(bytes(raw))
+        else:
+            f.write_bytes(bytes(raw[: len(raw) // 2]))
+    engine = hicache_engine(tiny_llama)
+    try:
+        hot, = run(engine, [prompt], greedy(12))
+        assert hot.token_ids == cold.token_ids
+        assert hot.last.cached.storage < 60  # the chain stops at the first damaged page
+        st = engine.parts.cache.storage.stats()
+        assert st["errors"] + st["misses"] >= 1
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_other_model_or_dtype_never_hits(tiny_models_root, tiny_llama, store):
+    from model_factory import build_tiny_model
+
+    prompt = doc(4) + [5]
+    engine = hicache_engine(tiny_llama)
+    try:
+        run(engine, [prompt], greedy(4))
+    finally:
+        engine.shutdown()
+    other = build_tiny_model("llama", tiny_models_root / "llama-seed9", seed=9)  # same shapes, other weights
+    for model, kw in ((other, {}), (tiny_llama, {"dtype": "bfloat16"})):
+        engine = hicache_engine(model, **kw)
+        try:
+            res, = run(engine, [prompt], greedy(4))
+            assert res.last.cached.total == 0
+        finally:
+            engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_write_policies(tiny_llama, store, policy):
+    engine = hicache_engine(tiny_llama, storage=False, hicache_write_policy=policy)
+    try:
+        tree = engine.parts.cache.tree
+        prompt = doc(5) + [1]
+        run(engine, [prompt], greedy(4))
+        after_first = tree.host_pages_cached
+        run(engine, [prompt], greedy(4))
+        run(engine, [prompt], greedy(4))
+        after_hits = tree.host_pages_cached
+        if policy == "write_through":
+            assert after_first >= 15
+        else:
+            assert after_first == 0
+        if policy == "write_through_selective":
+            assert after_hits >= 15
+        if policy == "write_back":
+            assert after_hits == 0
+            push_out_of_device(engine)
+            assert tree.host_pages_cached >= 15  # backed up only when evicted
+            hot, = run(engine, [prompt], greedy(4))
+            assert hot.last.cached.host > 0
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies_never_change_output(tiny_llama, store, policy):
+    prompt = doc(6) + [2]
+    engine = hicache_engine(tiny_llama)
+    try:
+        cold, = run(engine, [prompt], greedy(8))
+    finally:
+        engine.shutdown()
+    engine = hicache_engine(tiny_llama, hicache_storage_prefetch_policy=policy,
+                            hicache_storage_backend_extra_config=json.dumps({"prefetch_timeout_base": 5.0}))
+    try:
+        hot, = run(engine, [prompt], greedy(8))
+        assert hot.token_ids == cold.token_ids
+        if policy in ("wait_complete", "timeout"):  # both wait long enough here for all 15 pages
+            assert hot.last.cached.storage == 60
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_flush_cache_empties_memory_tiers_and_storage_on_request(tiny_llama, store):
+    import asyncio
+
+    engine = hicache_engine(tiny_llama)
+    try:
+        prompt = doc(7) + [3]
+        run(engine, [prompt], greedy(4))
+        assert asyncio.run(engine.flush_cache())
+        acc = engine.parts.cache.accounting()
+        assert acc["cached_pages"] == 0 and acc["host_cached_pages"] == 0
+        assert acc["host_free_pages"] == acc["host_total_pages"]
+        assert engine.parts.cache.storage_io.flush(timeout=30)  # background L3 writes are done
+        again, = run(engine, [prompt], greedy(4))
+        assert again.last.cached.storage == 60  # L3 survived a plain flush
+        assert asyncio.run(engine.flush_cache(storage=True))
+        assert _page_files(store) == []
+    finally:
+        engine.shutdown()
+
+
+def test_startup_errors_are_actionable(tiny_llama, store):
+    with pytest.raises(ValueError, match="disable-radix-cache"):
+        hicache_engine(tiny_llama, disable_radix_cache=True)
+    with pytest.raises(StartupError, match="hicache-size"):
+        hicache_engine(tiny_llama, storage=False, hicache_size=10_000.0)  # 10 TB of host pool

@@ -183,6 +183,13 @@ def _register_gauges(parts: EngineParts) -> None:
     m.gauge("tierlm_kv_pages_in_use", "Device KV pages held only by running requests", lambda: c.in_use_pages)
     m.gauge("tierlm_kv_pool_usage", "Share of device KV pages not free",
             lambda: 1.0 - c.allocator.num_free / max(c.num_pages, 1))
+    tiers = {"device": lambda: c.evicted_device_pages}
+    if hasattr(c.tree, "evicted_host_pages"):
+        tiers["host"] = lambda: c.tree.evicted_host_pages
+    if getattr(c, "storage", None) is not None:
+        tiers["storage"] = lambda: c.storage.stats()["evictions"]
+    m.tier_gauge("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device pages "
+                 "demoted to host count here too)", tiers)
     m.gauge("tierlm_num_running_requests", "Running requests", lambda: len(s.running))
     m.gauge("tierlm_num_waiting_requests", "Waiting requests", lambda: len(s.waiting))
 

@@ -21,8 +21,6 @@ class EngineMetrics:
                                       labels, registry=r)
         self.cache_hit_tokens = Counter("tierlm_cache_hit_tokens", "Prompt tokens reused from a cache tier",
                                         labels + ["tier"], registry=r)
-        self.evicted_pages = Counter("tierlm_cache_evicted_pages", "Pages evicted from a cache tier",
-                                     labels + ["tier"], registry=r)
         self.retractions = Counter("tierlm_retracted_requests", "Requests retracted for lack of KV pages",
                                    labels, registry=r)
         self.ttft = Histogram("tierlm_time_to_first_token_seconds", "Time to first token", labels,
@@ -34,12 +32,18 @@ class EngineMetrics:
         self.gauges: dict[str, Gauge] = {}
         for tier in TIERS:
             self.cache_hit_tokens.labels(model_name, tier)
-            self.evicted_pages.labels(model_name, tier)
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         """A gauge read at scrape time (pool usage, queue sizes)."""
         g = Gauge(name, doc, ["model_name"], registry=self.registry)
         g.labels(self._m).set_function(fn)
+        self.gauges[name] = g
+
+    def tier_gauge(self, name: str, doc: str, fns: dict[str, Callable[[], float]]) -> None:
+        """A per-tier gauge read at scrape time."""
+        g = Gauge(name, doc, ["model_name", "tier"], registry=self.registry)
+        for tier, fn in fns.items():
+            g.labels(self._m, tier).set_function(fn)
         self.gauges[name] = g
 
     def text(self) -> bytes:

@@ -19,6 +19,8 @@ class DriverRequest:
     max_new_tokens: int
     pages: list[int]  # device pages, in position order
     start_step: int = 0
+    temperature: float = 0.0  # 0 -> greedy
+    seed: int | None = None
     output: list[int] = field(default_factory=list)
     kv_len: int = 0  # positions whose K/V are in the pool
 
@@ -51,12 +53,14 @@ class GreedyDriver:
         # The last sampled token is never fed back, so its K/V is never written.
         return -(-(prompt_len + max_new_tokens - 1) // self.page_size)
 
-    def add(self, prompt: list[int], max_new_tokens: int, pages: list[int], start_step: int = 0) -> DriverRequest:
+    def add(self, prompt: list[int], max_new_tokens: int, pages: list[int], start_step: int = 0,
+            **sampling) -> DriverRequest:
+        """Queue a request; ``sampling`` may set ``temperature`` and ``seed`` (default greedy)."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         if len(pages) < self.pages_needed(len(prompt), max_new_tokens):
             raise ValueError(f"{len(pages)} pages cannot hold {len(prompt)} + {max_new_tokens} tokens")
-        req = DriverRequest(list(prompt), max_new_tokens, list(pages), start_step)
+        req = DriverRequest(list(prompt), max_new_tokens, list(pages), start_step, **sampling)
         self.requests.append(req)
         return req
 
@@ -85,7 +89,7 @@ class GreedyDriver:
             kv_lens=kv_lens,
             page_table=page_table,
             sample_indices=ends[samples].astype(np.int64),
-            sampling=SamplingBatch.greedy(len(samples)),
+            sampling=sampling_batch([active[i] for i in samples]),
             page_size=self.page_size,
         )
         tokens = self.backend.forward(batch)
@@ -100,6 +104,18 @@ class GreedyDriver:
     def run(self) -> None:
         while self.step():
             pass
+
+
+def sampling_batch(reqs: list[DriverRequest]) -> SamplingBatch:
+    """Greedy for every request unless one has a temperature (then plain temperature sampling, no filters)."""
+    batch = SamplingBatch.greedy(len(reqs))
+    if any(r.temperature > 0 for r in reqs):
+        batch.temperature = np.array([r.temperature for r in reqs], np.float32)
+        batch.seeds = [r.seed for r in reqs]
+        batch.output_ids = [list(r.output) for r in reqs]
+        batch.prompt_ids = [list(r.prompt) for r in reqs]
+        batch.all_greedy = False
+    return batch
 
 
 def run_greedy(backend: ModelBackend, prompts: list[list[int]], max_new_tokens: int, page_size: int = 4,

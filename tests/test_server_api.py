@@ -1,13 +1,13 @@
 """HTTP layer: OpenAI completions and chat against a fake engine (shapes, SSE order, usage, errors, auth)."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from fake_engine import FakeEngine
+from http_helpers import assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.app import create_app
 
@@ -20,29 +20,6 @@ def engine() -> FakeEngine:
 @pytest.fixture
 def client(engine: FakeEngine) -> TestClient:
     return TestClient(create_app(engine))
-
-
-def sse_events(resp: Any) -> list[Any]:
-    """Parse an SSE body into JSON payloads, with the '[DONE]' terminator kept as the string."""
-    assert resp.headers["content-type"].startswith("text/event-stream")
-    events = []
-    for block in resp.text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        data = block[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def assert_error(resp: Any, status: int, *, param: str | None = None, contains: str = "") -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert contains.lower() in err["message"].lower()
-    if param is not None:
-        assert err["param"] == param
-    return err
 
 
 # ------------------------------------------------------------------ completions
@@ -260,6 +237,10 @@ def test_engine_validate_rejection_keeps_its_status_and_code(client: TestClient,
     err = assert_error(client.post("/v1/completions", json={"prompt": "abcdefgh", "max_tokens": 5}), 400,
                        param="max_tokens", contains="context length")
     assert err["code"] == "context_length_exceeded"
+    # a streaming request is rejected the same way, as JSON before any event is sent
+    r = client.post("/v1/completions", json={"prompt": "abcdefgh", "max_tokens": 5, "stream": True})
+    assert r.headers["content-type"] == "application/json"
+    assert_error(r, 400, param="max_tokens")
     assert engine.received == []  # rejected before generation started
 
 

@@ -1,0 +1,111 @@
+"""Command-line flags -> ServerArgs, bad combinations exit 2 with a clear message, and `tierlm` dispatch."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from tierlm import cli
+from tierlm.runtime.server_args import ServerArgs
+from tierlm.server.cli_args import parse_args
+
+
+def test_defaults_match_server_args() -> None:
+    assert parse_args([]) == ServerArgs()
+
+
+def test_every_flag_maps_to_its_field(tmp_path: Path) -> None:
+    args = parse_args([
+        "--model-path", "Qwen/Qwen2.5-0.5B-Instruct", "--tokenizer-path", "/tok", "--host", "0.0.0.0",
+        "--port", "8000", "--context-length", "4096", "--max-running-requests", "8", "--max-total-tokens", "20000",
+        "--page-size", "32", "--chunked-prefill-size", "512", "--dtype", "bfloat16", "--device", "cuda",
+        "--served-model-name", "qwen", "--api-key", "k", "--mem-fraction-static", "0.8", "--log-level", "debug",
+        "--random-seed", "5", "--trust-remote-code", "--skip-warmup", "--disable-radix-cache",
+    ])
+    assert (args.model_path, args.tokenizer_path, args.host, args.port) == ("Qwen/Qwen2.5-0.5B-Instruct", "/tok", "0.0.0.0", 8000)
+    assert (args.context_length, args.max_running_requests, args.max_total_tokens) == (4096, 8, 20000)
+    assert (args.page_size, args.chunked_prefill_size, args.dtype, args.device) == (32, 512, "bfloat16", "cuda")
+    assert (args.served_model_name, args.api_key, args.mem_fraction_static, args.log_level) == ("qwen", "k", 0.8, "debug")
+    assert (args.random_seed, args.trust_remote_code, args.warmup, args.disable_radix_cache) == (5, True, False, True)
+    assert args.model_name == "qwen"
+
+
+def test_model_alias() -> None:
+    assert parse_args(["--model", "m"]).model_path == "m"
+
+
+def test_hicache_flags(tmp_path: Path) -> None:
+    args = parse_args([
+        "--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-size", "1.5",
+        "--hicache-write-policy", "write_back", "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct",
+        "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend-extra-config", '{"file_path": "/tmp/kv"}',
+    ])
+    assert args.enable_hierarchical_cache
+    assert (args.hicache_ratio, args.hicache_size) == (3.0, 1.5)
+    assert (args.hicache_write_policy, args.hicache_mem_layout, args.hicache_io_backend) == ("write_back", "layer_first", "direct")
+    assert (args.hicache_storage_backend, args.hicache_storage_prefetch_policy) == ("file", "wait_complete")
+    assert json.loads(args.hicache_storage_backend_extra_config) == {"file_path": "/tmp/kv"}
+
+
+def test_extra_config_from_file(tmp_path: Path) -> None:
+    f = tmp_path / "cfg.json"
+    f.write_text('{"file_path": "/data/kv", "max_gb": 4}')
+    args = parse_args(["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                       "--hicache-storage-backend-extra-config", f"@{f}"])
+    assert json.loads(args.hicache_storage_backend_extra_config) == {"file_path": "/data/kv", "max_gb": 4}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--page-size", "0"], "--page-size must be >= 1"),
+    (["--enable-hierarchical-cache", "--disable-radix-cache"], "needs the radix cache"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+    (["--chunked-prefill-size", "8", "--page-size", "16"], "--chunked-prefill-size"),
+    (["--port", "70000"], "--port"),
+    (["--hicache-storage-backend", "file"], "needs --enable-hierarchical-cache"),
+    (["--enable-hierarchical-cache", "--hicache-ratio", "0.5"], "--hicache-ratio must be > 1"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+      "--hicache-storage-backend-extra-config", "{oops"], "not valid JSON"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+      "--hicache-storage-backend-extra-config", "[1]"], "must be a JSON object"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+      "--hicache-storage-backend-extra-config", "@/nonexistent/cfg.json"], "cannot read"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--hicache-write-policy", "sometimes"], "invalid choice"),
+    (["--port", "eighty"], "invalid int value"),
+])
+def test_bad_values_exit_2_with_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_dispatches_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[ServerArgs] = []
+    monkeypatch.setattr("tierlm.server.launch.run_server", seen.append)
+    assert cli.main(["serve", "--model-path", "m", "--port", "1234"]) == 0
+    assert (seen[0].model_path, seen[0].port) == ("m", 1234)
+
+
+def test_cli_lazy_commands(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[list[str]] = []
+    fake = types.ModuleType("tierlm.server.doctor_cmd")
+    fake.main = lambda argv: calls.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tierlm.server.doctor_cmd", fake)
+    assert cli.main(["doctor", "--json"]) == 0
+    assert calls == [["--json"]]
+    monkeypatch.setitem(sys.modules, "tierlm.server.bench_cmd", None)  # import of this name fails
+    assert cli.main(["bench"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_cli_unknown_command_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+    assert "serve" in capsys.readouterr().out

@@ -28,7 +28,7 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: list[int]
     dtype: str  # "float32" | "bfloat16" | "float16"
-    fingerprint: str  # sha256 over config + weight file names/sizes/mtimes; separates incompatible L3 caches
+    fingerprint: str  # sha256 of config bytes + weight names/sizes/sampled content (model_files.model_fingerprint)
     sliding_window: int | None = None
 
 

@@ -79,7 +79,7 @@ def load_backend(decision: dict[str, Any], model_dir: Path, args: ServerArgs) ->
     if decision["backend"] == "mlx":
         from tierlm.backends.mlx.backend import MLXBackend
 
-        return MLXBackend(model_dir, dtype=args.dtype)
+        return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed)
     from tierlm.backends.torch.backend import TorchBackend
 
     return TorchBackend(model_dir, dtype=args.dtype, device=decision["device"],

@@ -108,6 +108,11 @@ class TorchBackend(ModelBackend):
 
         return sample(logits, s, self.generator)
 
+    def kv_byte_layout(self) -> str:
+        # Post-RoPE K and V, [layer, K/V, token, head, dim], little-endian in the pool dtype: the same bytes the
+        # MLX backend stores, so an L3 folder written by one backend serves the other (tests check continuation).
+        return "layer,kv,token,head,dim"
+
     # --- tiers ---
     def copy_pages_to_host(self, device_pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
         self.pool.to_host(np.asarray(device_pages), host, np.asarray(host_pages))

@@ -207,6 +207,13 @@ def _sysctl(name: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a half-imported or shadowed package
+        return False
+
+
 def _dist_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -219,7 +226,7 @@ def _short_error(e: BaseException) -> str:
 
 
 def _probe_torch() -> dict[str, Any]:
-    if importlib.util.find_spec("torch") is None:
+    if not _has_module("torch"):
         return {}
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -313,9 +320,9 @@ def parse_nvidia_smi_row(row: str) -> dict[str, Any]:
 
 
 def _probe_mlx() -> dict[str, Any]:
-    if importlib.util.find_spec("mlx") is None:
+    if not _has_module("mlx"):
         return {}
-    out: dict[str, Any] = {"mlx_lm_version": _dist_version("mlx-lm") if importlib.util.find_spec("mlx_lm") else None}
+    out: dict[str, Any] = {"mlx_lm_version": _dist_version("mlx-lm") if _has_module("mlx_lm") else None}
     try:
         mx = importlib.import_module("mlx.core")  # fails on Linux when no backend (mlx[cpu]) is installed
         out["mlx_version"] = str(getattr(mx, "__version__", None) or _dist_version("mlx") or "unknown")

@@ -285,9 +285,10 @@ def _plan_shared(r: _Request, kind: str) -> MemoryPlan:
     reasons.append(f"device KV = {_gb(static)} - weights {_gb(r.weights)} = {_gb(l1)}")
     if r.tokens(l1) < r.page_size:
         raise MemoryPlanError(
-            f"no memory left for the KV cache: weights {_gb(r.weights)} take the whole {_gb(static)} given to "
-            f"weights + device KV ({_gb(avail)} available). Raise --mem-fraction-static, close other programs, "
-            "or use a smaller model"
+            f"no memory left for the KV cache: weights + device KV may use {_gb(max(0.0, static))} of the "
+            f"{_gb(avail)} available, and the weights alone take {_gb(r.weights)}. "
+            + ("Lower --hicache-size or --hicache-ratio, " if r.hicache and r.fraction is None else "Raise --mem-fraction-static, ")
+            + "close other programs, or use a smaller model"
         )
     l1 = r.cap_by_max_total_tokens(l1, reasons)
     device_tokens = r.tokens(l1)
@@ -303,8 +304,10 @@ def _plan_shared(r: _Request, kind: str) -> MemoryPlan:
                 f"{what} = {_gb(want)} on top of weights {_gb(r.weights)} + device KV {_gb(l1_bytes)} + headroom "
                 f"{_gb(headroom)} exceeds the {_gb(avail)} available"
             )
-            if kind == KIND_CPU or r.tokens(room) < r.page_size:
-                raise MemoryPlanError(f"the HiCache host tier does not fit in RAM: {numbers}. " + _host_fix(room, l1_bytes, r))
+            if kind == KIND_CPU or r.tokens(room) <= device_tokens:
+                # CPU: explicit settings that do not fit are refused. Unified: a host tier no larger than the
+                # device tier holds nothing new, so cutting the ratio that far is refused too.
+                raise MemoryPlanError(f"the HiCache host tier does not fit in memory: {numbers}. " + _host_fix(room, l1_bytes, r))
             host = room
             warnings.append(
                 f"{where}: {numbers}; host KV reduced to {_gb(room)} (ratio {r.tokens(room) / device_tokens:.2f})."
@@ -342,8 +345,9 @@ def _cap_by_metal_working_set(f: Facts, d: Decision, static: float, reasons: lis
 
 
 def _host_fix(room: float, l1_bytes: int, r: _Request | None = None) -> str:
-    if room <= 0:
-        return "Lower --mem-fraction-static or --max-total-tokens to leave room, or disable --enable-hierarchical-cache"
+    if room <= l1_bytes:
+        return ("The host tier must be larger than the device tier: lower --mem-fraction-static or --max-total-tokens "
+                "to leave room, or drop --enable-hierarchical-cache")
     fix = f"Use --hicache-ratio {max(0.01, int(100 * room / l1_bytes) / 100):g} or --hicache-size {int(room / GB * 100) / 100:g} (GB)"
     if r is not None and r.fraction is not None:
         fix += ", or drop --mem-fraction-static so tierlm sizes both tiers from one budget"
@@ -364,3 +368,47 @@ def _warn_small_host(host_tokens: int, device_tokens: int, warnings: list[str]) 
             f"the host KV tier ({host_tokens} tokens) is not larger than the device tier ({device_tokens} tokens), "
             "so it can hold little the device does not already have: raise --hicache-ratio above 1 or free memory"
         )
+
+
+# ------------------------------------------------------------------------------- engine start-up adapter
+
+
+def facts_before_weights(facts: Facts, decision: Decision, weight_bytes: int) -> Facts:
+    """Facts as they were before ``weight_bytes`` of weights were loaded (for facts detected after loading)."""
+    import dataclasses
+
+    if memory_kind(facts, decision) == KIND_DISCRETE:
+        free = facts.device_memory_free_bytes
+        return dataclasses.replace(facts, device_memory_free_bytes=None if free is None else free + weight_bytes)
+    return dataclasses.replace(facts, ram_available_bytes=facts.ram_available_bytes + weight_bytes)
+
+
+def device_kv_budget_bytes(
+    device: str,
+    weight_bytes: int,
+    mem_fraction_static: float | None,
+    *,
+    facts: Facts | None = None,
+    weights_loaded: bool = True,
+    enable_hierarchical_cache: bool = False,
+    hicache_ratio: float = 2.0,
+    hicache_size_gb: float = 0.0,
+) -> tuple[int, str]:
+    """Bytes for the device KV pool (L1) on ``device`` ("cpu" | "cuda" | "mps"; MLX's "metal" = "mps"), and why.
+
+    For an engine that loads the backend first: facts are detected now (after the weights were loaded, unless
+    ``weights_loaded=False``) and the weights are added back before planning, so they count once.
+    """
+    from tierlm.platforms.facts import detect
+
+    device = "mps" if device == "metal" else device
+    facts = facts if facts is not None else detect()
+    decision = Decision(backend="mlx" if device == "mps" else "torch", device=device)
+    if weights_loaded:
+        facts = facts_before_weights(facts, decision, weight_bytes)
+    plan = plan_memory(
+        facts, decision, weight_bytes=weight_bytes, kv_bytes_per_token=1, page_size=1,
+        mem_fraction_static=mem_fraction_static, enable_hierarchical_cache=enable_hierarchical_cache,
+        hicache_ratio=hicache_ratio, hicache_size_gb=hicache_size_gb,
+    )
+    return plan.device_kv_tokens, "; ".join(plan.reasons)

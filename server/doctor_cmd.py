@@ -69,6 +69,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     as_json, backend = ns.json, ns.backend
     del ns.json, ns.backend
     args = namespace_to_server_args(ns)
+    args.check()
     report: dict[str, Any] = {
         "facts": facts.to_dict(),
         "platform": facts.platform_kind,
@@ -162,7 +163,7 @@ def render_text(report: dict[str, Any]) -> str:
             host = (f"{m['host_kv_tokens']} tokens, {_gb(m['host_kv_bytes'])} (ratio {m['hicache_ratio']:g})"
                     if m["hicache_ratio"] is not None else "off (--enable-hierarchical-cache to size it)")
         else:
-            lines.append("KV tiers           byte budgets (no --model-path: tokens = bytes / your model's KV bytes per token)")
+            lines.append("KV tiers           byte budgets before weights (pass --model-path for token counts)")
             lines.append(f"  device KV (L1)   {_gb(m['device_kv_bytes'])}")
             host = (f"{_gb(m['host_kv_bytes'])} (ratio {m['hicache_ratio']:g})"
                     if m["hicache_ratio"] is not None else "off (--enable-hierarchical-cache to size it)")

@@ -19,8 +19,10 @@ python="${PYTHON:-python3}"
 [[ -f pyproject.toml && -f "$set_file" ]] || { echo "run from the repository root; no $set_file here" >&2; exit 2; }
 mkdir -p "$out"
 
-# tierlm itself as a wheel.
+# tierlm itself as a wheel (setuptools leaves a build/ folder behind: remove it unless it was already there).
+[[ -e build ]] && keep_build=1 || keep_build=0
 "$python" -m pip wheel --no-deps --wheel-dir "$out" . >/dev/null
+[[ $keep_build == 1 ]] || rm -rf build
 version="$("$python" -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])' 2>/dev/null \
   || "$python" -c 'from importlib.metadata import version;print(version("tierlm"))')"
 wheel="$(ls "$out"/tierlm-"$version"-*.whl | head -n1)"

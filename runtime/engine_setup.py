@@ -64,25 +64,28 @@ class EngineParts:
             self.cache.close()
 
 
-def choose_backend(args: ServerArgs) -> dict[str, Any]:
+def choose_backend(args: ServerArgs, facts: Any) -> Any:
     """Backend + device with the reasons; the platform layer decides from the machine's facts."""
+    from tierlm.platforms import choose_backend as decide
+
     try:
-        from tierlm.platforms.backend_choice import choose_backend_for_args  # TODO(lead): wire when landed
-    except ImportError:
-        use_mlx = os.environ.get("SGLANG_USE_MLX") == "1"
-        return {"backend": "mlx" if use_mlx else "torch", "device": "mps" if use_mlx else "cpu",
-                "reasons": ["SGLANG_USE_MLX=1" if use_mlx else "default"]}
-    return choose_backend_for_args(args)
+        return decide(facts, os.environ, args.device)
+    except ValueError as e:  # BackendChoiceError says what to install or which flag to change
+        raise StartupError(str(e)) from e
 
 
-def load_backend(decision: dict[str, Any], model_dir: Path, args: ServerArgs) -> ModelBackend:
-    if decision["backend"] == "mlx":
+def load_backend(decision: Any, model_dir: Path, args: ServerArgs) -> ModelBackend:
+    if decision.backend == "mlx":
+        import mlx.core as mx
+
         from tierlm.backends.mlx.backend import MLXBackend
 
+        if decision.device == "cpu":  # e.g. SGLANG_USE_MLX=1 --device cpu on a Mac
+            mx.set_default_device(mx.cpu)
         return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed)
     from tierlm.backends.torch.backend import TorchBackend
 
-    return TorchBackend(model_dir, dtype=args.dtype, device=decision["device"],
+    return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,
                         trust_remote_code=args.trust_remote_code, seed=args.random_seed)
 
 
@@ -96,31 +99,40 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
                            "with tokenizer.json / tokenizer_config.json.") from e
 
 
-def size_device_pool(args: ServerArgs, backend: ModelBackend, context_length: int) -> int:
-    """Device KV pages: --max-total-tokens if given, else a share of free memory, capped by what can be used."""
+def plan_tiers(args: ServerArgs, facts: Any, decision: Any, backend: ModelBackend, context_length: int
+               ) -> tuple[int, int]:
+    """Device (L1) and host (L2) pages from the platform's memory plan; logs the sizes and the reasons."""
+    from tierlm.platforms.memory_plan import plan_memory_for_args
+
+    try:
+        plan = plan_memory_for_args(facts, decision, args, weight_bytes=backend.weight_bytes(),
+                                    kv_bytes_per_token=backend.kv_bytes_per_token())
+    except ValueError as e:  # MemoryPlanError carries the numbers and the flag to change
+        raise StartupError(str(e)) from e
+    for w in plan.warnings:
+        log.warning(w)
     ps = args.page_size
-    if args.max_total_tokens:
-        tokens = args.max_total_tokens
-        reason = "--max-total-tokens"
-    else:
-        try:
-            from tierlm.platforms.memory_plan import device_kv_budget_bytes  # TODO(lead): wire when landed
-            budget, why = device_kv_budget_bytes(backend.device, backend.weight_bytes(), args.mem_fraction_static)
-        except ImportError:
-            import psutil
-            budget, why = int(psutil.virtual_memory().available * 0.2), "20% of available RAM"
-        tokens = budget // backend.kv_bytes_per_token()
+    tokens, why = plan.device_kv_tokens, "; ".join(plan.reasons)
+    if not args.max_total_tokens:
         # More than every running request at full context (x4 for cached prefixes) can never be used.
         cap = context_length * args.max_running_requests * 4
-        reason = f"{why}; capped at 4 x context x max running requests" if tokens > cap else why
-        tokens = min(tokens, cap)
+        if tokens > cap:
+            tokens, why = cap, f"{why}; capped at 4 x context length x max running requests = {cap} tokens"
     pages = max(tokens // ps, 2)
     if pages * ps < context_length // 4:
         log.warning("the device KV pool holds only %d tokens (context length %d): long prompts will be refused",
                     pages * ps, context_length)
+    kv = backend.kv_bytes_per_token()
     log.info("device KV pool (L1): %d pages x %d tokens = %d tokens, %.1f MiB (%s)", pages, ps, pages * ps,
-             pages * ps * backend.kv_bytes_per_token() / 2**20, reason)
-    return pages
+             pages * ps * kv / 2**20, why)
+    host_pages = 0
+    if args.enable_hierarchical_cache:
+        host_pages = plan.host_kv_tokens // ps
+        if not args.hicache_size:  # the ratio follows the device pool actually allocated
+            host_pages = min(host_pages, int(pages * args.hicache_ratio))
+        if host_pages < 1:
+            raise StartupError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
+    return pages, host_pages
 
 
 def build_engine_parts(args: ServerArgs, emit: Callable) -> EngineParts:
@@ -132,8 +144,11 @@ def build_engine_parts(args: ServerArgs, emit: Callable) -> EngineParts:
         from tierlm.backends.demo_model import DEMO_MODEL_NOTICE
 
         log.warning(DEMO_MODEL_NOTICE)
-    decision = choose_backend(args)
-    log.info("backend: %s on %s (%s)", decision["backend"], decision["device"], "; ".join(decision["reasons"]))
+    from tierlm.platforms import detect
+
+    facts = detect()  # before the weights load, so the memory plan counts them once
+    decision = choose_backend(args, facts)
+    log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
     tokenizer = load_tokenizer(Path(args.tokenizer_path) if args.tokenizer_path else model_dir,
                                args.trust_remote_code)
     backend = load_backend(decision, model_dir, args)
@@ -145,30 +160,30 @@ def build_engine_parts(args: ServerArgs, emit: Callable) -> EngineParts:
     if args.context_length and args.context_length > info.max_position_embeddings:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d",
                     args.context_length, info.max_position_embeddings)
-    num_pages = size_device_pool(args, backend, context_length)
+    num_pages, host_pages = plan_tiers(args, facts, decision, backend, context_length)
     backend.init_kv_pool(num_pages, args.page_size)
     metrics = EngineMetrics(args.model_name)
     eos = list(info.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    cache = make_cache_manager(args, backend, num_pages, metrics)
+    cache = make_cache_manager(args, backend, num_pages, host_pages, metrics)
     outputs = OutputProcessor(tokenizer, eos, metrics)
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit)
-    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision)
+    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length,
+                        decision.to_dict())
     _register_gauges(parts)
     if args.warmup:
         warm_up(parts)
     return parts
 
 
-def make_cache_manager(args: ServerArgs, backend: ModelBackend, num_pages: int, metrics: EngineMetrics):
+def make_cache_manager(args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int,
+                       metrics: EngineMetrics):
     if args.enable_hierarchical_cache:
-        try:
-            from tierlm.runtime.hicache.controller import HiCacheManager
-        except ImportError as e:
-            raise StartupError("--enable-hierarchical-cache is not implemented yet in this build") from e
-        return HiCacheManager.create(args, backend, num_pages, metrics)
+        from tierlm.runtime.hicache.controller import HiCacheManager
+
+        return HiCacheManager.create(args, backend, num_pages, host_pages, metrics)
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
     return KVCacheManager(num_pages, args.page_size, enable_radix=not args.disable_radix_cache)

@@ -19,7 +19,6 @@ import numpy as np
 from tierlm.backends.base import HostKVPool, ModelBackend
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
-from tierlm.runtime.hicache.host_sizing import plan_host_pool
 from tierlm.runtime.hicache.page_keys import page_keys
 from tierlm.runtime.kv_cache_manager import KVCacheManager
 from tierlm.runtime.metrics import EngineMetrics
@@ -62,8 +61,9 @@ class HiCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------ construction from flags
     @classmethod
-    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, metrics: EngineMetrics
-               ) -> "HiCacheManager":
+    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int,
+               metrics: EngineMetrics) -> "HiCacheManager":
+        """From the flags; ``host_pages`` comes from the platform's memory plan (runtime/engine_setup.py)."""
         for name, value, allowed in (("--hicache-write-policy", args.hicache_write_policy, WRITE_POLICIES),
                                      ("--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy,
                                       PREFETCH_POLICIES),
@@ -73,7 +73,6 @@ class HiCacheManager(KVCacheManager):
                 raise StartupError(f"{name} {value!r} is not one of {', '.join(allowed)}")
         ps = args.page_size
         page_bytes = backend.kv_bytes_per_token() * ps
-        host_pages = plan_host_pool(num_pages, page_bytes, args.hicache_ratio, args.hicache_size)
         storage = storage_io = None
         timeout = (PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)
         if args.hicache_storage_backend:

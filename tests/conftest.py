@@ -45,3 +45,19 @@ STORIES_FIRST_40 = [int(x) for x in (
     "411 322 265 282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426").split()]
 STORIES_TEXT = (", there was a little girl named Lily. She loved to play outside in the park. "
                 "One day, she saw a big, red ball.")
+
+
+def _mlx_importable() -> bool:
+    try:
+        import mlx.core  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.fixture(params=["torch", "mlx"])
+def backend_name(request) -> str:
+    """Runs a test once per backend; MLX is skipped where mlx cannot be imported."""
+    if request.param == "mlx" and not _mlx_importable():
+        pytest.skip("mlx is not installed (pip install 'mlx[cpu]' mlx-lm on Linux)")
+    return request.param

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from dataclasses import dataclass
 
 from tierlm.runtime.engine import Engine
@@ -21,10 +22,20 @@ class Result:
     increments: int
 
 
-def start_engine(model_path, **kw) -> Engine:
+def start_engine(model_path, backend: str = "torch", **kw) -> Engine:
+    """An engine on ``backend`` ("torch" | "mlx"), chosen the way users do: the TIERLM_BACKEND variable."""
     kw.setdefault("warmup", False)
     engine = Engine(ServerArgs(model_path=str(model_path), **kw))
-    engine.start()
+    old = os.environ.get("TIERLM_BACKEND")
+    os.environ["TIERLM_BACKEND"] = backend
+    try:
+        engine.start()
+    finally:
+        if old is None:
+            os.environ.pop("TIERLM_BACKEND", None)
+        else:
+            os.environ["TIERLM_BACKEND"] = old
+    assert engine.parts.backend.name == backend
     return engine
 
 

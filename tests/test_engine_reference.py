@@ -10,8 +10,8 @@ PROMPTS = [[5], list(range(10, 17)), list(range(40, 73)), [(i * 7) % 280 + 3 for
 
 
 @pytest.mark.parametrize("page_size,chunk", [(4, 16), (16, 2048), (1, 7)])
-def test_batched_greedy_matches_reference(tiny_model, page_size, chunk):
-    engine = start_engine(tiny_model, page_size=page_size, chunked_prefill_size=max(chunk, page_size),
+def test_batched_greedy_matches_reference(tiny_model, page_size, chunk, backend_name):
+    engine = start_engine(tiny_model, backend_name, page_size=page_size, chunked_prefill_size=max(chunk, page_size),
                           max_total_tokens=4096)
     try:
         results = run(engine, PROMPTS, greedy(64))
@@ -23,8 +23,8 @@ def test_batched_greedy_matches_reference(tiny_model, page_size, chunk):
         engine.shutdown()
 
 
-def test_prefix_hit_reuses_pages_and_keeps_output(tiny_llama):
-    engine = start_engine(tiny_llama, page_size=4, max_total_tokens=2048)
+def test_prefix_hit_reuses_pages_and_keeps_output(tiny_llama, backend_name):
+    engine = start_engine(tiny_llama, backend_name, page_size=4, max_total_tokens=2048)
     try:
         system = list(range(3, 43))  # 40 shared tokens = 10 pages
         a, b = system + [50, 51, 52], system + [60, 61]
@@ -41,9 +41,9 @@ def test_prefix_hit_reuses_pages_and_keeps_output(tiny_llama):
         engine.shutdown()
 
 
-def test_tiny_pool_evicts_and_retracts_without_changing_output(tiny_llama):
+def test_tiny_pool_evicts_and_retracts_without_changing_output(tiny_llama, backend_name):
     # 24 pages of 4 tokens: 4 requests of ~40 tokens + 24 new each cannot all fit at once.
-    engine = start_engine(tiny_llama, page_size=4, max_total_tokens=96, chunked_prefill_size=32)
+    engine = start_engine(tiny_llama, backend_name, page_size=4, max_total_tokens=96, chunked_prefill_size=32)
     try:
         prompts = [[(i * 11 + j) % 280 + 3 for j in range(37 + i)] for i in range(4)]
         results = run(engine, prompts, greedy(24))
@@ -56,8 +56,8 @@ def test_tiny_pool_evicts_and_retracts_without_changing_output(tiny_llama):
         engine.shutdown()
 
 
-def test_disabled_radix_cache_never_hits(tiny_llama):
-    engine = start_engine(tiny_llama, page_size=4, max_total_tokens=1024, disable_radix_cache=True)
+def test_disabled_radix_cache_never_hits(tiny_llama, backend_name):
+    engine = start_engine(tiny_llama, backend_name, page_size=4, max_total_tokens=1024, disable_radix_cache=True)
     try:
         p = list(range(3, 40))
         r1, = run(engine, [p], greedy(8))
@@ -69,12 +69,12 @@ def test_disabled_radix_cache_never_hits(tiny_llama):
         engine.shutdown()
 
 
-def test_abort_frees_pages(tiny_llama):
+def test_abort_frees_pages(tiny_llama, backend_name):
     import asyncio
 
     from tierlm.runtime.io_struct import GenerateRequest
 
-    engine = start_engine(tiny_llama, page_size=4, max_total_tokens=1024)
+    engine = start_engine(tiny_llama, backend_name, page_size=4, max_total_tokens=1024)
     try:
         async def main():
             gen = engine.generate(GenerateRequest(rid="x", input_ids=list(range(3, 30)),

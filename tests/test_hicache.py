@@ -21,13 +21,13 @@ def store(tmp_path, monkeypatch) -> Path:
     return d
 
 
-def hicache_engine(model, storage=True, **kw):
+def hicache_engine(backend, model, storage=True, **kw):
     kw = {"page_size": PS, "max_total_tokens": DEVICE_TOKENS, "enable_hierarchical_cache": True,
           "hicache_ratio": 4.0, **kw}
     if storage:
         kw.setdefault("hicache_storage_backend", "file")
         kw.setdefault("hicache_storage_prefetch_policy", "wait_complete")
-    return start_engine(model, **kw)
+    return start_engine(model, backend, **kw)
 
 
 def doc(seed: int, n: int = 60) -> list[int]:
@@ -39,8 +39,8 @@ def push_out_of_device(engine, rounds: int = 3):
         run(engine, [doc(100 + i)], greedy(4))
 
 
-def test_host_hit_after_device_eviction(tiny_model, store):
-    engine = hicache_engine(tiny_model, storage=False)
+def test_host_hit_after_device_eviction(tiny_model, store, backend_name):
+    engine = hicache_engine(backend_name, tiny_model, storage=False)
     try:
         prompt = doc(1) + [9, 9]
         cold, = run(engine, [prompt], greedy(12))
@@ -53,14 +53,14 @@ def test_host_hit_after_device_eviction(tiny_model, store):
         engine.shutdown()
 
 
-def test_storage_hit_after_restart(tiny_model, store):
+def test_storage_hit_after_restart(tiny_model, store, backend_name):
     prompt = doc(2) + [7]
-    engine = hicache_engine(tiny_model)
+    engine = hicache_engine(backend_name, tiny_model)
     try:
         cold, = run(engine, [prompt], greedy(12))
     finally:
         engine.shutdown()  # flushes queued writes
-    engine = hicache_engine(tiny_model)
+    engine = hicache_engine(backend_name, tiny_model)
     try:
         hot, = run(engine, [prompt], greedy(12))
         assert hot.last.cached.storage == 60 and hot.last.cached.total == 60
@@ -78,9 +78,9 @@ def _page_files(store: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_damaged_files_are_misses_and_output_is_unchanged(tiny_llama, store, damage):
+def test_damaged_files_are_misses_and_output_is_unchanged(tiny_llama, store, damage, backend_name):
     prompt = doc(3) + [5]
-    engine = hicache_engine(tiny_llama)
+    engine = hicache_engine(backend_name, tiny_llama)
     try:
         cold, = run(engine, [prompt], greedy(12))
     finally:
@@ -94,7 +94,7 @@ def test_damaged_files_are_misses_and_output_is_unchanged(tiny_llama, store, dam
             f.write_bytes(bytes(raw))
         else:
             f.write_bytes(bytes(raw[: len(raw) // 2]))
-    engine = hicache_engine(tiny_llama)
+    engine = hicache_engine(backend_name, tiny_llama)
     try:
         hot, = run(engine, [prompt], greedy(12))
         assert hot.token_ids == cold.token_ids
@@ -106,18 +106,18 @@ def test_damaged_files_are_misses_and_output_is_unchanged(tiny_llama, store, dam
         engine.shutdown()
 
 
-def test_other_model_or_dtype_never_hits(tiny_models_root, tiny_llama, store):
+def test_other_model_or_dtype_never_hits(tiny_models_root, tiny_llama, store, backend_name):
     from model_factory import build_tiny_model
 
     prompt = doc(4) + [5]
-    engine = hicache_engine(tiny_llama)
+    engine = hicache_engine(backend_name, tiny_llama)
     try:
         run(engine, [prompt], greedy(4))
     finally:
         engine.shutdown()
     other = build_tiny_model("llama", tiny_models_root / "llama-seed9", seed=9)  # same shapes, other weights
     for model, kw in ((other, {}), (tiny_llama, {"dtype": "bfloat16"})):
-        engine = hicache_engine(model, **kw)
+        engine = hicache_engine(backend_name, model, **kw)
         try:
             res, = run(engine, [prompt], greedy(4))
             assert res.last.cached.total == 0
@@ -126,8 +126,8 @@ def test_other_model_or_dtype_never_hits(tiny_models_root, tiny_llama, store):
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-def test_write_policies(tiny_llama, store, policy):
-    engine = hicache_engine(tiny_llama, storage=False, hicache_write_policy=policy)
+def test_write_policies(tiny_llama, store, policy, backend_name):
+    engine = hicache_engine(backend_name, tiny_llama, storage=False, hicache_write_policy=policy)
     try:
         tree = engine.parts.cache.tree
         prompt = doc(5) + [1]
@@ -154,14 +154,14 @@ def test_write_policies(tiny_llama, store, policy):
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
-def test_prefetch_policies_never_change_output(tiny_llama, store, policy):
+def test_prefetch_policies_never_change_output(tiny_llama, store, policy, backend_name):
     prompt = doc(6) + [2]
-    engine = hicache_engine(tiny_llama)
+    engine = hicache_engine(backend_name, tiny_llama)
     try:
         cold, = run(engine, [prompt], greedy(8))
     finally:
         engine.shutdown()
-    engine = hicache_engine(tiny_llama, hicache_storage_prefetch_policy=policy,
+    engine = hicache_engine(backend_name, tiny_llama, hicache_storage_prefetch_policy=policy,
                             hicache_storage_backend_extra_config=json.dumps({"prefetch_timeout_base": 5.0}))
     try:
         hot, = run(engine, [prompt], greedy(8))
@@ -173,10 +173,10 @@ def test_prefetch_policies_never_change_output(tiny_llama, store, policy):
         engine.shutdown()
 
 
-def test_flush_cache_empties_memory_tiers_and_storage_on_request(tiny_llama, store):
+def test_flush_cache_empties_memory_tiers_and_storage_on_request(tiny_llama, store, backend_name):
     import asyncio
 
-    engine = hicache_engine(tiny_llama)
+    engine = hicache_engine(backend_name, tiny_llama)
     try:
         prompt = doc(7) + [3]
         run(engine, [prompt], greedy(4))
@@ -193,8 +193,8 @@ def test_flush_cache_empties_memory_tiers_and_storage_on_request(tiny_llama, sto
         engine.shutdown()
 
 
-def test_startup_errors_are_actionable(tiny_llama, store):
+def test_startup_errors_are_actionable(tiny_llama, store, backend_name):
     with pytest.raises(ValueError, match="disable-radix-cache"):
-        hicache_engine(tiny_llama, disable_radix_cache=True)
+        hicache_engine(backend_name, tiny_llama, disable_radix_cache=True)
     with pytest.raises(StartupError, match="hicache-size"):
-        hicache_engine(tiny_llama, storage=False, hicache_size=10_000.0)  # 10 TB of host pool
+        hicache_engine(backend_name, tiny_llama, storage=False, hicache_size=10_000.0)  # 10 TB of host pool

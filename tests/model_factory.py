@@ -98,3 +98,97 @@ def _cached_reference_model(path: str):
         m.eval()
         _REF_MODELS[path] = m
     return _REF_MODELS[path]
+
+
+# gpt-oss in miniature: alternating sliding (window 8, shorter than the test prompts) and full attention layers,
+# attention sinks, 4 experts top-2, the real checkpoints' yarn RoPE (truncate false) and biases everywhere.
+GPT_OSS_TINY = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+)
+MXFP4_BLOCK = 32  # values per shared E8M0 scale; 16 bytes of two FP4 (E2M1) codes each
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; code | 8 is the negative
+
+
+def build_tiny_gpt_oss(out_dir: Path, mxfp4: bool = False, seed: int = 0) -> Path:
+    """Write a seeded random tiny gpt-oss to ``out_dir`` and return it.
+
+    ``mxfp4=True`` stores the expert weights the way the released checkpoints do (``*_blocks`` uint8
+    [E, out, in/32, 16] and ``*_scales`` uint8 [E, out, in/32], ``quantization_config.quant_method`` "mxfp4",
+    ``rope_theta``/``rope_scaling`` at the top level of config.json as on the Hub); every other tensor is float32.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**GPT_OSS_TINY), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25 if "embed" not in name else 0.5)
+            elif name.endswith("sinks"):
+                p.normal_(0.5, 1.0)  # clearly non-zero: a sink-less attention gives other tokens
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    _write_tokenizer(out_dir)
+    if mxfp4:
+        _store_experts_as_mxfp4(out_dir)
+    return out_dir
+
+
+def _store_experts_as_mxfp4(out_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights_file = out_dir / "model.safetensors"
+    tensors = load_file(str(weights_file))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers keeps these as [E, in, out]; the checkpoint quantizes rows of the [E, out, in] weight.
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2))
+        else:
+            out[name] = t
+    save_file(out, str(weights_file), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def quantize_mxfp4(w):
+    """[..., rows, cols] float -> (blocks uint8 [..., rows, cols/32, 16], scales uint8 [..., rows, cols/32]).
+
+    OCP MX: each run of 32 values shares the scale 2**(floor(log2(absmax)) - 2) (6 = 1.5 * 2**2 is the largest
+    E2M1 value), stored as the E8M0 byte exponent + 127; each value is rounded to the nearest E2M1 code (larger
+    values clamp to 6) and two codes share a byte, the even element in the low nibble.
+    """
+    import torch
+
+    *lead, cols = w.shape
+    if cols % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs the input dimension to be a multiple of {MXFP4_BLOCK}, got {cols}")
+    x = w.detach().float().reshape(*lead, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = x.abs().amax(-1).clamp_min(2.0 ** -120)
+    exponent = torch.floor(torch.log2(amax)) - 2
+    scaled = x / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(FP4_E2M1_VALUES)
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+    code = torch.where((scaled < 0) & (code > 0), code + 8, code).to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    scales = (exponent + 127).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()

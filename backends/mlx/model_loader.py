@@ -12,6 +12,7 @@ import mlx.nn as nn
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPE_NAMES_BY_VALUE = {v: k for k, v in DTYPES.items()}
 
 
 def resolve_dtype(dtype: str, config: dict[str, Any]) -> mx.Dtype:
@@ -51,14 +52,49 @@ def load_mlx_model(model_dir: Path, dtype: str) -> tuple[nn.Module, dict[str, An
     if not config:
         raise FileNotFoundError(f"{model_dir} has no readable config.json; pass a Hugging Face model folder")
     overrides = config_overrides(config)
-    model, config = load_model(model_dir, lazy=True, model_config=overrides)
+    model, config = load_model(model_dir, lazy=True, model_config=overrides, get_model_classes=model_classes)
     target = resolve_dtype(dtype, config)
     # set_dtype only touches floating parameters, so quantized weights stay packed.
     model.set_dtype(target)
-    mx.eval(model.parameters())
+    _check_cpu_expert_dtype(model, target, model_dir)
+    mx.eval(model.parameters(), _private_arrays(model))
     log.info("mlx model %s loaded as %s on %s%s", model_dir, target, mx.default_device(),
              f" (config overrides {sorted(overrides)})" if overrides else "")
     return model, config, target
+
+
+def _check_cpu_expert_dtype(model: nn.Module, dtype: mx.Dtype, model_dir: Path) -> None:
+    """MLX on CPU multiplies unquantized mixture-of-experts weights (``gather_mm``) in float32 only; a half dtype
+    would fail on the first request ("[GatherMM::eval] Currently only supports float32"), so refuse it here."""
+    if dtype == mx.float32 or mx.default_device() != mx.cpu:
+        return
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if any(isinstance(m, SwitchLinear) for m in model.modules()):
+        raise ValueError(
+            f"{model_dir} has unquantized expert weights, which MLX on CPU runs in float32 only; use --dtype "
+            f"float32 (or auto) instead of {DTYPE_NAMES_BY_VALUE.get(dtype, dtype)}, or an MXFP4 checkpoint")
+
+
+def _private_arrays(model: nn.Module) -> list[mx.array]:
+    """Arrays modules keep outside ``parameters()`` (RoPE frequencies such as YaRN's ``_freqs``), built lazily.
+
+    A lazy graph belongs to the stream of the thread that built it; the engine runs the model on its scheduler
+    thread, where evaluating such a graph fails ("There is no Stream(cpu, 0) in current thread"). So they are
+    evaluated here, on the loading thread.
+    """
+    return [v for m in model.modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
+
+
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """mlx-lm's (Model, ModelArgs) for the config; gpt_oss gets tierlm's transformers-exact variant."""
+    from mlx_lm.utils import _get_classes
+
+    if config.get("model_type") == "gpt_oss":
+        from tierlm.backends.mlx import gpt_oss
+
+        return gpt_oss.Model, gpt_oss.ModelArgs
+    return _get_classes(config)
 
 
 def read_json(path: Path) -> dict[str, Any]:

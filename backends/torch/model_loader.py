@@ -26,14 +26,39 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
 
     paged_attention.register()
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    # Loaded with "eager" (every architecture has it; gpt-oss has no sdpa path), then switched to the paged hook.
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+        model_dir, config=config, dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code,
+        **quantization_kwargs(config, dtype),
     )
     model.set_attn_implementation(paged_attention.ATTN_IMPLEMENTATION)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def quantization_kwargs(config, dtype: torch.dtype) -> dict:
+    """from_pretrained arguments for quantized checkpoints the torch backend can serve.
+
+    MXFP4 (gpt-oss expert weights as ``*_blocks``/``*_scales``): transformers' MXFP4 kernels need triton and the
+    ``kernels`` package (fetched from the Hub), and its quantizer otherwise insists on accelerate. With
+    ``Mxfp4Config(dequantize=True)`` it decodes the blocks to ``dtype`` while loading, in plain torch, offline and
+    on any device; the experts then run as ordinary ``GptOssExperts`` (memory: 2 or 4 bytes per weight instead
+    of ~0.53).
+    """
+    qcfg = getattr(config, "quantization_config", None)
+    if qcfg is None:
+        return {}
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", None)
+    method = getattr(method, "value", method)
+    if method == "mxfp4":
+        from transformers import Mxfp4Config
+
+        log.info("MXFP4 expert weights: dequantizing to %s while loading (torch backend has no MXFP4 kernels)",
+                 str(dtype).removeprefix("torch."))
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
 
 
 def read_json(path: Path) -> dict:

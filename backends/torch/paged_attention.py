@@ -5,6 +5,11 @@ The model runs on one flattened sequence (batch 1, T tokens from R requests). tr
 queries over that request's pages. The index tensors (slots, gathers, masks) are built once per step in
 ``StepMeta`` and shared by every layer. Requests are split in two groups so padding stays small: decode
 tokens (one query each) and extend chunks (many queries each); each group is one batched SDPA call.
+
+Per layer, transformers passes ``sliding_window`` (sliding layers of mistral, qwen2, gpt-oss: a query at p sees
+keys at p-window+1..p, transformers' ``sliding_window_overlay``) and, for gpt-oss, ``s_aux`` (attention sinks:
+one learned logit per head that joins the softmax and carries no value). The pool keeps every layer's K/V for
+all positions, so a sliding layer always finds its window, whatever position a cached prefix ends at.
 """
 from __future__ import annotations
 
@@ -87,8 +92,11 @@ CURRENT = _Current()
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-                    **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+                    s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D].
+
+    ``s_aux`` [H]: attention sinks (gpt-oss), see ``attend``.
+    """
     meta, pool = CURRENT.meta, CURRENT.pool
     if meta is None:
         raise RuntimeError("tierlm paged attention called outside a tierlm forward step")
@@ -99,7 +107,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     pool.v[layer].index_copy_(0, meta.slot_mapping, v_new.to(pool.dtype))
 
     q = query[0]  # [H, T, D]
-    if meta.single_fresh_prefill and sliding_window is None:
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    if meta.single_fresh_prefill and sliding_window is None and s_aux is None:
         out = F.scaled_dot_product_attention(q[None], key, value, is_causal=True, scale=scaling,
                                              enable_gqa=q.shape[0] != key.shape[1])
         return out.transpose(1, 2), None
@@ -110,11 +120,42 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         kg = pool.k[layer][g.kv_slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
         vg = pool.v[layer][g.kv_slots].transpose(1, 2).to(q.dtype)
         mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling,
-                                            enable_gqa=qg.shape[1] != kg.shape[1])  # [G, H, Q, D]
+        og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2)  # [G, Q, H, D]
         out[g.rows[g.row_valid]] = og[g.row_valid]
     return out[None], None
+
+
+# Extra q/k features that carry the sink shift; 8 keeps the head dim a multiple of 8 for fused SDPA kernels.
+_SINK_FEATURES = 8
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over q [G, H, Q, D], k/v [G, Hkv, L, D] with a bool mask [G, 1, Q, L]; optional sinks [H].
+
+    With sinks, each head's softmax also runs over one extra logit ``sinks[h]`` whose value is zero (transformers'
+    eager gpt-oss attention: softmax over [scores, sink], sink column dropped). SDPA takes one mask for all heads,
+    so the per-head constant goes into the dot product instead: every real key gets an extra feature 1 and the
+    query gets ``-sinks[h] / scale`` there, shifting head h's real logits by ``-sinks[h]``; a zero key (logit 0,
+    value 0) is appended. Softmax is shift-invariant, so exp(s_i - sink) / (sum_j exp(s_j - sink) + exp(0)) equals
+    exp(s_i) / (sum_j exp(s_j) + exp(sink)): the eager result, in one fused SDPA call without a per-head mask.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    G, H, Q, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    q_extra = q.new_zeros((G, H, Q, _SINK_FEATURES))
+    q_extra[..., 0] = (-sinks.to(q.dtype) / scale)[None, :, None]
+    k_extra = k.new_zeros((G, Hkv, L, _SINK_FEATURES))
+    k_extra[..., 0] = 1
+    q_aug = torch.cat([q, q_extra], dim=-1)
+    k_aug = F.pad(torch.cat([k, k_extra], dim=-1), (0, 0, 0, 1))  # + the all-zero sink key at position L
+    v_aug = F.pad(v, (0, _SINK_FEATURES, 0, 1))  # same head dim as q/k (fused kernels want it); sink value 0
+    mask_aug = F.pad(mask, (0, 1), value=True)  # every query sees the sink
+    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=mask_aug, scale=scale, enable_gqa=gqa)
+    return out[..., :D]
 
 
 def register() -> None:

@@ -71,15 +71,7 @@ class RadixCache:
             child = node.children.get(self._page_key(tokens, pos * ps))
             if child is None:
                 break
-            # pages of this edge that match
-            edge_pages = len(child.key) // ps
-            k = 1
-            while k < edge_pages and pos + k < n_pages and \
-                    child.key[k * ps:(k + 1) * ps] == list(tokens[(pos + k) * ps:(pos + k + 1) * ps]):
-                k += 1
-            if k < edge_pages:
-                child = self._split(child, k)
-            child.touch()
+            child, k = self._follow_edge(child, tokens, pos, n_pages)
             if child.device_pages is not None and not host_pages:
                 device_pages.extend(child.device_pages)
                 device_node = child
@@ -91,6 +83,20 @@ class RadixCache:
             node = child
             pos += k
         return MatchResult(device_pages, device_node, host_pages, host_node)
+
+    def _follow_edge(self, child: TreeNode, tokens: Sequence[int], pos: int, n_pages: int) -> tuple[TreeNode, int]:
+        """How many pages of ``child``'s edge match ``tokens`` from page ``pos`` (the first always does);
+        splits the edge where the match ends. Returns the (possibly new upper) node and that page count."""
+        ps = self.page_size
+        edge_pages = len(child.key) // ps
+        k = 1
+        while k < edge_pages and pos + k < n_pages and \
+                child.key[k * ps:(k + 1) * ps] == list(tokens[(pos + k) * ps:(pos + k + 1) * ps]):
+            k += 1
+        if k < edge_pages:
+            child = self._split(child, k)
+        child.touch()
+        return child, k
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Split ``node``'s edge after ``k`` pages; return the new upper node (which keeps locks)."""
@@ -133,14 +139,7 @@ class RadixCache:
                 self._on_insert(new)
                 out.extend(new.device_pages)
                 return out, new
-            edge_pages = len(child.key) // ps
-            k = 1
-            while k < edge_pages and pos + k < n_pages and \
-                    child.key[k * ps:(k + 1) * ps] == list(tokens[(pos + k) * ps:(pos + k + 1) * ps]):
-                k += 1
-            if k < edge_pages:
-                child = self._split(child, k)
-            child.touch()
+            child, k = self._follow_edge(child, tokens, pos, n_pages)
             if child.device_pages is None:
                 # Evicted from the device (maybe still in host memory): adopt the caller's fresh pages.
                 child.device_pages = list(pages[pos:pos + k])

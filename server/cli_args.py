@@ -69,23 +69,9 @@ def _load_extra_config(value: str | None) -> str | None:
     """Resolve '@file', check the text is a JSON object, and return it as compact JSON text."""
     if value is None:
         return None
-    text = value
-    if value.startswith("@"):
-        path = Path(value[1:]).expanduser()
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ValueError(f"--hicache-storage-backend-extra-config: cannot read {path}: {e.strerror}") from None
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"--hicache-storage-backend-extra-config is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-            "pass a JSON object such as '{\"path\": \"/tmp/kv\"}' or @file.json"
-        ) from None
-    if not isinstance(parsed, dict):
-        raise ValueError("--hicache-storage-backend-extra-config must be a JSON object ({...})")
-    return json.dumps(parsed)
+    from tierlm.runtime.hicache.file_storage import parse_extra_config
+
+    return json.dumps(parse_extra_config(value))
 
 
 def _check_cli_only(args: ServerArgs) -> None:

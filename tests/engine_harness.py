@@ -71,3 +71,10 @@ def pool_is_clean(engine: Engine) -> bool:
     device_ok = acc["in_use_pages"] == 0 and acc["free_pages"] + acc["cached_pages"] == acc["total_pages"]
     host_ok = "host_total_pages" not in acc or acc["host_free_pages"] + acc["host_cached_pages"] == acc["host_total_pages"]
     return device_ok and host_ok
+
+
+def stop_scheduler_thread(engine: Engine) -> None:
+    """Stop the scheduler thread but keep the parts open, so a test can drive the cache manager by hand."""
+    engine._stop.set()
+    engine._inbox.put(("wake",))
+    engine._thread.join(timeout=10)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_harness import greedy, pool_is_clean, run, start_engine
+from engine_harness import greedy, pool_is_clean, run, start_engine, stop_scheduler_thread
 from model_factory import reference_greedy
 from tierlm.runtime.errors import StartupError
 
@@ -198,3 +198,34 @@ def test_startup_errors_are_actionable(tiny_llama, store, backend_name):
         hicache_engine(backend_name, tiny_llama, disable_radix_cache=True)
     with pytest.raises(StartupError, match="hicache-size"):
         hicache_engine(backend_name, tiny_llama, storage=False, hicache_size=10_000.0)  # 10 TB of host pool
+
+
+def test_storage_pages_park_in_host_when_device_is_full(tiny_llama, store, backend_name):
+    """Pages read from L3 while L1 has no room stay in L2, so the request's retry is a host hit."""
+    from tierlm.runtime.request import Req
+
+    prompt = doc(8) + [4]
+    engine = hicache_engine(backend_name, tiny_llama)
+    try:
+        cold, = run(engine, [prompt], greedy(6))
+    finally:
+        engine.shutdown()
+    engine = hicache_engine(backend_name, tiny_llama)
+    try:
+        stop_scheduler_thread(engine)  # drive the cache manager by hand
+        cache = engine.parts.cache
+        req = Req(rid="a", input_ids=list(prompt), sampling_params=greedy(6))
+        cache.on_request_added(req)
+        assert req.prefetch is not None
+        hog = cache.allocator.alloc(cache.allocator.num_free)  # running requests hold all of L1
+        cache.match(req)
+        assert req.cached.storage == 0 and cache.tree.host_pages_cached == 15
+        cache.release(req, cache_kv=False)
+        cache.allocator.free(hog)
+        retry = Req(rid="b", input_ids=list(prompt), sampling_params=greedy(6))
+        cache.match(retry)
+        assert retry.cached.host == 60 and retry.kv_len == 60
+        cache.release(retry, cache_kv=True)
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()

@@ -58,6 +58,7 @@ class HiCacheManager(KVCacheManager):
         self.storage_io = storage_io
         self.loaded_host_pages = 0
         self.loaded_storage_pages = 0
+        self.parked_storage_pages = 0  # read from L3 into L2 while L1 had no room
 
     # ------------------------------------------------------------ construction from flags
     @classmethod
@@ -210,15 +211,22 @@ class HiCacheManager(KVCacheManager):
             return node, pages, 0
         self.tree.lock(node)
         try:
-            ok = self._make_free(n) and self._make_host_free(n)
-            if not ok:
+            if not self._make_host_free(n):
                 return node, pages, 0
-            dev = self.allocator.alloc(n)
             host_pages = self.host_alloc.alloc(n)
+            dev = self.allocator.alloc(n) if self._make_free(n) else None
         finally:
             self.tree.unlock(node)
         for hp, payload in zip(host_pages, payloads):
             self.host.page_from_bytes(hp, payload)
+        if dev is None:
+            # L1 is full at the moment: keep what was read in L2, where this request's retry finds it.
+            ps = self.page_size
+            if self.tree.add_host_only_child(node, tokens[have * ps:(have + n) * ps], host_pages):
+                self.parked_storage_pages += n
+            else:
+                self.host_alloc.free(host_pages)
+            return node, pages, 0
         self.backend.copy_pages_from_host(self.host, np.asarray(host_pages), np.asarray(dev))
         total = have + n
         tree_pages, last = self.tree.insert_with_host(tokens[:total * self.page_size], pages + dev, host_pages, have)
@@ -279,8 +287,10 @@ class HiCacheManager(KVCacheManager):
         m.gauge("tierlm_hicache_host_evicted_pages", "Host pages evicted", lambda: t.evicted_host_pages)
         m.gauge("tierlm_hicache_loaded_host_tokens", "Tokens loaded back from host to device",
                 lambda: self.loaded_host_pages * ps)
-        m.gauge("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage",
+        m.gauge("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage into the device tier",
                 lambda: self.loaded_storage_pages * ps)
+        m.gauge("tierlm_hicache_parked_storage_tokens", "Tokens read from storage into the host tier while the "
+                "device tier had no room", lambda: self.parked_storage_pages * ps)
         if self.storage is not None:
             for stat in ("files", "bytes", "bytes_read", "bytes_written", "misses", "errors", "evictions"):
                 m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",

@@ -67,6 +67,16 @@ class HiRadixCache(RadixCache):
             n = n.parent
         return out, node
 
+    def add_host_only_child(self, parent: TreeNode, tokens: Sequence[int], host_pages: list[int]) -> bool:
+        """Hang pages that are only in host memory under ``parent``; False if that branch exists already."""
+        key = self._page_key(tokens, 0)
+        if key in parent.children:
+            return False
+        node = TreeNode(key=list(tokens), parent=parent)
+        parent.children[key] = node
+        self.set_host_pages(node, list(host_pages))
+        return True
+
     # ---------------------------------------------------------------- device eviction: demote
     def _evict_node(self, node: TreeNode) -> int:
         if node.host_pages is None:

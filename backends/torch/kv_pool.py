@@ -27,6 +27,9 @@ class TorchKVPool:
         )
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
+        # The same memory as [page, token-in-page, head, dim]: attention gathers whole pages.
+        self.k_pages = [k.view(num_pages, page_size, num_kv_heads, head_dim) for k in self.k]
+        self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
 
     @property
     def page_bytes(self) -> int:

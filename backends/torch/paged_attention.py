@@ -25,12 +25,17 @@ ATTN_IMPLEMENTATION = "tierlm_paged"
 
 @dataclass
 class _Group:
-    rows: torch.Tensor  # [G, Q] flat token rows of the group's queries (padded rows point at row 0)
+    rows_flat: torch.Tensor  # [G*Q] flat token rows of the group's queries (padded rows point at row 0)
+    valid_idx: torch.Tensor  # [n] positions in rows_flat that are real queries
+    dst_rows: torch.Tensor  # [n] rows_flat[valid_idx]: where the outputs go
+    all_valid: bool
+    G: int
+    Q: int
+    L: int  # keys per request: whole pages, L = pages * page_size
     row_valid: torch.Tensor  # [G, Q] bool
     q_pos: torch.Tensor  # [G, Q] absolute positions of the queries
-    kv_slots: torch.Tensor  # [G, L] pool slots of positions 0..L-1 (padded with slot 0)
+    kv_pages: torch.Tensor  # [G*P] pool pages holding positions 0..L-1 (padded with page 0, masked)
     kv_pos: torch.Tensor  # [L] 0..L-1
-    kv_len: torch.Tensor  # [G]
     mask: torch.Tensor  # [G, 1, Q, L] bool, causal and length-bounded
     window_masks: dict  # sliding window -> mask, built on first use
 
@@ -55,21 +60,24 @@ class StepMeta:
 
     def _group(self, sel, q_lens, kv_lens, starts, page_table, page_size) -> _Group:
         ql, kl, st = q_lens[sel], kv_lens[sel], starts[sel]
-        Q, L = int(ql.max()), int(kl.max())
+        G, Q = len(sel), int(ql.max())
+        P = -(-int(kl.max()) // page_size)
+        L = P * page_size
         qi = np.arange(Q)
         row_valid = qi[None, :] < ql[:, None]
-        rows = np.where(row_valid, st[:, None] + qi[None, :], 0)
+        rows = np.where(row_valid, st[:, None] + qi[None, :], 0).reshape(-1)
+        valid_idx = np.nonzero(row_valid.reshape(-1))[0]
         q_pos = (kl - ql)[:, None] + qi[None, :]
         kv_pos = np.arange(L)
-        page_idx = np.minimum(kv_pos // page_size, page_table.shape[1] - 1)
-        kv_slots = page_table[sel][:, page_idx].astype(np.int64) * page_size + kv_pos % page_size
+        # Gather whole pages (one contiguous block each): much cheaper than gathering token slots.
+        kv_pages = np.where(np.arange(P)[None, :] < -(-kl[:, None] // page_size), page_table[sel][:, :P], 0)
         kv_valid = kv_pos[None, :] < kl[:, None]
-        kv_slots = np.where(kv_valid, kv_slots, 0)
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
         # Padded query rows attend to position 0 only, so softmax never sees an all-masked row.
         mask |= (~row_valid)[:, :, None] & (kv_pos == 0)[None, None, :]
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return _Group(t(rows), t(row_valid), t(q_pos), t(kv_slots), t(kv_pos), t(kl), t(mask[:, None]), {})
+        return _Group(t(rows), t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
+                      t(q_pos), t(kv_pages.reshape(-1).astype(np.int64)), t(kv_pos), t(mask[:, None]), {})
 
     @staticmethod
     def window_mask(g: _Group, window: int) -> torch.Tensor:
@@ -114,15 +122,20 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                              enable_gqa=q.shape[0] != key.shape[1])
         return out.transpose(1, 2), None
 
-    out = torch.empty((q.shape[1], q.shape[0], q.shape[2]), dtype=q.dtype, device=q.device)  # [T, H, D]
+    H, D = q.shape[0], q.shape[2]
+    out = torch.empty((q.shape[1], H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
+    k_pages, v_pages = pool.k_pages[layer], pool.v_pages[layer]  # [pages, page_size, Hkv, D]
     for g in meta.groups:
-        qg = q[:, g.rows].permute(1, 0, 2, 3)  # [G, H, Q, D]
-        kg = pool.k[layer][g.kv_slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
-        vg = pool.v[layer][g.kv_slots].transpose(1, 2).to(q.dtype)
+        qg = q.index_select(1, g.rows_flat).view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
+        kg = k_pages.index_select(0, g.kv_pages).view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
+        vg = v_pages.index_select(0, g.kv_pages).view(g.G, g.L, -1, D).transpose(1, 2)
         mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
-        og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
-        og = og.transpose(1, 2)  # [G, Q, H, D]
-        out[g.rows[g.row_valid]] = og[g.row_valid]
+        og = attend(qg, kg.to(q.dtype), vg.to(q.dtype), mask, scaling, s_aux)  # [G, H, Q, D]
+        og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
+        if g.all_valid:
+            out.index_copy_(0, g.rows_flat, og)
+        else:
+            out.index_copy_(0, g.dst_rows, og.index_select(0, g.valid_idx))
     return out[None], None
 
 

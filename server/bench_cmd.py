@@ -1,0 +1,205 @@
+"""`tierlm bench prefix|multiturn|decode`: argument parsing, model selection, dispatch, output.
+
+Each benchmark starts its own server processes (so it controls pool sizes, restarts and the L3 folder) and
+prints a report with the machine, backend, dtype, threads and versions. Timings are measured side by side in
+one run; hit statistics are read back from the responses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("tierlm.bench")
+
+SUBCOMMANDS = {
+    "prefix": ("tierlm.server.bench_prefix", "TTFT per cache tier for a shared prefix: cold, L1, L2, L3 hit"),
+    "multiturn": ("tierlm.server.bench_multiturn", "C clients x R rounds of growing conversations, radix vs HiCache"),
+    "decode": ("tierlm.server.bench_decode", "decode tokens/s at batch 1 and N streams, next to transformers"),
+}
+
+
+@dataclass
+class BenchContext:
+    """What every benchmark needs besides its own options."""
+
+    model_dir: Path
+    model_label: str
+    dtype: str
+    page_size: int
+    server_extra: list[str]
+    seed: int
+    progress: bool
+    work_dir: Path
+    command: str
+    vocab_size: int = 0
+    load_at_start: float | None = None
+
+    def server_args(self, *more: str) -> list[str]:
+        """Flags for `python -m tierlm.launch_server` common to every server this run starts."""
+        return ["--model-path", str(self.model_dir), "--dtype", self.dtype, "--page-size", str(self.page_size),
+                "--random-seed", str(self.seed), *more, *self.server_extra]
+
+    def progress_bar(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, disable=not self.progress, file=sys.stderr, leave=False,
+                    dynamic_ncols=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierlm bench", description=(
+        "Benchmark tierlm on this machine: TTFT per cache tier (prefix), multi-turn reuse (multiturn), decode "
+        "throughput next to transformers (decode). Each starts its own server processes."),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="benchmark", metavar="{prefix,multiturn,decode}")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        add_common_arguments(sp)
+        _module(module_name).add_arguments(sp)
+    return p
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    from tierlm.backends.synthetic_models import synthetic_names
+
+    m = p.add_argument_group("model")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--model-path", default=None, help="model folder or Hugging Face id")
+    src.add_argument("--synthetic", default=None, choices=synthetic_names(),
+                     help="random weights in a real architecture's shape, built offline and cached")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g = p.add_argument_group("run")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for every server started, e.g. --server-arg=--chunked-prefill-size=512 "
+                        "(repeatable)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the servers and the in-process baselines (sets OMP_NUM_THREADS); "
+                        "default: torch's own choice")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    g.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="print JSON instead of tables; with FILE write JSON there and print the tables")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--work-dir", default=None,
+                   help="folder for server logs and the L3 cache (default: a temporary folder, removed after)")
+
+
+def _module(name: str):
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def resolve_model(ns: argparse.Namespace, progress: bool) -> tuple[Path, str]:
+    if ns.synthetic:
+        from tierlm.backends.synthetic_models import ensure_synthetic_model
+
+        bar = None
+
+        def on_progress(done: int, total: int) -> None:
+            nonlocal bar
+            if bar is None:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"building {ns.synthetic}",
+                           disable=not progress, file=sys.stderr, leave=False)
+            bar.update(done - bar.n)
+
+        path = ensure_synthetic_model(ns.synthetic, progress=on_progress)
+        if bar is not None:
+            bar.close()
+        return path, f"synthetic {ns.synthetic} (seeded random weights, published shapes; {path})"
+    from tierlm.backends.model_files import resolve_model_path
+
+    path = resolve_model_path(ns.model_path)
+    return path, str(path)
+
+
+def set_threads(n: int) -> None:
+    """Same thread count for server subprocesses (they inherit the environment) and in-process baselines."""
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+
+
+def vocab_size_of(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config") or {}
+    return int(cfg.get("vocab_size") or text.get("vocab_size"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.benchmark is None:
+        parser.print_help()
+        return 2
+    if not ns.model_path and not ns.synthetic:
+        parser.exit(2, f"tierlm bench {ns.benchmark}: pass --model-path DIR, or --synthetic NAME for random weights "
+                       "in a real shape (e.g. --synthetic qwen2.5-0.5b)\n")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tierlm.server.bench_report import emit, load_average
+
+    load_at_start = load_average()  # before this run adds its own load
+    if ns.threads:
+        set_threads(ns.threads)
+    progress = not ns.no_progress
+    model_dir, label = resolve_model(ns, progress)
+    own_work_dir = ns.work_dir is None
+    work_dir = Path(ns.work_dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ctx = BenchContext(model_dir=model_dir, model_label=label, dtype=ns.dtype, page_size=ns.page_size,
+                       server_extra=list(ns.server_arg), seed=ns.seed, progress=progress, work_dir=work_dir,
+                       command="tierlm bench " + shlex.join(argv), vocab_size=vocab_size_of(model_dir),
+                       load_at_start=load_at_start)
+    from tierlm.server.bench_server import BenchServerError
+
+    module = _module(SUBCOMMANDS[ns.benchmark][0])
+    try:
+        report = module.run(ns, ctx)
+    except BenchServerError as e:
+        print(f"tierlm bench {ns.benchmark}: {e}\n(server logs kept in {work_dir})", file=sys.stderr)
+        return 1
+    if own_work_dir:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    emit(report, ns.json)
+    return 0
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def median(xs: Sequence[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100)."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = max(0, min(len(xs) - 1, -(-len(xs) * q // 100) - 1))
+    return xs[int(k)]
+
+
+def random_tokens(rng: Any, n: int, vocab_size: int) -> list[int]:
+    """Distinct random prompts: ids 5.. (above the demo tokenizer's special tokens) within the vocabulary."""
+    return rng.integers(5, vocab_size, size=n).tolist()
+

@@ -1,0 +1,220 @@
+"""`tierlm bench multiturn`: C clients x R rounds of growing conversations, radix-only vs HiCache.
+
+At most ``--concurrency`` requests are in flight; clients take turns for those slots. Every client keeps a
+conversation: a shared system prompt, its own context document, then per round a new user
+turn; the answer the server generated is appended before the next turn (as a chat client does). The device
+pool (L1) holds only a fraction of all conversations, so with the radix cache alone most of a conversation is
+gone from L1 when its next turn arrives and is prefilled again; HiCache keeps it in host memory (L2) and, with
+a smaller host tier, in files (L3). The same prompts run on a fresh server per mode.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tierlm.server.bench_cmd import BenchContext, percentile, random_tokens, ratio
+from tierlm.server.bench_report import Column, Report, Table, Target, environment, load_average
+from tierlm.server.bench_server import REQUEST_TIMEOUT_S, BenchServer, RequestResult, run_one, stream_generate
+
+MODES = ("radix", "hicache-l2", "hicache-l2+l3")
+TARGET_RATIO = 0.3  # HiCache mean TTFT vs radix-only (issue 6)
+TIER_OF_MODE = {"hicache-l2": "host", "hicache-l2+l3": "storage"}  # the tier a mode adds, which must be hit
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-turn benchmark")
+    g.add_argument("--clients", type=int, default=8, help="conversations")
+    g.add_argument("--concurrency", type=int, default=2,
+                   help="requests in flight at once (a client waits for a slot); L1 holds this many requests")
+    g.add_argument("--rounds", type=int, default=3, help="turns per conversation")
+    g.add_argument("--system-tokens", type=int, default=64, help="system prompt shared by all clients")
+    g.add_argument("--context-tokens", type=int, default=256, help="per-client document before the first turn")
+    g.add_argument("--turn-tokens", type=int, default=32, help="new user tokens per round")
+    g.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per round")
+    g.add_argument("--l1-fraction", type=float, default=0.25,
+                   help="device pool as a share of all conversations' final length (at least --concurrency "
+                        "requests)")
+    g.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="host tier of the L2+L3 mode, as a multiple of L1 (the L2 mode's host holds everything)")
+    g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+
+
+def plan_sizes(ns: argparse.Namespace, page_size: int) -> dict[str, int]:
+    C, R = ns.clients, ns.rounds
+    conversation = ns.context_tokens + R * (ns.turn_tokens + ns.answer_tokens)
+    working_set = ns.system_tokens + C * conversation
+    longest = ns.system_tokens + conversation + page_size  # the last round's prompt and answer
+    up = lambda n: -(-int(n) // page_size) * page_size  # noqa: E731
+    # L1 must at least run `concurrency` requests side by side, or requests queue behind each other's decode
+    # and TTFT measures the queue instead of the cache.
+    l1 = max(up(ns.l1_fraction * working_set), ns.concurrency * up(longest) + 2 * page_size)
+    # The L2 mode's host tier holds every conversation with room for page fragments.
+    l2_ratio = max(2.0, math.ceil(1.5 * working_set / l1))
+    return {"working_set": working_set, "l1": l1, "longest": longest, "l2_ratio": l2_ratio}
+
+
+def mode_server_args(mode: str, ctx: BenchContext, ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
+    base = ["--max-total-tokens", str(sizes["l1"]), "--max-running-requests", str(ns.concurrency)]
+    if mode == "radix":
+        return ctx.server_args(*base)
+    if mode == "hicache-l2":
+        return ctx.server_args(*base, "--enable-hierarchical-cache", "--hicache-ratio", str(sizes["l2_ratio"]))
+    return ctx.server_args(*base, "--enable-hierarchical-cache", "--hicache-ratio", str(ns.hicache_ratio),
+                           "--hicache-storage-backend", "file")
+
+
+async def _conversations(url: str, system: list[int], contexts: list[list[int]], turns: list[list[list[int]]],
+                         answer_tokens: int, concurrency: int, on_done) -> list[tuple[int, int, RequestResult]]:
+    results: list[tuple[int, int, RequestResult]] = []
+    limits = httpx.Limits(max_connections=len(contexts) + 4)
+    slots = asyncio.Semaphore(concurrency)  # FIFO: clients take turns, so every conversation ages in the cache
+
+    async def client(c: int, http: httpx.AsyncClient) -> None:
+        history = system + contexts[c]
+        for r, turn in enumerate(turns[c]):
+            prompt = history + turn
+            async with slots:  # TTFT counts from the send, not from the wait for a slot
+                res = await stream_generate(http, url, prompt, answer_tokens)
+            results.append((c, r, res))
+            history = prompt + res.output_ids
+            on_done()
+
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
+        await asyncio.gather(*(client(c, http) for c in range(len(contexts))))
+    return results
+
+
+def run_mode(mode: str, ns: argparse.Namespace, ctx: BenchContext, sizes: dict[str, int], prompts: dict[str, Any],
+             bar) -> tuple[dict[str, Any], dict[str, Any]]:
+    storage = ctx.work_dir / f"l3-{mode}" if mode == "hicache-l2+l3" else None
+    server = BenchServer(mode_server_args(mode, ctx, ns, sizes), storage_dir=storage, log_dir=ctx.work_dir,
+                         name=f"multiturn-{mode}")
+    with server:
+        bar.set_description(f"multiturn: starting {mode}")
+        server.start()
+        info = server.info()
+        rng = np.random.default_rng(ctx.seed + 99)
+        run_one(server.url, random_tokens(rng, 16, ctx.vocab_size), 1)  # first HTTP request, off the clock
+        bar.set_description(f"multiturn: {mode}")
+        t0 = time.perf_counter()
+        results = asyncio.run(_conversations(server.url, prompts["system"], prompts["contexts"], prompts["turns"],
+                                             ns.answer_tokens, ns.concurrency, lambda: bar.update()))
+        wall = time.perf_counter() - t0
+        load = load_average()  # other work on the machine skews one mode against another: shown per mode
+        end = server.info().get("tiers", {})
+        rss = server.rss_bytes()
+    summary = summarize_mode(mode, results, wall, info, end, rss)
+    summary["load_avg_1m"] = load
+    return summary, info
+
+
+def summarize_mode(mode: str, results: list[tuple[int, int, RequestResult]], wall: float, info: dict[str, Any],
+                   end_tiers: dict[str, Any], rss: int | None) -> dict[str, Any]:
+    res = [r for _, _, r in results]
+    later = [r for _, rnd, r in results if rnd > 0]
+    prompt_total = sum(r.prompt_tokens for r in res) or 1
+    tiers = info.get("tiers", {})
+    host = end_tiers.get("host", {})
+    page_bytes = host.get("total_bytes", 0) / max(host.get("total_pages", 1), 1)
+    ttfts = [r.ttft for r in res]
+    return {
+        "mode": mode, "requests": len(res),
+        "l1_tokens": info.get("kv_pool", {}).get("total_tokens"),
+        "l2_tokens": tiers.get("host", {}).get("total_tokens"),
+        "mean_ttft_s": sum(ttfts) / len(ttfts), "p90_ttft_s": percentile(ttfts, 90),
+        "mean_ttft_later_s": sum(r.ttft for r in later) / len(later) if later else None,
+        "requests_per_s": len(res) / wall, "output_tps": sum(r.completion_tokens for r in res) / wall,
+        "prompt_tps": prompt_total / wall, "wall_s": wall,
+        "hit_device": sum(r.cached["device"] for r in res) / prompt_total,
+        "hit_host": sum(r.cached["host"] for r in res) / prompt_total,
+        "hit_storage": sum(r.cached["storage"] for r in res) / prompt_total,
+        "hit_tokens": {t: sum(r.cached[t] for r in res) for t in ("device", "host", "storage")},
+        "prompt_tokens": prompt_total,
+        "host_ram_bytes": int(host.get("used_pages", 0) * page_bytes) if host else None,
+        "l3_read_bytes": end_tiers.get("storage", {}).get("bytes_read"),
+        "server_rss_bytes": rss,
+        "per_request": [{"client": c, "round": rnd, "ttft_s": r.ttft, "latency_s": r.latency,
+                         "prompt_tokens": r.prompt_tokens, "cached": r.cached} for c, rnd, r in results],
+    }
+
+
+def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise SystemExit(f"tierlm bench multiturn: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    if min(ns.clients, ns.concurrency, ns.rounds, ns.turn_tokens, ns.answer_tokens) < 1 \
+            or not 0 < ns.l1_fraction <= 1:
+        raise SystemExit("tierlm bench multiturn: --clients, --concurrency, --rounds, --turn-tokens, "
+                         "--answer-tokens must be >= 1 and --l1-fraction in (0, 1]")
+    sizes = plan_sizes(ns, ctx.page_size)
+    rng = np.random.default_rng(ctx.seed)
+    V = ctx.vocab_size
+    prompts = {"system": random_tokens(rng, ns.system_tokens, V),
+               "contexts": [random_tokens(rng, ns.context_tokens, V) for _ in range(ns.clients)],
+               "turns": [[random_tokens(rng, ns.turn_tokens, V) for _ in range(ns.rounds)]
+                         for _ in range(ns.clients)]}
+    bar = ctx.progress_bar(total=len(modes) * ns.clients * ns.rounds, desc="multiturn")
+    summaries = []
+    infos = []
+    for mode in modes:
+        summary, info = run_mode(mode, ns, ctx, sizes, prompts, bar)
+        summaries.append(summary)
+        infos.append(info)
+    bar.close()
+    radix = next((s for s in summaries if s["mode"] == "radix"), None)
+    for s in summaries:
+        s["ttft_vs_radix"] = ratio(s["mean_ttft_s"], radix["mean_ttft_s"]) if radix else None
+        s["later_vs_radix"] = ratio(s["mean_ttft_later_s"], radix["mean_ttft_later_s"]) if radix else None
+        s["confirmed"] = confirm(s)
+    table = Table(
+        f"multi-turn: {ns.clients} clients x {ns.rounds} rounds, {ns.concurrency} in flight (context {ns.context_tokens}, turn "
+        f"{ns.turn_tokens}, answer {ns.answer_tokens} tokens), L1 = {sizes['l1']} of {sizes['working_set']} "
+        f"working-set tokens",
+        [Column("mode", "mode"), Column("l1_tokens", "L1 tok"), Column("l2_tokens", "L2 tok"),
+         Column("mean_ttft_s", "mean TTFT ms", "ms"), Column("p90_ttft_s", "p90 TTFT ms", "ms"),
+         Column("mean_ttft_later_s", "mean TTFT r>=2 ms", "ms"), Column("ttft_vs_radix", "mean vs radix", "x"), Column("later_vs_radix", "r>=2 vs radix", "x"),
+         Column("requests_per_s", "req/s"), Column("output_tps", "out tok/s"),
+         Column("hit_device", "hit L1", "pct"), Column("hit_host", "hit L2", "pct"),
+         Column("hit_storage", "hit L3", "pct"), Column("confirmed", "tier confirmed"),
+         Column("host_ram_bytes", "L2 used MiB", "mb"), Column("l3_read_bytes", "L3 read MiB", "mb"),
+         Column("wall_s", "wall s"), Column("load_avg_1m", "load 1m")],
+        [{k: v for k, v in s.items() if k != "per_request"} for s in summaries],
+        notes=["hit %: prompt tokens served from each tier / all prompt tokens, from the responses' "
+               "cached_tokens_details", "round 1 of every conversation is cold in every mode (no earlier turn to "
+               "reuse), so the mean over all rounds includes those cold prefills; r>=2 excludes them",
+               "load 1m: the machine's load average when the mode finished (other work slows a mode down)"])
+    settings = {k: getattr(ns, k) for k in ("clients", "concurrency", "rounds", "system_tokens", "context_tokens", "turn_tokens",
+                                            "answer_tokens", "l1_fraction", "hicache_ratio")}
+    settings.update(sizes, server_extra=ctx.server_extra)
+    return Report("multiturn", ctx.command, environment(ctx.model_label, infos[0], ctx.load_at_start), settings, [table],
+                  targets(summaries), raw={s["mode"]: s["per_request"] for s in summaries})
+
+
+def confirm(summary: dict[str, Any]) -> str:
+    tier = TIER_OF_MODE.get(summary["mode"])
+    if tier is None:
+        return "yes" if summary["hit_tokens"]["host"] == summary["hit_tokens"]["storage"] == 0 else "NO: off-device hits"
+    n = summary["hit_tokens"][tier]
+    return "yes" if n > 0 else f"NO: 0 tokens from {tier}"
+
+
+def targets(summaries: list[dict[str, Any]]) -> list[Target]:
+    out = []
+    for s in summaries:
+        if s["mode"] == "radix" or s["ttft_vs_radix"] is None:
+            continue
+        measured = f"{s['ttft_vs_radix']:.2f}x radix-only mean TTFT"
+        if s["confirmed"] != "yes":
+            out.append(Target(f"{s['mode']} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured, None,
+                              s["confirmed"]))
+        else:
+            out.append(Target(f"{s['mode']} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured,
+                              s["ttft_vs_radix"] <= TARGET_RATIO))
+    return out

@@ -1,0 +1,203 @@
+"""`tierlm bench prefix`: time to first token for a shared prefix served cold, from L1, from L2 and from L3.
+
+One server with HiCache (host tier + file storage) and a device pool just big enough for one request:
+  cold    prefix + suffix on a fresh server: the whole prompt is prefilled;
+  L1 hit  the same prefix + a new suffix right after: the prefix's KV is still on the device;
+  L2 hit  after a filler prompt that needs the whole device pool (the prefix is demoted to the host tier);
+  L3 hit  after a restart on the same storage folder (device and host are empty, the files remain).
+Each row shows the per-tier hit tokens the response itself reported; a row whose statistics do not show the
+whole prefix coming from its tier is flagged and not credited against the targets.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from tierlm.server.bench_cmd import BenchContext, median, random_tokens, ratio
+from tierlm.server.bench_report import Column, Report, Table, Target, environment
+from tierlm.server.bench_server import BenchServer, RequestResult, run_one
+
+CASES = ("cold", "L1 hit", "L2 hit", "L3 hit")
+EXPECTED_TIER = {"cold": None, "L1 hit": "device", "L2 hit": "host", "L3 hit": "storage"}
+TARGET_RATIO = {"L1 hit": 0.02, "L2 hit": 0.03, "L3 hit": 0.05}  # TTFT vs cold, from issue 6
+WARM_REQUEST_TOKENS = 64
+POOL_MARGIN_PAGES = 4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefix benchmark")
+    g.add_argument("--prefix-tokens", type=int, default=2048, help="length of the shared prefix")
+    g.add_argument("--suffix-tokens", type=int, default=16, help="length of each distinct suffix")
+    g.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request")
+    g.add_argument("--repeats", type=int, default=1, help="prefixes measured (medians are reported)")
+    g.add_argument("--hicache-ratio", type=float, default=4.0,
+                   help="host tier size as a multiple of the device pool (must hold prefix and filler)")
+
+
+def pool_tokens(prefix: int, suffix: int, new: int, page_size: int) -> int:
+    """A device pool that holds one request plus a few pages: the next long prompt must evict the prefix."""
+    need = prefix + suffix + new
+    return -(-need // page_size) * page_size + POOL_MARGIN_PAGES * page_size
+
+
+def confirm(case: str, res: RequestResult, full_prefix: int) -> tuple[str, bool]:
+    """('yes' | why not, confirmed?) from the response's own per-tier hit counts."""
+    tier = EXPECTED_TIER[case]
+    c = res.cached
+    if tier is None:
+        total = res.cached_total
+        return ("yes", True) if total == 0 else (f"NO: {total} tokens were already cached", False)
+    got = c[tier]
+    others = {k: v for k, v in c.items() if k != tier and v}
+    if got == full_prefix and not others:
+        return "yes", True
+    other_txt = ", ".join(f"{k} {v}" for k, v in others.items())
+    kind = "PARTIAL" if got else "NO"
+    return f"{kind}: {tier} {got} of {full_prefix}" + (f" ({other_txt})" if other_txt else ""), False
+
+
+def _tier_snapshot(server: BenchServer) -> dict[str, Any]:
+    tiers = server.info().get("tiers", {})
+    host = tiers.get("host", {})
+    page_bytes = host.get("total_bytes", 0) / max(host.get("total_pages", 1), 1)
+    return {"host_used_bytes": int(host.get("used_pages", 0) * page_bytes),
+            "host_total_bytes": host.get("total_bytes"),
+            "l3_bytes_read": tiers.get("storage", {}).get("bytes_read", 0),
+            "l3_bytes": tiers.get("storage", {}).get("bytes", 0)}
+
+
+def _measure(server: BenchServer, case: str, repeat: int, ids: list[int], new: int, full_prefix: int
+             ) -> dict[str, Any]:
+    server.wait_storage_idle()  # earlier rows' L3 writes must not share the CPU with this one
+    before = _tier_snapshot(server)
+    res = run_one(server.url, ids, new)
+    after = _tier_snapshot(server)
+    confirmed, ok = confirm(case, res, full_prefix)
+    return {"case": case, "repeat": repeat, "ttft_s": res.ttft, "completion_s": res.latency,
+            "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+            "hit_device": res.cached["device"], "hit_host": res.cached["host"], "hit_storage": res.cached["storage"],
+            "confirmed": confirmed, "ok": ok, "host_ram_bytes": after["host_used_bytes"],
+            "l3_read_bytes": after["l3_bytes_read"] - before["l3_bytes_read"], "server_rss_bytes": server.rss_bytes()}
+
+
+def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
+    P, S, new, R, ps = ns.prefix_tokens, ns.suffix_tokens, ns.max_new_tokens, ns.repeats, ctx.page_size
+    if P < ps or S < 1 or new < 1 or R < 1:
+        raise SystemExit("tierlm bench prefix: need --prefix-tokens >= page size, --suffix-tokens, "
+                         "--max-new-tokens and --repeats >= 1")
+    l1 = pool_tokens(P, S, new, ps)
+    filler_len = l1 - new - ps  # needs every page but one: everything cached so far leaves the device
+    full_prefix = (P // ps) * ps  # the cache works in whole pages
+    rng = np.random.default_rng(ctx.seed)
+    V = ctx.vocab_size
+    prefixes = [random_tokens(rng, P, V) for _ in range(R)]
+    server = BenchServer(ctx.server_args("--max-total-tokens", str(l1), "--enable-hierarchical-cache",
+                                         "--hicache-ratio", str(ns.hicache_ratio),
+                                         "--hicache-storage-backend", "file"),
+                         storage_dir=ctx.work_dir / "l3", log_dir=ctx.work_dir, name="prefix-server")
+    rows: list[dict[str, Any]] = []
+    bar = ctx.progress_bar(total=2 + 4 * R + R, desc="prefix")
+
+    def step(desc: str) -> None:
+        bar.set_description(f"prefix: {desc}")
+
+    with server:
+        step("starting server")
+        server.start()
+        info = server.info()
+        run_one(server.url, random_tokens(rng, WARM_REQUEST_TOKENS, V), 1)  # first HTTP request, off the clock
+        bar.update()
+        for r, prefix in enumerate(prefixes):
+            for case in ("cold", "L1 hit"):
+                step(f"{case} ({r + 1}/{R})")
+                rows.append(_measure(server, case, r, prefix + random_tokens(rng, S, V), new, full_prefix))
+                bar.update()
+            step(f"filling L1 ({r + 1}/{R})")
+            run_one(server.url, random_tokens(rng, filler_len, V), new)
+            bar.update()
+            step(f"L2 hit ({r + 1}/{R})")
+            rows.append(_measure(server, "L2 hit", r, prefix + random_tokens(rng, S, V), new, full_prefix))
+            bar.update()
+        step("restarting on the same L3 folder")
+        l3_files = _tier_snapshot(server)["l3_bytes"]
+        server.restart()
+        run_one(server.url, random_tokens(rng, WARM_REQUEST_TOKENS, V), 1)
+        bar.update()
+        for r, prefix in enumerate(prefixes):
+            step(f"L3 hit ({r + 1}/{R})")
+            rows.append(_measure(server, "L3 hit", r, prefix + random_tokens(rng, S, V), new, full_prefix))
+            bar.update()
+    bar.close()
+    return _report(ns, ctx, info, rows, l1, filler_len, l3_files)
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per case: median times over repeats, the worst repeat's hit counts, ratios to cold."""
+    out = []
+    for case in CASES:
+        mine = [r for r in rows if r["case"] == case]
+        if not mine:
+            continue
+        tier = EXPECTED_TIER[case]
+        worst = min(mine, key=lambda r: r[f"hit_{tier}"]) if tier else max(mine, key=lambda r: r["hit_device"])
+        bad = [r for r in mine if not r["ok"]]
+        out.append({"case": case, "ttft_s": median([r["ttft_s"] for r in mine]),
+                    "completion_s": median([r["completion_s"] for r in mine]),
+                    "hit_device": worst["hit_device"], "hit_host": worst["hit_host"],
+                    "hit_storage": worst["hit_storage"], "confirmed": bad[0]["confirmed"] if bad else "yes",
+                    "ok": not bad, "host_ram_bytes": max(r["host_ram_bytes"] for r in mine),
+                    "l3_read_bytes": median([r["l3_read_bytes"] for r in mine]),
+                    "server_rss_bytes": max((r["server_rss_bytes"] or 0) for r in mine) or None,
+                    "repeats": len(mine)})
+    cold = next((r for r in out if r["case"] == "cold"), None)
+    for r in out:
+        r["ttft_vs_cold"] = ratio(r["ttft_s"], cold["ttft_s"]) if cold else None
+        r["completion_vs_cold"] = ratio(r["completion_s"], cold["completion_s"]) if cold else None
+    return out
+
+
+def targets(summary: list[dict[str, Any]]) -> list[Target]:
+    out = []
+    for row in summary:
+        goal = TARGET_RATIO.get(row["case"])
+        if goal is None or row["ttft_vs_cold"] is None:
+            continue
+        measured = f"{row['ttft_vs_cold'] * 100:.1f}% of cold TTFT"
+        if not row["ok"]:
+            out.append(Target(f"{row['case']} TTFT", f"<= {goal:.0%} of cold", measured, None,
+                              f"hit statistics do not confirm the tier: {row['confirmed']}"))
+        else:
+            out.append(Target(f"{row['case']} TTFT", f"<= {goal:.0%} of cold", measured,
+                              row["ttft_vs_cold"] <= goal))
+    return out
+
+
+def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any], rows: list[dict[str, Any]], l1: int,
+            filler_len: int, l3_file_bytes: int) -> Report:
+    summary = summarize(rows)
+    tiers = info.get("tiers", {})
+    host_tokens = tiers.get("host", {}).get("total_tokens")
+    table = Table(
+        f"TTFT per cache tier: {ns.prefix_tokens}-token shared prefix + {ns.suffix_tokens}-token suffix, "
+        f"{ns.max_new_tokens} new tokens (median of {ns.repeats})",
+        [Column("case", "case"), Column("ttft_s", "TTFT ms", "ms"), Column("ttft_vs_cold", "TTFT/cold", "x"),
+         Column("completion_s", "done ms", "ms"), Column("completion_vs_cold", "done/cold", "x"),
+         Column("hit_device", "hit L1"), Column("hit_host", "hit L2"), Column("hit_storage", "hit L3"),
+         Column("confirmed", "tier confirmed"), Column("host_ram_bytes", "L2 used MiB", "mb"),
+         Column("l3_read_bytes", "L3 read MiB", "mb"), Column("server_rss_bytes", "server RSS MiB", "mb")],
+        summary,
+        notes=[f"L1 (device pool) {l1} tokens, L2 (host pool) {host_tokens} tokens; a {filler_len}-token filler "
+               "prompt pushes the prefix out of L1 before the L2 row",
+               f"L3 row: server restarted on the same folder ({l3_file_bytes / 2**20:.1f} MiB of pages); files "
+               "written moments before are read from the OS page cache",
+               "each row starts once the L3 writer is idle (earlier rows' page writes do not overlap it)",
+               "hit columns are the response's usage cached_tokens_details (tokens per tier)"])
+    settings = {"prefix_tokens": ns.prefix_tokens, "suffix_tokens": ns.suffix_tokens,
+                "max_new_tokens": ns.max_new_tokens, "repeats": ns.repeats, "l1_tokens": l1,
+                "hicache_ratio": ns.hicache_ratio,
+                "prefetch_policy": info.get("server_args", {}).get("hicache_storage_prefetch_policy"),
+                "server_extra": ctx.server_extra}
+    return Report("prefix", ctx.command, environment(ctx.model_label, info, ctx.load_at_start), settings, [table], targets(summary),
+                  raw={"requests": rows})

@@ -1,0 +1,183 @@
+"""`tierlm bench`: report structure, hit statistics read back from responses, flags on unconfirmed tiers.
+
+Timings are never asserted (they are measurements, not behaviour). The end-to-end tests start real servers on
+a tiny model with tiny sizes; the unit tests check the logic that decides what a row may claim.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierlm.backends.synthetic_models import SPECS, ensure_synthetic_model, weight_shapes
+from tierlm.server import bench_cmd, bench_multiturn, bench_prefix
+from tierlm.server.bench_report import Column, Report, Table, Target, render_table
+from tierlm.server.bench_server import RequestResult, parse_prometheus
+
+
+def _result(device: int = 0, host: int = 0, storage: int = 0) -> RequestResult:
+    return RequestResult(sent=0.0, first_token=0.1, done=0.2, prompt_tokens=80, completion_tokens=2,
+                         cached={"device": device, "host": host, "storage": storage})
+
+
+# ---------------------------------------------------------------- what a row may claim
+def test_prefix_row_is_confirmed_only_by_its_own_tier() -> None:
+    assert bench_prefix.confirm("L2 hit", _result(host=64), 64) == ("yes", True)
+    text, ok = bench_prefix.confirm("L2 hit", _result(device=64), 64)  # served from L1: not an L2 hit
+    assert not ok and text.startswith("NO: host 0 of 64") and "device 64" in text
+    text, ok = bench_prefix.confirm("L3 hit", _result(host=16, storage=48), 64)
+    assert not ok and text.startswith("PARTIAL: storage 48 of 64")
+    assert bench_prefix.confirm("cold", _result(), 64) == ("yes", True)
+    assert not bench_prefix.confirm("cold", _result(device=16), 64)[1]
+
+
+def test_unconfirmed_prefix_row_is_not_credited() -> None:
+    rows = [
+        {"case": "cold", "repeat": 0, "ttft_s": 1.0, "completion_s": 1.1, "hit_device": 0, "hit_host": 0,
+         "hit_storage": 0, "confirmed": "yes", "ok": True, "host_ram_bytes": 0, "l3_read_bytes": 0,
+         "server_rss_bytes": 1},
+        {"case": "L2 hit", "repeat": 0, "ttft_s": 0.01, "completion_s": 0.1, "hit_device": 64, "hit_host": 0,
+         "hit_storage": 0, "confirmed": "NO: host 0 of 64 (device 64)", "ok": False, "host_ram_bytes": 0,
+         "l3_read_bytes": 0, "server_rss_bytes": 1},
+    ]
+    summary = bench_prefix.summarize(rows)
+    assert [r["case"] for r in summary] == ["cold", "L2 hit"]
+    assert summary[1]["ttft_vs_cold"] == pytest.approx(0.01)
+    (target,) = bench_prefix.targets(summary)
+    assert target.met is None and "do not confirm" in target.note  # fast, but not a win
+
+
+def test_multiturn_mode_must_hit_the_tier_it_adds() -> None:
+    s = {"mode": "hicache-l2+l3", "hit_tokens": {"device": 10, "host": 5, "storage": 0}, "ttft_vs_radix": 0.1}
+    s["confirmed"] = bench_multiturn.confirm(s)
+    assert s["confirmed"].startswith("NO")
+    assert bench_multiturn.targets([s])[0].met is None
+    s2 = {"mode": "hicache-l2", "hit_tokens": {"device": 0, "host": 5, "storage": 0}, "ttft_vs_radix": 0.5}
+    s2["confirmed"] = bench_multiturn.confirm(s2)
+    assert bench_multiturn.targets([s2])[0].met is False
+
+
+def test_percentile_median_and_prometheus_parsing() -> None:
+    assert bench_cmd.percentile([5, 1, 4, 2, 3], 90) == 5
+    assert bench_cmd.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
+    assert bench_cmd.median([3, 1, 2, 10]) == 2.5
+    text = ('# HELP x\ntierlm_cache_hit_tokens_total{model_name="m",tier="host"} 32.0\n'
+            'tierlm_kv_pages_total{model_name="m"} 7.0\n')
+    assert parse_prometheus(text) == {'tierlm_cache_hit_tokens_total{tier="host"}': 32.0,
+                                      "tierlm_kv_pages_total": 7.0}
+
+
+def test_report_text_and_json() -> None:
+    table = Table("t", [Column("a", "A"), Column("t", "time ms", "ms"), Column("r", "ratio", "x")],
+                  [{"a": "cold", "t": 0.5, "r": 1.0}, {"a": "hit", "t": None, "r": 0.25}], ["a note"])
+    text = render_table(table)
+    assert "500.0" in text and "0.250x" in text and "note: a note" in text
+    rep = Report("prefix", "tierlm bench prefix", {"machine": {"cpu": "x"}}, {"k": 1}, [table],
+                 [Target("L1", "<= 2%", "1%", True), Target("L2", "<= 3%", "9%", None, "unconfirmed")])
+    out = rep.render()
+    assert "-> met" in out and "NOT CREDITED (unconfirmed)" in out
+    assert json.loads(rep.to_json())["tables"][0]["rows"][1]["r"] == 0.25
+
+
+# ---------------------------------------------------------------- synthetic models
+def test_synthetic_qwen_has_the_published_parameter_count() -> None:
+    spec = dict(SPECS["qwen2.5-0.5b"])
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    shapes = weight_shapes(config)
+    total = sum(int(__import__("math").prod(s)) for s in shapes.values())
+    assert total == 494_032_768  # Qwen2.5-0.5B: 0.49 B parameters, embeddings tied
+    assert "lm_head.weight" not in shapes and shapes["model.embed_tokens.weight"] == (151936, 896)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (128, 896)  # 2 KV heads x 64
+
+
+def test_synthetic_build_is_seeded_and_loads(tmp_path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    a = ensure_synthetic_model("tiny", cache_root=tmp_path / "a")
+    b = ensure_synthetic_model("tiny", cache_root=tmp_path / "b")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert ensure_synthetic_model("tiny", cache_root=tmp_path / "a") == a  # cached: not rebuilt
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    model, info = AutoModelForCausalLM.from_pretrained(a, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, SPECS["tiny"]["vocab_size"])
+
+
+def test_bench_needs_a_model(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_cmd.main(["prefix"])
+    assert e.value.code == 2
+    assert "--synthetic" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- end to end (real servers)
+def _run_json(capsys, argv: list[str]) -> dict:
+    assert bench_cmd.main([*argv, "--json", "--no-progress"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_prefix_bench_reads_hits_per_tier(tiny_llama, capsys) -> None:
+    rep = _run_json(capsys, ["prefix", "--model-path", str(tiny_llama), "--prefix-tokens", "64",
+                             "--suffix-tokens", "8", "--max-new-tokens", "2",
+                             "--server-arg=--hicache-storage-prefetch-policy=wait_complete"])
+    assert rep["benchmark"] == "prefix"
+    assert {"machine", "backend", "threads", "versions", "model"} <= set(rep["environment"])
+    assert rep["environment"]["backend"]["dtype"] == "float32"
+    rows = {r["case"]: r for r in rep["tables"][0]["rows"]}
+    assert list(rows) == ["cold", "L1 hit", "L2 hit", "L3 hit"]
+    assert (rows["cold"]["hit_device"], rows["cold"]["hit_host"], rows["cold"]["hit_storage"]) == (0, 0, 0)
+    assert rows["L1 hit"]["hit_device"] == 64
+    assert rows["L2 hit"]["hit_host"] == 64 and rows["L2 hit"]["hit_device"] == 0
+    assert rows["L3 hit"]["hit_storage"] == 64 and rows["L3 hit"]["l3_read_bytes"] > 0
+    assert all(r["confirmed"] == "yes" for r in rows.values())
+    assert rows["cold"]["ttft_vs_cold"] == 1.0
+    assert [t["name"] for t in rep["targets"]] == ["L1 hit TTFT", "L2 hit TTFT", "L3 hit TTFT"]
+    raw = rep["raw"]["requests"]
+    assert all(r["prompt_tokens"] == 72 and r["completion_tokens"] == 2 for r in raw)
+
+
+@pytest.mark.slow
+def test_multiturn_bench_hit_rates_come_from_responses(tiny_llama, capsys) -> None:
+    rep = _run_json(capsys, ["multiturn", "--model-path", str(tiny_llama), "--clients", "3", "--rounds", "2",
+                             "--system-tokens", "16", "--context-tokens", "64", "--turn-tokens", "16",
+                             "--answer-tokens", "2", "--modes", "radix,hicache-l2"])
+    rows = {r["mode"]: r for r in rep["tables"][0]["rows"]}
+    assert list(rows) == ["radix", "hicache-l2"]
+    for mode, row in rows.items():
+        reqs = rep["raw"][mode]
+        assert len(reqs) == 6 and row["requests"] == 6
+        prompt = sum(r["prompt_tokens"] for r in reqs)
+        for tier, col in (("device", "hit_device"), ("host", "hit_host"), ("storage", "hit_storage")):
+            assert row[col] == pytest.approx(sum(r["cached"][tier] for r in reqs) / prompt)
+    # the host tier holds every conversation: round 2 reuses round 1's pages from L1 or L2
+    assert all(r["cached"]["device"] + r["cached"]["host"] >= 80 for r in rep["raw"]["hicache-l2"] if r["round"] == 1)
+    assert rows["radix"]["hit_host"] == 0 and rows["radix"]["ttft_vs_radix"] == 1.0
+    assert rep["targets"] and rep["targets"][0]["name"] == "hicache-l2 mean TTFT"
+
+
+@pytest.mark.slow
+def test_decode_bench_rows(tiny_llama, capsys) -> None:
+    rep = _run_json(capsys, ["decode", "--model-path", str(tiny_llama), "--prompt-tokens", "16",
+                             "--new-tokens", "4", "--streams", "2", "--stagger-ms", "10", "--bandwidth-mib", "16"])
+    rows = rep["tables"][0]["rows"]
+    engines = [(r["engine"].split(" (")[0], r["shape"]) for r in rows]
+    assert engines[:4] == [("tierlm server", "1 stream"), ("tierlm server", "2 streams, 10 ms apart"),
+                           ("transformers generate", "batch 1"), ("transformers generate", "batch 2")]
+    assert engines[-1][0].startswith("ceiling")
+    assert rows[0]["tokens"] == 4 and rows[1]["tokens"] == 8  # exactly the requested tokens came back
+    assert rep["settings"]["weight_bytes"] > 0 and rep["settings"]["memory_bandwidth_bytes_per_s"] > 0
+    assert {t["name"] for t in rep["targets"]} == {"decode at batch 1", "aggregate with 2 streams"}
+
+
+def test_multiturn_l1_runs_the_concurrent_requests_but_not_the_working_set() -> None:
+    ns = bench_cmd.build_parser().parse_args(["multiturn", "--synthetic", "tiny", "--clients", "8",
+                                              "--concurrency", "2", "--l1-fraction", "0.1"])
+    sizes = bench_multiturn.plan_sizes(ns, 16)
+    assert sizes["l1"] >= 2 * sizes["longest"]  # two requests fit side by side
+    assert sizes["l1"] < sizes["working_set"]  # ...but not every conversation
+    assert sizes["l2_ratio"] * sizes["l1"] >= sizes["working_set"]  # the L2 mode's host tier holds them all

@@ -10,7 +10,7 @@ USAGE = """usage: tierlm <command> [options]
 commands:
   serve    start the OpenAI-compatible server (tierlm serve --help for flags)
   doctor   check this machine: devices, memory, installed backends
-  bench    benchmark a running server
+  bench    run benchmarks (starts its own servers): prefix, multiturn, decode
 
 Run `tierlm <command> --help` for a command's options."""
 

@@ -24,6 +24,11 @@ class EngineFailure(Exception):
     """A request failed inside the engine (GenerateOutput.error, or an unexpected abort)."""
 
 
+def finish_reason_of(out: GenerateOutput | None) -> str:
+    """OpenAI's finish_reason for a choice's last output ("stop" when it has none)."""
+    return (out.finish_reason if out is not None else None) or "stop"
+
+
 def failure_of(out: GenerateOutput) -> str | None:
     """The error text when a finished output did not complete normally, else None."""
     if out.error:

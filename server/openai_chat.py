@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
-from tierlm.server.generation import EngineFailure, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
+from tierlm.server.generation import EngineFailure, finish_reason_of, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
 from tierlm.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -48,15 +48,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     response = ChatCompletionResponse(
         id=response_id,
         model=model_name(engine),
-        choices=[ChatChoice(index=i, message=ChatMessageOut(content=r.text), finish_reason=_finish(r.final))
+        choices=[ChatChoice(index=i, message=ChatMessageOut(content=r.text), finish_reason=finish_reason_of(r.final))
                  for i, r in enumerate(results)],
         usage=make_usage(*summed_usage([r.final for r in results], body.n)),  # type: ignore[misc]
     )
     return JSONResponse(response.model_dump())
-
-
-def _finish(out: GenerateOutput | None) -> str:
-    return (out.finish_reason if out is not None else None) or "stop"
 
 
 async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], body: ChatCompletionRequest,
@@ -83,7 +79,7 @@ async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], bo
                 yield chunk(i, ChatDelta(content=out.text))
             if out.finished:
                 finals[i] = out
-                yield chunk(i, ChatDelta(), _finish(out))
+                yield chunk(i, ChatDelta(), finish_reason_of(out))
             if await request.is_disconnected():
                 return  # closing `outputs` aborts the unfinished requests
     if any(f is None for f in finals):

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
-from tierlm.server.generation import EngineFailure, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
+from tierlm.server.generation import EngineFailure, finish_reason_of, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
 from tierlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_usage
 from tierlm.server.sampling_mapping import completion_max_tokens, openai_sampling_params, reject_unsupported_completion
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
@@ -44,15 +44,11 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     response = CompletionResponse(
         id=response_id,
         model=model_name(engine),
-        choices=[CompletionChoice(index=i, text=echoes[i] + r.text, finish_reason=_finish(r.final))
+        choices=[CompletionChoice(index=i, text=echoes[i] + r.text, finish_reason=finish_reason_of(r.final))
                  for i, r in enumerate(results)],
         usage=make_usage(*summed_usage(finals, body.n)),  # type: ignore[arg-type]
     )
     return JSONResponse(response.model_dump())
-
-
-def _finish(out: GenerateOutput | None) -> str:
-    return (out.finish_reason if out is not None else None) or "stop"
 
 
 async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], body: CompletionRequest,
@@ -79,7 +75,7 @@ async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], bo
                 yield chunk(i, out.text)
             if out.finished:
                 finals[i] = out
-                yield chunk(i, "", _finish(out))
+                yield chunk(i, "", finish_reason_of(out))
             if await request.is_disconnected():
                 return  # closing `outputs` aborts the unfinished requests
     if any(f is None for f in finals):

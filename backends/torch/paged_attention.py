@@ -26,6 +26,7 @@ ATTN_IMPLEMENTATION = "tierlm_paged"
 @dataclass
 class _Group:
     rows_flat: torch.Tensor  # [G*Q] flat token rows of the group's queries (padded rows point at row 0)
+    rows_np: np.ndarray
     valid_idx: torch.Tensor  # [n] positions in rows_flat that are real queries
     dst_rows: torch.Tensor  # [n] rows_flat[valid_idx]: where the outputs go
     all_valid: bool
@@ -55,6 +56,11 @@ class StepMeta:
         for sel in (np.nonzero(decode)[0], np.nonzero(~decode)[0]):
             if len(sel):
                 self.groups.append(self._group(sel, q_lens, kv_lens, starts, page_table, page_size))
+        # One group whose queries are exactly rows 0..T-1 in order (a pure decode step, or one prefill chunk):
+        # queries and outputs need no gather/scatter.
+        g0 = self.groups[0]
+        self.identity_rows = len(self.groups) == 1 and g0.all_valid and g0.G * g0.Q == len(positions) and \
+            bool((g0.rows_np == np.arange(len(positions))).all())
         # A step that is one fresh prefill (no cached prefix) can attend over its own K/V directly.
         self.single_fresh_prefill = len(q_lens) == 1 and int(q_lens[0]) == int(kv_lens[0]) and q_lens[0] > 1
 
@@ -76,7 +82,7 @@ class StepMeta:
         # Padded query rows attend to position 0 only, so softmax never sees an all-masked row.
         mask |= (~row_valid)[:, :, None] & (kv_pos == 0)[None, None, :]
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return _Group(t(rows), t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
+        return _Group(t(rows), rows, t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
                       t(q_pos), t(kv_pages.reshape(-1).astype(np.int64)), t(kv_pos), t(mask[:, None]), {})
 
     @staticmethod
@@ -126,12 +132,15 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = torch.empty((q.shape[1], H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
     k_pages, v_pages = pool.k_pages[layer], pool.v_pages[layer]  # [pages, page_size, Hkv, D]
     for g in meta.groups:
-        qg = q.index_select(1, g.rows_flat).view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
+        qg = q if meta.identity_rows else q.index_select(1, g.rows_flat)
+        qg = qg.view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
         kg = k_pages.index_select(0, g.kv_pages).view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
         vg = v_pages.index_select(0, g.kv_pages).view(g.G, g.L, -1, D).transpose(1, 2)
         mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
         og = attend(qg, kg.to(q.dtype), vg.to(q.dtype), mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
+        if meta.identity_rows:
+            return og[None], None
         if g.all_valid:
             out.index_copy_(0, g.rows_flat, og)
         else:

@@ -76,13 +76,9 @@ def choose_backend(args: ServerArgs, facts: Any) -> Any:
 
 def load_backend(decision: Any, model_dir: Path, args: ServerArgs) -> ModelBackend:
     if decision.backend == "mlx":
-        import mlx.core as mx
-
         from tierlm.backends.mlx.backend import MLXBackend
 
-        if decision.device == "cpu":  # e.g. SGLANG_USE_MLX=1 --device cpu on a Mac
-            mx.set_default_device(mx.cpu)
-        return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed)
+        return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed, device=decision.device)
     from tierlm.backends.torch.backend import TorchBackend
 
     return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,

@@ -23,7 +23,12 @@ DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "floa
 class MLXBackend(ModelBackend):
     name = "mlx"
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0, device: str | None = None
+                 ) -> None:
+        """``device``: "cpu" pins MLX to the CPU (e.g. SGLANG_USE_MLX=1 --device cpu on a Mac); None keeps
+        MLX's default (the Metal GPU where there is one)."""
+        if device == "cpu":
+            mx.set_default_device(mx.cpu)
         self.model_dir = Path(model_dir)
         self.model, config, self.dtype = load_mlx_model(self.model_dir, dtype)
         self.device = "metal" if mx.default_device() == mx.gpu else "cpu"

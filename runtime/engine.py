@@ -137,9 +137,8 @@ class Engine:
     def _loop(self) -> None:
         sched = self.parts.scheduler
         while not self._stop.is_set():
-            try:
-                msg = self._inbox.get(timeout=None if not sched.has_work() else 0) if not sched.has_work() \
-                    else self._inbox.get_nowait()
+            try:  # idle: sleep until a message arrives; busy: only take what is already queued
+                msg = self._inbox.get_nowait() if sched.has_work() else self._inbox.get()
             except queue.Empty:
                 msg = None
             while msg is not None:

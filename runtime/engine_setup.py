@@ -51,7 +51,7 @@ class EngineParts:
             "architecture": self.model_info.architecture,
             "kv_pool": {**acc, "total_tokens": acc["total_pages"] * acc["page_size"],
                         "bytes_per_token": kv_tok, "total_bytes": kv_tok * acc["total_pages"] * acc["page_size"]},
-            "tiers": self.cache.tiers_info() if hasattr(self.cache, "tiers_info") else {},
+            "tiers": self.cache.tiers_info(),
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
             "max_running_requests": self.scheduler.max_running,
@@ -60,8 +60,7 @@ class EngineParts:
         }
 
     def close(self) -> None:
-        if hasattr(self.cache, "close"):
-            self.cache.close()
+        self.cache.close()
 
 
 def choose_backend(args: ServerArgs, facts: Any) -> Any:

@@ -6,6 +6,7 @@ where they go when it finishes. The one place that keeps the pool invariant
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from tierlm.runtime.page_allocator import PageAllocator
 from tierlm.runtime.radix_cache import RadixCache
@@ -89,21 +90,10 @@ class KVCacheManager:
     # ------------------------------------------------------------ release
     def release(self, req: Req, cache_kv: bool) -> None:
         """Hand ``req``'s pages back: full pages of computed KV go into the radix tree, the rest are freed."""
+        if cache_kv:
+            self.cache_unfinished(req)  # the full pages now belong to the tree
         own = req.pages[req.tree_pages:]
-        if self.tree is not None and cache_kv:
-            full = req.kv_len // self.page_size
-            tokens = req.tokens(0, full * self.page_size)
-            if full > req.tree_pages:
-                tree_pages, _ = self.tree.insert(tokens, req.pages[:full])
-                # pages another request inserted first: ours are duplicates
-                dup = [mine for mine, theirs in zip(req.pages[req.tree_pages:full], tree_pages[req.tree_pages:])
-                       if mine != theirs]
-                self.allocator.free(dup)
-                own = req.pages[full:]
-                self.in_use_pages -= (full - req.tree_pages)
-            self.allocator.free(own)
-        else:
-            self.allocator.free(own)
+        self.allocator.free(own)
         self.in_use_pages -= len(own)
         if self.tree is not None and req.last_node is not None:
             self.tree.unlock(req.last_node)
@@ -115,6 +105,13 @@ class KVCacheManager:
     def flush(self, storage: bool = False) -> None:
         if self.tree is not None:
             self.tree.reset()
+
+    def tiers_info(self) -> dict[str, Any]:
+        """Capacity and use per cache tier beyond the device pool (HiCache reports host and storage)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop background work (HiCache's storage threads)."""
 
     # ------------------------------------------------------------ accounting
     def accounting(self) -> dict[str, int]:

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tierlm.backends.dtypes import kv_bytes_per_token
+
 
 @dataclass
 class ModelInfo:
@@ -28,7 +30,7 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: list[int]
     dtype: str  # "float32" | "bfloat16" | "float16"
-    fingerprint: str  # sha256 of config bytes + weight names/sizes/sampled content (model_files.model_fingerprint)
+    fingerprint: str  # sha256 of config bytes + weight names/sizes/sampled content (model_source/fingerprint.py)
     sliding_window: int | None = None
 
 
@@ -61,6 +63,18 @@ class SamplingBatch:
         )
 
 
+def active_filters(top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, vocab: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Rows where top_k, top_p and min_p each change anything, or None when no row filters (then the samplers
+    skip sorting the vocabulary)."""
+    topk_on = (top_k > 0) & (top_k < vocab)
+    topp_on = top_p < 1.0
+    minp_on = min_p > 0.0
+    if not (topk_on.any() or topp_on.any() or minp_on.any()):
+        return None
+    return topk_on, topp_on, minp_on
+
+
 @dataclass
 class ForwardBatch:
     """One scheduler step, flattened: the new tokens of R requests laid end to end (T tokens in all).
@@ -80,13 +94,31 @@ class ForwardBatch:
     sampling: SamplingBatch
     page_size: int
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+
+class KVPoolGeometry:
+    """The shape both device KV pools share: ``num_pages`` pages of ``page_size`` tokens, every layer, K and V."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype_bytes: int) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype_bytes = dtype_bytes
 
     @property
-    def num_reqs(self) -> int:
-        return int(self.q_lens.shape[0])
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V: what one host page and one L3 file hold."""
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def check_host(self, host: "HostKVPool") -> None:
+        if host.page_bytes != self.page_bytes or host.num_layers != self.num_layers:
+            raise ValueError(
+                f"host pool pages hold {host.page_bytes} bytes over {host.num_layers} layers but this device "
+                f"pool's pages hold {self.page_bytes} bytes over {self.num_layers} layers; size the HostKVPool "
+                "with page_bytes from the backend's pool (same page_size and dtype)"
+            )
 
 
 @dataclass
@@ -131,16 +163,23 @@ class HostKVPool:
             self.data[page] = arr
 
 
+# Post-RoPE K and V (rotate-half convention) as [layer, K/V, token, head, dim], little-endian in the pool dtype:
+# what the torch and MLX pools store, so an L3 folder written by one backend serves the other (tests check it).
+SHARED_PAGE_LAYOUT = "layer,kv,token,head,dim"
+
+
 class ModelBackend(ABC):
     """A backend executes the model and owns every tensor: weights, the device KV pool, sampling math."""
 
     name: str = "abstract"  # "torch" | "mlx"
+    page_layout: str | None = None  # SHARED_PAGE_LAYOUT when its pages hold those bytes
     device: str = "cpu"
     info: ModelInfo
 
-    @abstractmethod
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token across all layers in the device pool."""
+        i = self.info
+        return kv_bytes_per_token(i.num_layers, i.num_kv_heads, i.head_dim, i.dtype)
 
     @abstractmethod
     def weight_bytes(self) -> int:
@@ -176,8 +215,6 @@ class ModelBackend(ABC):
         }
 
     def kv_byte_layout(self) -> str:
-        """Names the byte order of a page; two backends whose pages mean the same bytes return the same string."""
-        return f"{self.name}:layer,kv,token,head,dim"
-
-    def memory_stats(self) -> dict[str, Any]:
-        return {}
+        """Names the byte order of a page; only equal strings share L3 pages. A backend shares the torch/MLX
+        pages by setting ``page_layout = SHARED_PAGE_LAYOUT``; any other keeps a name of its own."""
+        return self.page_layout or f"{self.name}:private"

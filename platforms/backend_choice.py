@@ -191,19 +191,3 @@ def _cuda_fix(facts: Facts) -> str:
 
 def _device_hint(backend: str) -> str:
     return "MLX runs on --device cpu or mps" if backend == "mlx" else "torch runs on --device cpu or cuda"
-
-
-def choose_backend_for_args(
-    args: Any, env: Mapping[str, str] | None = None, facts: Facts | None = None, backend_override: str | None = None
-) -> dict[str, Any]:
-    """choose_backend for a ServerArgs-like object (reads ``args.device``), as a dict: backend, device, reasons.
-
-    Detects the machine and reads os.environ unless given. Raises BackendChoiceError (a ValueError).
-    """
-    import os
-
-    from tierlm.platforms.facts import detect
-
-    facts = facts if facts is not None else detect()
-    env = os.environ if env is None else env
-    return choose_backend(facts, env, getattr(args, "device", "auto"), backend_override).to_dict()

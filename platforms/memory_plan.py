@@ -17,7 +17,7 @@ Pure: no probing, no allocation. Sizes in messages are GB = 1e9 bytes, as SGLang
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tierlm.platforms.backend_choice import Decision
 from tierlm.platforms.facts import ACCELERATOR_APPLE, Facts
@@ -131,21 +131,32 @@ def plan_memory(
     return _plan_shared(req, kind)
 
 
+class TierFlags(Protocol):
+    """The launch flags that size the tiers (ServerArgs has them; platforms/ does not import the runtime)."""
+
+    page_size: int
+    max_total_tokens: int | None
+    mem_fraction_static: float | None
+    enable_hierarchical_cache: bool
+    hicache_ratio: float
+    hicache_size: float
+
+
 def plan_memory_for_args(
-    facts: Facts, decision: Decision, args: Any, *, weight_bytes: int, kv_bytes_per_token: int
+    facts: Facts, decision: Decision, args: TierFlags, *, weight_bytes: int, kv_bytes_per_token: int
 ) -> MemoryPlan:
-    """plan_memory reading the flags from a ServerArgs-like object (same attribute names as ServerArgs)."""
+    """plan_memory reading the flags from ServerArgs (or anything with the same attributes)."""
     return plan_memory(
         facts,
         decision,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
-        page_size=getattr(args, "page_size", 1),
-        max_total_tokens=getattr(args, "max_total_tokens", None),
-        mem_fraction_static=getattr(args, "mem_fraction_static", None),
-        enable_hierarchical_cache=getattr(args, "enable_hierarchical_cache", False),
-        hicache_ratio=getattr(args, "hicache_ratio", 2.0),
-        hicache_size_gb=getattr(args, "hicache_size", 0.0),
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size_gb=args.hicache_size,
     )
 
 
@@ -368,47 +379,3 @@ def _warn_small_host(host_tokens: int, device_tokens: int, warnings: list[str]) 
             f"the host KV tier ({host_tokens} tokens) is not larger than the device tier ({device_tokens} tokens), "
             "so it can hold little the device does not already have: raise --hicache-ratio above 1 or free memory"
         )
-
-
-# ------------------------------------------------------------------------------- engine start-up adapter
-
-
-def facts_before_weights(facts: Facts, decision: Decision, weight_bytes: int) -> Facts:
-    """Facts as they were before ``weight_bytes`` of weights were loaded (for facts detected after loading)."""
-    import dataclasses
-
-    if memory_kind(facts, decision) == KIND_DISCRETE:
-        free = facts.device_memory_free_bytes
-        return dataclasses.replace(facts, device_memory_free_bytes=None if free is None else free + weight_bytes)
-    return dataclasses.replace(facts, ram_available_bytes=facts.ram_available_bytes + weight_bytes)
-
-
-def device_kv_budget_bytes(
-    device: str,
-    weight_bytes: int,
-    mem_fraction_static: float | None,
-    *,
-    facts: Facts | None = None,
-    weights_loaded: bool = True,
-    enable_hierarchical_cache: bool = False,
-    hicache_ratio: float = 2.0,
-    hicache_size_gb: float = 0.0,
-) -> tuple[int, str]:
-    """Bytes for the device KV pool (L1) on ``device`` ("cpu" | "cuda" | "mps"; MLX's "metal" = "mps"), and why.
-
-    For an engine that loads the backend first: facts are detected now (after the weights were loaded, unless
-    ``weights_loaded=False``) and the weights are added back before planning, so they count once.
-    """
-    from tierlm.platforms.facts import detect
-
-    device = "mps" if device == "metal" else device
-    facts = facts if facts is not None else detect()
-    decision = Decision(backend="mlx" if device == "mps" else "torch", device=device)
-    if weights_loaded:
-        facts = facts_before_weights(facts, decision, weight_bytes)
-    plan = plan_memory(
-        facts, decision, weight_bytes=weight_bytes, kv_bytes_per_token=1, page_size=1,
-        mem_fraction_static=mem_fraction_static, enable_hierarchical_cache=enable_hierarchical_cache,
-        hicache_ratio=hicache_ratio, hicache_size_gb=hicache_size_gb,
-    )
-    return plan.device_kv_tokens, "; ".join(plan.reasons)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tierlm.runtime.engine_api import Tokenizer
+
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM uses 5 as well)
 # A UTF-8 character has at most 4 bytes, so an honest partial character is complete within a few tokens; a
@@ -23,7 +25,7 @@ MAX_HELD_TOKENS = 16
 class IncrementalDetokenizer:
     """Per-request detokenizer; ``add`` costs one decode of a short window, not of the whole output."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         # transformers tokenizers clean up text across token boundaries (" ." -> ".") unless told not to, which
         # would make two window decodes disagree; a bare tokenizers.Tokenizer has no such option.

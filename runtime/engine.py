@@ -11,8 +11,10 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Union
 
+from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
@@ -22,14 +24,42 @@ from tierlm.runtime.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 
+# ---------------------------------------------------------------- messages into the scheduler thread
+@dataclass
+class AddRequest:
+    req: Req
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+@dataclass
+class CallOnScheduler:
+    """Run ``fn`` between two steps and resolve ``future`` (on ``loop``) with its result or exception."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class Wake:
+    """Nothing to do but look at the stop flag."""
+
+
+Message = Union[AddRequest, AbortRequest, CallOnScheduler, Wake]
+
+
 class Engine:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.ready = False
         self.parts: EngineParts | None = None
-        self.tokenizer: Any = None
+        self.tokenizer: Tokenizer | None = None  # set by start()
         self.context_length: int = 0
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -46,12 +76,16 @@ class Engine:
         self.ready = True
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._inbox.put(("wake",))
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self.stop_scheduler()
         if self.parts is not None:
             self.parts.close()
+
+    def stop_scheduler(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler thread after its current step; the parts (caches, backend) stay open."""
+        self._stop.set()
+        self._inbox.put(Wake())
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
 
     # ------------------------------------------------------------ requests
     def validate(self, req: GenerateRequest) -> None:
@@ -91,8 +125,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[req.rid] = (loop, sink)
-        self._inbox.put(("add", Req(rid=req.rid, input_ids=list(req.input_ids),
-                                    sampling_params=req.sampling_params, stream=req.stream)))
+        self._inbox.put(AddRequest(Req(rid=req.rid, input_ids=list(req.input_ids),
+                                       sampling_params=req.sampling_params, stream=req.stream)))
         finished = False
         try:
             while not finished:
@@ -105,15 +139,16 @@ class Engine:
             self._sinks.pop(req.rid, None)
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self._inbox.put(AbortRequest(rid))
 
     async def flush_cache(self, storage: bool = False) -> bool:
         return await self._call(lambda: self.parts.scheduler.flush_cache(storage=storage))
 
-    async def _call(self, fn) -> Any:
+    async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the scheduler thread between steps and await its result."""
-        fut = asyncio.get_running_loop().create_future()
-        self._inbox.put(("call", fn, fut, asyncio.get_running_loop()))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(CallOnScheduler(fn, fut, loop))
         return await fut
 
     # ------------------------------------------------------------ reporting
@@ -156,20 +191,20 @@ class Engine:
                 log.exception("scheduler step failed; failing the requests in it")
                 sched.fail_all(f"internal error in the model step: {e}")
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _handle(self, msg: Message) -> None:
         sched = self.parts.scheduler
-        if kind == "add":
-            sched.add(msg[1])
-        elif kind == "abort":
-            sched.abort(msg[1])
-        elif kind == "call":
-            _, fn, fut, loop = msg
+        if isinstance(msg, AddRequest):
+            sched.add(msg.req)
+        elif isinstance(msg, AbortRequest):
+            sched.abort(msg.rid)
+        elif isinstance(msg, CallOnScheduler):
             try:
-                result, exc = fn(), None
-            except Exception as e:  # noqa: BLE001
+                result, exc = msg.fn(), None
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
                 result, exc = None, e
-            loop.call_soon_threadsafe(_resolve, fut, result, exc)
+            msg.loop.call_soon_threadsafe(_resolve, msg.future, result, exc)
+        elif not isinstance(msg, Wake):
+            raise TypeError(f"unknown scheduler message {msg!r}")
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -1,38 +1,62 @@
-"""Build an engine's parts from ServerArgs: model files, tokenizer, backend, KV pool sizing, caches, scheduler.
+"""The composition root: the one place that wires an engine together from ServerArgs.
 
-Every decision is logged with its reason (backend, dtype, pool sizes per tier) so a user can see why the
-server looks the way it does.
+    model source -> platform facts -> backend decision -> tokenizer + backend -> memory plan (L1, L2)
+    -> KV cache manager (radix, HiCache) -> output processor -> scheduler
+
+Only this file names concrete backends (imported once chosen: torch or mlx may not be installed), the model
+sources and the platform layer; the rest of runtime/ talks to a backend through ``backends/base.py``
+(tests/test_layering.py holds it to that). Every decision is logged with its reason (backend, dtype, pool
+sizes per tier) so a user can see why the server looks the way it does, and every failure a user can fix is a
+StartupError that says how.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from tierlm.backends.base import ModelBackend, ModelInfo
+from tierlm.backends.model_source import ModelSourceError, resolve_model_path
+from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
+from tierlm.backends.model_source.tokenizer import load_tokenizer
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
+                              plan_memory_for_args)
+from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache.controller import HiCacheManager
+from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.kv_cache_manager import KVCacheManager
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
+from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.runtime.warm_up import warm_up
 
 log = logging.getLogger(__name__)
+
+Emit = Callable[[Req, GenerateOutput], None]
+
+
+@dataclass
+class TierSizes:
+    device_pages: int  # L1
+    host_pages: int  # L2; 0 without --enable-hierarchical-cache
 
 
 @dataclass
 class EngineParts:
     args: ServerArgs
     model_dir: Path
-    tokenizer: Any
+    tokenizer: Tokenizer
     backend: ModelBackend
     cache: KVCacheManager
     scheduler: Scheduler
     metrics: EngineMetrics
     context_length: int
-    decision: dict[str, Any] = field(default_factory=dict)
+    decision: Decision
 
     @property
     def model_info(self) -> ModelInfo:
@@ -46,7 +70,7 @@ class EngineParts:
             "backend": self.backend.name,
             "device": self.backend.device,
             "dtype": self.model_info.dtype,
-            "backend_decision": self.decision,
+            "backend_decision": self.decision.to_dict(),
             "context_length": self.context_length,
             "architecture": self.model_info.architecture,
             "kv_pool": {**acc, "total_tokens": acc["total_pages"] * acc["page_size"],
@@ -63,17 +87,63 @@ class EngineParts:
         self.cache.close()
 
 
-def choose_backend(args: ServerArgs, facts: Any) -> Any:
-    """Backend + device with the reasons; the platform layer decides from the machine's facts."""
-    from tierlm.platforms import choose_backend as decide
+def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
+    args.check()
+    model_dir = resolve_model(args)
+    facts = detect()  # before the weights load, so the memory plan counts them once
+    decision = decide_backend(args, facts)
+    log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
+    tokenizer = tokenizer_for(args, model_dir)
+    backend = load_backend(decision, model_dir, args)
+    info = backend.info
+    log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
+             info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
+             backend.weight_bytes() / 2**20)
+    context_length = args.context_length or info.max_position_embeddings
+    if args.context_length and args.context_length > info.max_position_embeddings:
+        log.warning("--context-length %d exceeds the model's max_position_embeddings %d",
+                    args.context_length, info.max_position_embeddings)
+    tiers = plan_tiers(args, facts, decision, backend, context_length)
+    backend.init_kv_pool(tiers.device_pages, args.page_size)
+    metrics = EngineMetrics(args.model_name)
+    cache = make_cache_manager(args, backend, tiers)
+    cache.register_gauges(metrics)
+    outputs = OutputProcessor(tokenizer, stop_token_ids(info, tokenizer), metrics)
+    scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
+                          chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit)
+    scheduler.register_gauges(metrics)
+    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision)
+    if args.warmup:
+        warm_up(backend, cache.page_size, cache.num_pages)
+    return parts
 
+
+def resolve_model(args: ServerArgs) -> Path:
     try:
-        return decide(facts, os.environ, args.device)
-    except ValueError as e:  # BackendChoiceError says what to install or which flag to change
+        model_dir = resolve_model_path(args.model_path)
+    except ModelSourceError as e:  # the message says what to do
+        raise StartupError(str(e)) from e
+    if args.model_path is None:
+        log.warning(DEMO_MODEL_NOTICE)
+    return model_dir
+
+
+def tokenizer_for(args: ServerArgs, model_dir: Path) -> Tokenizer:
+    try:
+        return load_tokenizer(Path(args.tokenizer_path) if args.tokenizer_path else model_dir, args.trust_remote_code)
+    except ModelSourceError as e:
         raise StartupError(str(e)) from e
 
 
-def load_backend(decision: Any, model_dir: Path, args: ServerArgs) -> ModelBackend:
+def decide_backend(args: ServerArgs, facts: Facts) -> Decision:
+    """Backend + device with the reasons; the platform layer decides from the machine's facts."""
+    try:
+        return choose_backend(facts, os.environ, args.device)
+    except BackendChoiceError as e:  # says what to install or which flag to change
+        raise StartupError(str(e)) from e
+
+
+def load_backend(decision: Decision, model_dir: Path, args: ServerArgs) -> ModelBackend:
     if decision.backend == "mlx":
         from tierlm.backends.mlx.backend import MLXBackend
 
@@ -84,25 +154,13 @@ def load_backend(decision: Any, model_dir: Path, args: ServerArgs) -> ModelBacke
                         trust_remote_code=args.trust_remote_code, seed=args.random_seed)
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001
-        raise StartupError(f"could not load a tokenizer from {path}: {e}. Pass --tokenizer-path to a folder "
-                           "with tokenizer.json / tokenizer_config.json.") from e
-
-
-def plan_tiers(args: ServerArgs, facts: Any, decision: Any, backend: ModelBackend, context_length: int
-               ) -> tuple[int, int]:
+def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: ModelBackend, context_length: int
+               ) -> TierSizes:
     """Device (L1) and host (L2) pages from the platform's memory plan; logs the sizes and the reasons."""
-    from tierlm.platforms.memory_plan import plan_memory_for_args
-
     try:
         plan = plan_memory_for_args(facts, decision, args, weight_bytes=backend.weight_bytes(),
                                     kv_bytes_per_token=backend.kv_bytes_per_token())
-    except ValueError as e:  # MemoryPlanError carries the numbers and the flag to change
+    except MemoryPlanError as e:  # carries the numbers and the flag to change
         raise StartupError(str(e)) from e
     for w in plan.warnings:
         log.warning(w)
@@ -127,102 +185,22 @@ def plan_tiers(args: ServerArgs, facts: Any, decision: Any, backend: ModelBacken
             host_pages = min(host_pages, int(pages * args.hicache_ratio))
         if host_pages < 1:
             raise StartupError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
-    return pages, host_pages
+    return TierSizes(pages, host_pages)
 
 
-def build_engine_parts(args: ServerArgs, emit: Callable) -> EngineParts:
-    from tierlm.backends.model_files import resolve_model_path
-
-    args.check()
-    model_dir = resolve_model_path(args.model_path)
-    if args.model_path is None:
-        from tierlm.backends.demo_model import DEMO_MODEL_NOTICE
-
-        log.warning(DEMO_MODEL_NOTICE)
-    from tierlm.platforms import detect
-
-    facts = detect()  # before the weights load, so the memory plan counts them once
-    decision = choose_backend(args, facts)
-    log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
-    tokenizer = load_tokenizer(Path(args.tokenizer_path) if args.tokenizer_path else model_dir,
-                               args.trust_remote_code)
-    backend = load_backend(decision, model_dir, args)
-    info = backend.info
-    log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
-             info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
-             backend.weight_bytes() / 2**20)
-    context_length = args.context_length or info.max_position_embeddings
-    if args.context_length and args.context_length > info.max_position_embeddings:
-        log.warning("--context-length %d exceeds the model's max_position_embeddings %d",
-                    args.context_length, info.max_position_embeddings)
-    num_pages, host_pages = plan_tiers(args, facts, decision, backend, context_length)
-    backend.init_kv_pool(num_pages, args.page_size)
-    metrics = EngineMetrics(args.model_name)
-    eos = list(info.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    cache = make_cache_manager(args, backend, num_pages, host_pages, metrics)
-    outputs = OutputProcessor(tokenizer, eos, metrics)
-    scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
-                          chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit)
-    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length,
-                        decision.to_dict())
-    _register_gauges(parts)
-    if args.warmup:
-        warm_up(parts)
-    return parts
-
-
-def make_cache_manager(args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int,
-                       metrics: EngineMetrics):
+def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes) -> KVCacheManager:
     if args.enable_hierarchical_cache:
-        from tierlm.runtime.hicache.controller import HiCacheManager
-
-        return HiCacheManager.create(args, backend, num_pages, host_pages, metrics)
+        return HiCacheManager.create(args, backend, tiers.device_pages, tiers.host_pages)
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
-    return KVCacheManager(num_pages, args.page_size, enable_radix=not args.disable_radix_cache)
+    return KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
 
 
-def _register_gauges(parts: EngineParts) -> None:
-    m, c, s = parts.metrics, parts.cache, parts.scheduler
-    m.gauge("tierlm_kv_pages_total", "Device KV pages", lambda: c.num_pages)
-    m.gauge("tierlm_kv_pages_free", "Free device KV pages", lambda: c.allocator.num_free)
-    m.gauge("tierlm_kv_pages_cached", "Device KV pages held by the radix cache",
-            lambda: c.tree.device_pages_cached if c.tree else 0)
-    m.gauge("tierlm_kv_pages_in_use", "Device KV pages held only by running requests", lambda: c.in_use_pages)
-    m.gauge("tierlm_kv_pool_usage", "Share of device KV pages not free",
-            lambda: 1.0 - c.allocator.num_free / max(c.num_pages, 1))
-    tiers = {"device": lambda: c.evicted_device_pages}
-    if hasattr(c.tree, "evicted_host_pages"):
-        tiers["host"] = lambda: c.tree.evicted_host_pages
-    if getattr(c, "storage", None) is not None:
-        tiers["storage"] = lambda: c.storage.stats()["evictions"]
-    m.tier_gauge("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device pages "
-                 "demoted to host count here too)", tiers)
-    m.gauge("tierlm_num_running_requests", "Running requests", lambda: len(s.running))
-    m.gauge("tierlm_num_waiting_requests", "Waiting requests", lambda: len(s.waiting))
+def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer) -> list[int]:
+    """The model's EOS ids (generation_config, config), plus the tokenizer's eos token when it names another."""
+    eos = list(info.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in eos:
+        eos.append(tok_eos)
+    return eos
 
-
-def warm_up(parts: EngineParts) -> None:
-    """A few forwards straight through the backend (allocations, first-call overheads) before serving.
-
-    It bypasses the scheduler so no request, cache entry or metric is left behind.
-    """
-    import numpy as np
-    from tqdm import tqdm
-
-    from tierlm.backends.base import ForwardBatch, SamplingBatch
-
-    ps = parts.cache.page_size
-    n = min(2 * ps, parts.cache.num_pages * ps - 1, 32)
-    pages = np.arange(-(-(n + 1) // ps), dtype=np.int32)[None]
-    steps = [(np.arange(n), n), (np.array([n]), n + 1)]  # one prefill, one decode
-    for ids, kv in tqdm(steps, desc="warm-up", disable=os.environ.get("TIERLM_NO_PROGRESS") == "1"):
-        q = len(ids)
-        batch = ForwardBatch(input_ids=(ids % parts.model_info.vocab_size).astype(np.int64),
-                             positions=np.arange(kv - q, kv, dtype=np.int64), q_lens=np.array([q], np.int32),
-                             kv_lens=np.array([kv], np.int32), page_table=pages,
-                             sample_indices=np.array([q - 1], np.int64), sampling=SamplingBatch.greedy(1),
-                             page_size=ps)
-        parts.backend.forward(batch)

@@ -1,4 +1,5 @@
-"""Errors a client caused, carrying the HTTP status and OpenAI error fields the server reports."""
+"""The runtime's errors: RequestError (a client's fault, with the HTTP status and OpenAI error fields) and
+StartupError (the server cannot start as configured; the message says what to change)."""
 from __future__ import annotations
 
 

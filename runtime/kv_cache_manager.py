@@ -6,10 +6,12 @@ where they go when it finishes. The one place that keeps the pool invariant
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
+from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.page_allocator import PageAllocator
-from tierlm.runtime.radix_cache import RadixCache
+from tierlm.runtime.radix_cache import MatchResult, RadixCache, TreeNode
 from tierlm.runtime.request import Req
 
 log = logging.getLogger(__name__)
@@ -35,15 +37,22 @@ class KVCacheManager:
         """Start ``req`` on the longest cached prefix (at least one token is left to compute)."""
         if req.pages or self.tree is None:
             return
-        max_pages = (req.seq_len - 1) // self.page_size
-        m = self.tree.match_prefix(req.input_ids + req.output_ids if req.output_ids else req.input_ids, max_pages)
-        self.tree.lock(m.last_node)
-        req.last_node = m.last_node
-        req.pages = list(m.device_pages)
-        req.tree_pages = len(m.device_pages)
-        req.kv_len = req.tree_pages * self.page_size
-        if not req.admitted_once:
-            req.cached.device = req.kv_len
+        tokens = req.tokens(0, req.seq_len)
+        m = self.tree.match_prefix(tokens, (len(tokens) - 1) // self.page_size)
+        node, pages, cached = self._extend_match(req, tokens, m)
+        self.tree.lock(node)
+        req.last_node = node
+        req.pages = pages
+        req.tree_pages = len(pages)
+        req.kv_len = len(pages) * self.page_size
+        if not req.admitted_once:  # a retracted request's first admission already counted its hits
+            req.cached = cached
+
+    def _extend_match(self, req: Req, tokens: list[int], m: MatchResult
+                      ) -> tuple[TreeNode, list[int], CachedTokens]:
+        """The prefix ``req`` starts on: (deepest node, device pages, tokens per tier). HiCache extends the
+        device match with pages loaded from the host and storage tiers."""
+        return m.last_node, list(m.device_pages), CachedTokens(device=len(m.device_pages) * self.page_size)
 
     def reserve(self, req: Req, upto_len: int) -> bool:
         """Make sure ``req`` has pages for positions < ``upto_len``; evict cached pages if needed."""
@@ -105,6 +114,23 @@ class KVCacheManager:
     def flush(self, storage: bool = False) -> None:
         if self.tree is not None:
             self.tree.reset()
+
+    def register_gauges(self, metrics: EngineMetrics) -> None:
+        """Pool gauges read at scrape time; HiCache adds its host and storage tiers."""
+        metrics.gauge("tierlm_kv_pages_total", "Device KV pages", lambda: self.num_pages)
+        metrics.gauge("tierlm_kv_pages_free", "Free device KV pages", lambda: self.allocator.num_free)
+        metrics.gauge("tierlm_kv_pages_cached", "Device KV pages held by the radix cache",
+                      lambda: self.tree.device_pages_cached if self.tree else 0)
+        metrics.gauge("tierlm_kv_pages_in_use", "Device KV pages held only by running requests",
+                      lambda: self.in_use_pages)
+        metrics.gauge("tierlm_kv_pool_usage", "Share of device KV pages not free",
+                      lambda: 1.0 - self.allocator.num_free / max(self.num_pages, 1))
+        metrics.tier_gauge("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device "
+                           "pages demoted to host count here too)", self.eviction_counters())
+
+    def eviction_counters(self) -> dict[str, Callable[[], float]]:
+        """Pages evicted since start, per tier, read at scrape time."""
+        return {"device": lambda: self.evicted_device_pages}
 
     def tiers_info(self) -> dict[str, Any]:
         """Capacity and use per cache tier beyond the device pool (HiCache reports host and storage)."""

@@ -1,7 +1,10 @@
-"""Prometheus metrics of one engine: request and token counters, latency histograms, cache hits per tier."""
+"""Prometheus metrics of one engine: request and token counters, latency histograms, cache hits per tier.
+
+Callers record events through the methods below; the label set (the served model name) stays in here.
+"""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -13,38 +16,59 @@ class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
-        self._m = model_name
-        self.requests = Counter("tierlm_requests", "Finished requests", labels + ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("tierlm_prompt_tokens", "Prompt tokens received", labels, registry=r)
-        self.generation_tokens = Counter("tierlm_generation_tokens", "Tokens generated", labels, registry=r)
-        self.prefill_tokens = Counter("tierlm_prefill_tokens", "Prompt tokens actually prefilled (not reused)",
-                                      labels, registry=r)
-        self.cache_hit_tokens = Counter("tierlm_cache_hit_tokens", "Prompt tokens reused from a cache tier",
-                                        labels + ["tier"], registry=r)
-        self.retractions = Counter("tierlm_retracted_requests", "Requests retracted for lack of KV pages",
-                                   labels, registry=r)
-        self.ttft = Histogram("tierlm_time_to_first_token_seconds", "Time to first token", labels,
+        self.model_name = model_name
+        self._requests = Counter("tierlm_requests", "Finished requests", labels + ["finish_reason"], registry=r)
+        self._prompt_tokens = Counter("tierlm_prompt_tokens", "Prompt tokens received", labels, registry=r)
+        self._generation_tokens = Counter("tierlm_generation_tokens", "Tokens generated", labels, registry=r)
+        self._prefill_tokens = Counter("tierlm_prefill_tokens", "Prompt tokens actually prefilled (not reused)",
+                                       labels, registry=r)
+        self._cache_hit_tokens = Counter("tierlm_cache_hit_tokens", "Prompt tokens reused from a cache tier",
+                                         labels + ["tier"], registry=r)
+        self._retractions = Counter("tierlm_retracted_requests", "Requests retracted for lack of KV pages",
+                                    labels, registry=r)
+        self._ttft = Histogram("tierlm_time_to_first_token_seconds", "Time to first token", labels,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram("tierlm_inter_token_latency_seconds", "Time between output tokens", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tierlm_inter_token_latency_seconds", "Time between output tokens", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tierlm_e2e_request_latency_seconds", "Request latency", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.gauges: dict[str, Gauge] = {}
-        for tier in TIERS:
-            self.cache_hit_tokens.labels(model_name, tier)
+        self._e2e = Histogram("tierlm_e2e_request_latency_seconds", "Request latency", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        for tier in TIERS:  # every tier shows up in /metrics from the start, at 0
+            self._cache_hit_tokens.labels(model_name, tier)
 
+    # ------------------------------------------------------------ events
+    def record_prefill(self, tokens: int) -> None:
+        self._prefill_tokens.labels(self.model_name).inc(tokens)
+
+    def record_retraction(self) -> None:
+        self._retractions.labels(self.model_name).inc()
+
+    def record_first_token(self, seconds: float) -> None:
+        self._ttft.labels(self.model_name).observe(seconds)
+
+    def record_inter_token(self, seconds: float) -> None:
+        self._itl.labels(self.model_name).observe(seconds)
+
+    def record_finished(self, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
+                        cached_by_tier: Mapping[str, int], e2e_seconds: float) -> None:
+        m = self.model_name
+        self._requests.labels(m, finish_reason).inc()
+        self._prompt_tokens.labels(m).inc(prompt_tokens)
+        self._generation_tokens.labels(m).inc(completion_tokens)
+        for tier, n in cached_by_tier.items():
+            if n:
+                self._cache_hit_tokens.labels(m, tier).inc(n)
+        self._e2e.labels(m).observe(e2e_seconds)
+
+    # ------------------------------------------------------------ gauges read at scrape time
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         """A gauge read at scrape time (pool usage, queue sizes)."""
-        g = Gauge(name, doc, ["model_name"], registry=self.registry)
-        g.labels(self._m).set_function(fn)
-        self.gauges[name] = g
+        Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name).set_function(fn)
 
-    def tier_gauge(self, name: str, doc: str, fns: dict[str, Callable[[], float]]) -> None:
+    def tier_gauge(self, name: str, doc: str, fns: Mapping[str, Callable[[], float]]) -> None:
         """A per-tier gauge read at scrape time."""
         g = Gauge(name, doc, ["model_name", "tier"], registry=self.registry)
         for tier, fn in fns.items():
-            g.labels(self._m, tier).set_function(fn)
-        self.gauges[name] = g
+            g.labels(self.model_name, tier).set_function(fn)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

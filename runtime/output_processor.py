@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from tierlm.runtime.detokenizer import IncrementalDetokenizer
+from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.request import Req
@@ -12,11 +12,10 @@ from tierlm.runtime.stop_checker import StopChecker
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], metrics: EngineMetrics) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], metrics: EngineMetrics) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics
-        self._m = metrics._m
 
     def init_request(self, req: Req) -> None:
         p = req.sampling_params
@@ -30,9 +29,9 @@ class OutputProcessor:
         req.pending_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = now
-            self.metrics.ttft.labels(self._m).observe(now - req.arrival)
+            self.metrics.record_first_token(now - req.arrival)
         else:
-            self.metrics.itl.labels(self._m).observe(now - req.last_token_time)
+            self.metrics.record_inter_token(now - req.last_token_time)
         req.last_token_time = now
         stop = req.stop_checker
         reason, matched = stop.check_token(token, len(req.output_ids))
@@ -69,12 +68,6 @@ class OutputProcessor:
         out.finish_reason = req.finish_reason
         out.matched_stop = req.matched_stop
         out.e2e_latency = time.perf_counter() - req.arrival
-        m = self.metrics
-        m.requests.labels(self._m, req.finish_reason).inc()
-        m.prompt_tokens.labels(self._m).inc(len(req.input_ids))
-        m.generation_tokens.labels(self._m).inc(len(req.output_ids))
-        for tier, n in req.cached.to_dict().items():
-            if n:
-                m.cache_hit_tokens.labels(self._m, tier).inc(n)
-        m.e2e.labels(self._m).observe(out.e2e_latency)
+        self.metrics.record_finished(req.finish_reason, len(req.input_ids), len(req.output_ids),
+                                     req.cached.to_dict(), out.e2e_latency)
         return out

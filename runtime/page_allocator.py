@@ -39,6 +39,3 @@ class PageAllocator:
                 raise ValueError(f"page {p} freed twice")
             self._is_free[p] = 1
             self._free.append(p)
-
-    def reset(self) -> None:
-        self.__init__(self.num_pages)

@@ -40,10 +40,6 @@ class MatchResult:
     host_pages: list[int] = field(default_factory=list)  # continuation that lives only in host memory
     host_last_node: TreeNode | None = None  # deepest node of the host-resident continuation
 
-    @property
-    def num_device_pages(self) -> int:
-        return len(self.device_pages)
-
 
 class RadixCache:
     def __init__(self, page_size: int, free_device_pages: Callable[[list[int]], None]) -> None:
@@ -218,6 +214,3 @@ class RadixCache:
         assert self.device_pages_locked == 0, "flush with running requests"
         self.evict(self.device_pages_cached)
         self.root.children.clear()
-
-    def total_cached_tokens(self) -> int:
-        return self.device_pages_cached * self.page_size

@@ -3,11 +3,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from tierlm.runtime.detokenizer import IncrementalDetokenizer
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.radix_cache import TreeNode
 from tierlm.runtime.sampling_params import SamplingParams
+from tierlm.runtime.stop_checker import StopChecker
+
+if TYPE_CHECKING:  # only HiCache creates one; a plain radix cache never loads the L3 modules
+    from tierlm.runtime.hicache.storage_io import PrefetchHandle
+
+
+@dataclass
+class PendingPrefetch:
+    """A waiting request's L3 read in flight: page ``start_page`` of its prompt onwards, started at
+    ``started_at`` (time.perf_counter), loading through ``handle``."""
+
+    start_page: int
+    handle: PrefetchHandle
+    started_at: float
 
 
 @dataclass(eq=False)
@@ -25,13 +40,12 @@ class Req:
     last_node: TreeNode | None = None
     cached: CachedTokens = field(default_factory=CachedTokens)
     admitted_once: bool = False
-    prefetch: Any = None  # HiCache: (start page, PrefetchHandle, started) while L3 pages are read
+    prefetch: PendingPrefetch | None = None  # HiCache: set while its L3 pages are read in the background
     # output
-    detokenizer: Any = None
-    stop_checker: Any = None
+    detokenizer: IncrementalDetokenizer | None = None  # set by OutputProcessor.init_request
+    stop_checker: StopChecker | None = None
     pending_text: str = ""  # text produced since the last emit
     pending_ids: list[int] = field(default_factory=list)
-    text_len: int = 0
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     # timing

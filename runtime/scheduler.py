@@ -118,7 +118,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            self.metrics.prefill_tokens.labels(self.metrics._m).inc(req.remaining_prefill)
+            self.metrics.record_prefill(req.remaining_prefill)
             items[req] = n
             budget -= n
         return list(items.items())
@@ -139,7 +139,7 @@ class Scheduler:
         self.running.remove(victim)
         self.cache.release(victim, cache_kv=True)
         self.waiting.appendleft(victim)
-        self.metrics.retractions.labels(self.metrics._m).inc()
+        self.metrics.record_retraction()
         log.warning("retracted request %s (out of KV pages); it resumes when pages free up", victim.rid)
         return victim
 
@@ -162,6 +162,10 @@ class Scheduler:
             self.emit(req, out)
         self.running.clear()
         self.waiting.clear()
+
+    def register_gauges(self, metrics: EngineMetrics) -> None:
+        metrics.gauge("tierlm_num_running_requests", "Running requests", lambda: len(self.running))
+        metrics.gauge("tierlm_num_waiting_requests", "Waiting requests", lambda: len(self.waiting))
 
     def flush_cache(self, storage: bool = False) -> bool:
         if self.running or self.waiting:

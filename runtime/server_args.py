@@ -6,7 +6,7 @@ Parsing from the command line lives in ``server/cli_args.py``; this file only ho
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -45,7 +45,6 @@ class ServerArgs:
     # misc
     random_seed: int = 0
     warmup: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:

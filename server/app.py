@@ -1,13 +1,13 @@
-"""The FastAPI app factory. Takes any object with the Engine API, so tests can pass a fake engine."""
+"""The FastAPI app factory. Takes any EngineAPI (runtime/engine_api.py), so tests can pass a fake engine."""
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.server.auth import ApiKeyMiddleware
 from tierlm.server.http_errors import install_error_handlers
 from tierlm.server.info_routes import router as info_router
@@ -18,12 +18,8 @@ from tierlm.server.openai_completions import router as completions_router
 logger = logging.getLogger("tierlm.server")
 
 
-def create_app(engine: Any, *, shutdown_engine_on_exit: bool = False) -> FastAPI:
-    """Routes: OpenAI /v1/*, SGLang-native /generate, health, info, flush_cache, metrics.
-
-    ``engine`` needs: args (ServerArgs), ready, tokenizer, context_length, validate, generate, abort,
-    flush_cache, server_info, metrics_text (and shutdown when ``shutdown_engine_on_exit``).
-    """
+def create_app(engine: EngineAPI, *, shutdown_engine_on_exit: bool = False) -> FastAPI:
+    """Routes: OpenAI /v1/*, SGLang-native /generate, health, info, flush_cache, metrics."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

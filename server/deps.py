@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from fastapi import Request
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateRequest
 from tierlm.runtime.sampling_params import SamplingParams
 
 
-def engine_of(request: Request) -> Any:
+def engine_of(request: Request) -> EngineAPI:
     return request.app.state.engine
 
 
-def ready_engine(request: Request) -> Any:
+def ready_engine(request: Request) -> EngineAPI:
     """FastAPI dependency: the engine, or 503 while the model is still loading."""
     engine = engine_of(request)
     if not engine.ready:
@@ -33,12 +33,12 @@ def sub_rid(base: str, i: int, count: int) -> str:
     return base if count == 1 else f"{base}-{i}"
 
 
-def make_request(engine: Any, rid: str, input_ids: list[int], params: SamplingParams, stream: bool) -> GenerateRequest:
+def make_request(engine: EngineAPI, rid: str, input_ids: list[int], params: SamplingParams, stream: bool) -> GenerateRequest:
     """A GenerateRequest the engine has accepted (engine.validate raises RequestError otherwise)."""
     req = GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, stream=stream)
     engine.validate(req)
     return req
 
 
-def model_name(engine: Any) -> str:
+def model_name(engine: EngineAPI) -> str:
     return engine.args.model_name

@@ -12,19 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from tierlm.platforms import (
-    BackendChoiceError,
-    Facts,
-    MemoryPlanError,
-    choose_backend,
-    detect,
-    install_command,
-    pitfalls,
-    plan_memory_for_args,
-)
+from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.platforms import (BackendChoiceError, Facts, MemoryPlanError, choose_backend, detect, install_command,
+                              pitfalls, plan_memory_for_args)
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _parser():
@@ -39,28 +30,12 @@ def _parser():
     return p
 
 
-def model_sizes(model_path: str | None, dtype: str = "auto") -> dict[str, Any] | None:
-    """KV bytes per token and weight bytes of a local model folder, from config.json and file sizes."""
+def model_sizes(model_path: str | None, dtype: str, device: str) -> dict[str, Any] | None:
+    """KV bytes per token and weight bytes of a local model folder as served on ``device`` (None when it is
+    not a local folder)."""
     if not model_path or not (Path(model_path) / "config.json").is_file():
         return None
-    folder = Path(model_path)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model
-    if dtype == "auto":
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    layers = int(cfg["num_hidden_layers"])
-    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
-        p.stat().st_size for p in folder.glob("*.bin")
-    )
-    return {
-        "path": str(folder),
-        "dtype": dtype,
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2),
-        "weight_bytes": int(weights),
-    }
+    return model_size(Path(model_path), dtype, device).to_dict()
 
 
 def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str, Any]:
@@ -88,7 +63,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         return report
     report["decision"] = decision.to_dict()
 
-    sizes = model_sizes(args.model_path, args.dtype)
+    sizes = model_sizes(args.model_path, args.dtype, decision.device)
     report["model"] = sizes
     if args.model_path and sizes is None:
         report["warnings"].append(

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import CachedTokens, GenerateOutput, GenerateRequest
 
@@ -56,7 +58,7 @@ class ChoiceResult:
 class RequestGroup:
     """Tracks which engine requests are still running so they can be aborted."""
 
-    def __init__(self, engine: Any, reqs: list[GenerateRequest]) -> None:
+    def __init__(self, engine: EngineAPI, reqs: list[GenerateRequest]) -> None:
         self.engine = engine
         self.reqs = reqs
         self.unfinished = {r.rid for r in reqs}
@@ -75,7 +77,7 @@ class RequestGroup:
                 logger.exception("engine.abort(%s) failed", rid)
 
 
-async def stream_outputs(engine: Any, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+async def stream_outputs(engine: EngineAPI, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """Yield (request index, output increment) from all requests as they arrive.
 
     Stops after every request finished; aborts the unfinished ones when closed or cancelled early.
@@ -99,7 +101,7 @@ async def stream_outputs(engine: Any, reqs: list[GenerateRequest]) -> AsyncItera
         group.abort_unfinished()
 
 
-async def _merged(engine: Any, reqs: list[GenerateRequest], group: RequestGroup) -> AsyncIterator[tuple[int, GenerateOutput]]:
+async def _merged(engine: EngineAPI, reqs: list[GenerateRequest], group: RequestGroup) -> AsyncIterator[tuple[int, GenerateOutput]]:
     queue: asyncio.Queue[tuple[int, GenerateOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
@@ -141,7 +143,7 @@ async def _aclose(iterator: Any) -> None:
         await aclose()
 
 
-async def collect_outputs(engine: Any, reqs: list[GenerateRequest]) -> list[ChoiceResult]:
+async def collect_outputs(engine: EngineAPI, reqs: list[GenerateRequest]) -> list[ChoiceResult]:
     """Run all requests to completion. Raises EngineFailure if any of them failed (the rest are aborted)."""
     results = [ChoiceResult() for _ in reqs]
     stream = stream_outputs(engine, reqs)
@@ -157,6 +159,25 @@ async def collect_outputs(engine: Any, reqs: list[GenerateRequest]) -> list[Choi
         if r.final is None:
             raise EngineFailure(f"the engine ended request {req.rid} without a final output")
     return results
+
+
+async def stream_choices(request: Request, engine: EngineAPI, reqs: list[GenerateRequest],
+                         finals: list[GenerateOutput | None]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """What an SSE endpoint streams: (choice index, increment) as they arrive, each choice's last increment
+    stored in ``finals``. A failed choice raises EngineFailure; when the client disconnects the stream ends
+    early with ``finals`` incomplete, and the unfinished requests are aborted."""
+    async with aclosing(stream_outputs(engine, reqs)) as outputs:
+        async for i, out in outputs:
+            failure = failure_of(out)
+            if failure:
+                raise EngineFailure(failure)
+            if out.finished:
+                finals[i] = out
+            yield i, out
+            if await request.is_disconnected():
+                return  # closing `outputs` aborts the unfinished requests
+    if any(f is None for f in finals):
+        raise EngineFailure("the engine ended a request without a final output")
 
 
 def summed_usage(finals: list[GenerateOutput], n: int) -> tuple[int, int, CachedTokens]:

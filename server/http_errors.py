@@ -47,10 +47,6 @@ def request_error_body(e: RequestError) -> dict[str, Any]:
     return error_body(e.message, e.status, e.type, e.param, e.code)
 
 
-def from_sampling_error(e: SamplingParamsError) -> RequestError:
-    return RequestError(str(e), status=400, param=e.param)
-
-
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     out = ""

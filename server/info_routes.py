@@ -4,12 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.server.deps import engine_of, make_request, model_name, ready_engine
 from tierlm.server.generation import collect_outputs
@@ -31,7 +31,7 @@ async def health(request: Request) -> Response:
 
 
 @router.get("/health_generate")
-async def health_generate(engine: Any = Depends(ready_engine)) -> Response:
+async def health_generate(engine: EngineAPI = Depends(ready_engine)) -> Response:
     """Healthy only if the engine really produces a token (catches a stuck scheduler)."""
     ids = encode_text(engine.tokenizer, "Hello")[:4] or [0]
     req = make_request(engine, f"health-{uuid.uuid4().hex}", ids,
@@ -44,7 +44,7 @@ async def health_generate(engine: Any = Depends(ready_engine)) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def _model_card(engine: Any) -> ModelCard:
+def _model_card(engine: EngineAPI) -> ModelCard:
     context = engine.context_length if engine.ready else engine.args.context_length
     return ModelCard(id=model_name(engine), root=engine.args.model_path, max_model_len=context or None)
 
@@ -76,12 +76,12 @@ async def get_model_info(request: Request) -> Response:
 
 @router.get("/server_info")
 @router.get("/get_server_info")
-async def server_info(engine: Any = Depends(ready_engine)) -> Response:
+async def server_info(engine: EngineAPI = Depends(ready_engine)) -> Response:
     return JSONResponse(engine.server_info())
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(storage: bool = False, engine: Any = Depends(ready_engine)) -> Response:
+async def flush_cache(storage: bool = False, engine: EngineAPI = Depends(ready_engine)) -> Response:
     flushed = await engine.flush_cache(storage=storage)
     if not flushed:
         raise RequestError("cache not flushed: requests are still running; retry when the server is idle", 400,
@@ -92,5 +92,5 @@ async def flush_cache(storage: bool = False, engine: Any = Depends(ready_engine)
 
 
 @router.get("/metrics")
-async def metrics(engine: Any = Depends(ready_engine)) -> Response:
+async def metrics(engine: EngineAPI = Depends(ready_engine)) -> Response:
     return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)

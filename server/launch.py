@@ -10,11 +10,15 @@ import os
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:  # run_server imports the engine, so `tierlm --help` and friends stay quick
+    from tierlm.runtime.engine import Engine
 
 logger = logging.getLogger("tierlm.launch")
 FORCE_EXIT_AFTER_S = 10.0  # if uvicorn does not stop by itself after a failed load, exit anyway
@@ -60,7 +64,7 @@ def ready_message(args: ServerArgs, seconds: float) -> str:
 class ModelLoader:
     """Runs engine.start() in a thread; on failure asks the HTTP server to stop and marks the exit status 1."""
 
-    def __init__(self, engine: object, server: uvicorn.Server, args: ServerArgs) -> None:
+    def __init__(self, engine: Engine, server: uvicorn.Server, args: ServerArgs) -> None:
         self.engine = engine
         self.server = server
         self.args = args
@@ -75,7 +79,7 @@ class ModelLoader:
         logger.info("loading model %s in the background; /health answers 503 until it is ready",
                     self.args.model_path or "(built-in demo model)")
         try:
-            self.engine.start()  # type: ignore[attr-defined]
+            self.engine.start()
         except StartupError as e:
             logger.error("startup failed: %s", e)
             self._fail()

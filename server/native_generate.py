@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
-from tierlm.runtime.io_struct import GenerateRequest
+from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import make_request, ready_engine
-from tierlm.server.generation import ChoiceResult, EngineFailure, collect_outputs, failure_of, stream_outputs, unless_disconnected
+from tierlm.server.generation import ChoiceResult, collect_outputs, stream_choices, unless_disconnected
 from tierlm.server.protocol import NativeGenerateRequest
 from tierlm.server.sampling_mapping import native_sampling_params
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
@@ -25,7 +26,7 @@ from tierlm.server.tokenization import encode_text
 router = APIRouter()
 
 
-def _prompts(engine: Any, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
+def _prompts(engine: EngineAPI, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
     """(token ids per prompt, whether the request is a batch)."""
     if (body.text is None) == (body.input_ids is None):
         raise RequestError("send exactly one of 'text' or 'input_ids'", 400, param="text")
@@ -49,7 +50,7 @@ def _rids(body: NativeGenerateRequest, count: int) -> list[str]:
 
 
 @router.post("/generate", response_model=None)
-async def generate(body: NativeGenerateRequest, request: Request, engine: Any = Depends(ready_engine)) -> Response:
+async def generate(body: NativeGenerateRequest, request: Request, engine: EngineAPI = Depends(ready_engine)) -> Response:
     if body.return_logprob:
         raise RequestError("return_logprob is not supported yet; remove it from the request", 400,
                            param="return_logprob", code="unsupported_parameter")
@@ -74,18 +75,15 @@ def _result_dict(r: ChoiceResult) -> dict[str, Any]:
     return {"text": r.text, "output_ids": r.token_ids, "meta_info": r.final.meta_info()}
 
 
-async def _events(request: Request, engine: Any, req: GenerateRequest) -> AsyncIterator[bytes]:
+async def _events(request: Request, engine: EngineAPI, req: GenerateRequest) -> AsyncIterator[bytes]:
+    """SGLang's stream: each event carries the whole text and ids so far, then [DONE]."""
     acc = ChoiceResult()
-    async with aclosing(stream_outputs(engine, [req])) as outputs:
-        async for _, out in outputs:
-            failure = failure_of(out)
-            if failure:
-                raise EngineFailure(failure)
+    finals: list[GenerateOutput | None] = [None]
+    async with aclosing(stream_choices(request, engine, [req], finals)) as choices:
+        async for _, out in choices:
             acc.add(out)
             if out.text or out.token_ids or out.finished:
                 yield sse_data({"text": acc.text, "output_ids": acc.token_ids, "meta_info": out.meta_info()})
-            if await request.is_disconnected():
-                return
-    if acc.final is None:
-        raise EngineFailure("the engine ended the request without a final output")
+    if finals[0] is None:
+        return  # the client is gone
     yield DONE

@@ -4,24 +4,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
-from tierlm.server.generation import EngineFailure, finish_reason_of, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
-from tierlm.server.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    make_usage,
-)
+from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
+                                      unless_disconnected)
+from tierlm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatCompletionResponse, ChatDelta, ChatMessageOut, make_usage)
 from tierlm.server.sampling_mapping import chat_max_tokens, openai_sampling_params, reject_unsupported_chat
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
 from tierlm.server.tokenization import apply_chat_template
@@ -31,7 +24,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 engine: Any = Depends(ready_engine)) -> Response:
+                                 engine: EngineAPI = Depends(ready_engine)) -> Response:
     reject_unsupported_chat(body)
     ids = apply_chat_template(engine.tokenizer, body.messages, body.chat_template_kwargs)
     max_new_tokens = chat_max_tokens(body, len(ids), engine.context_length)
@@ -55,7 +48,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     return JSONResponse(response.model_dump())
 
 
-async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], body: ChatCompletionRequest,
+async def _events(request: Request, engine: EngineAPI, reqs: list[GenerateRequest], body: ChatCompletionRequest,
                   response_id: str) -> AsyncIterator[bytes]:
     """OpenAI's order: per choice a role chunk, content deltas, a finish chunk; then usage (if asked), [DONE]."""
     created = int(time.time())
@@ -70,20 +63,15 @@ async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], bo
     for i in range(len(reqs)):
         yield chunk(i, ChatDelta(role="assistant", content=""))
     finals: list[GenerateOutput | None] = [None] * len(reqs)
-    async with aclosing(stream_outputs(engine, reqs)) as outputs:
-        async for i, out in outputs:
-            failure = failure_of(out)
-            if failure:
-                raise EngineFailure(failure)
+    # aclosing: a client that goes away mid-stream aborts the unfinished requests at once
+    async with aclosing(stream_choices(request, engine, reqs, finals)) as choices:
+        async for i, out in choices:
             if out.text:
                 yield chunk(i, ChatDelta(content=out.text))
             if out.finished:
-                finals[i] = out
                 yield chunk(i, ChatDelta(), finish_reason_of(out))
-            if await request.is_disconnected():
-                return  # closing `outputs` aborts the unfinished requests
     if any(f is None for f in finals):
-        raise EngineFailure("the engine ended a request without a final output")
+        return  # the client is gone
     if body.include_usage:
         usage = make_usage(*summed_usage(finals, body.n))  # type: ignore[arg-type]
         yield sse_data(ChatCompletionChunk(id=response_id, created=created, model=name, choices=[], usage=usage))

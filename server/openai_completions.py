@@ -4,14 +4,15 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
-from tierlm.server.generation import EngineFailure, finish_reason_of, collect_outputs, failure_of, stream_outputs, summed_usage, unless_disconnected
+from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
+                                      unless_disconnected)
 from tierlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_usage
 from tierlm.server.sampling_mapping import completion_max_tokens, openai_sampling_params, reject_unsupported_completion
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
@@ -21,7 +22,7 @@ router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, request: Request, engine: Any = Depends(ready_engine)) -> Response:
+async def create_completion(body: CompletionRequest, request: Request, engine: EngineAPI = Depends(ready_engine)) -> Response:
     reject_unsupported_completion(body)
     prompts = normalize_prompts(engine.tokenizer, body.prompt)
     max_new_tokens = completion_max_tokens(body)
@@ -51,7 +52,7 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     return JSONResponse(response.model_dump())
 
 
-async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], body: CompletionRequest,
+async def _events(request: Request, engine: EngineAPI, reqs: list[GenerateRequest], body: CompletionRequest,
                   response_id: str, echoes: list[str]) -> AsyncIterator[bytes]:
     created = int(time.time())
     name = model_name(engine)
@@ -66,20 +67,15 @@ async def _events(request: Request, engine: Any, reqs: list[GenerateRequest], bo
         if echo:
             yield chunk(i, echo)
     finals: list[GenerateOutput | None] = [None] * len(reqs)
-    async with aclosing(stream_outputs(engine, reqs)) as outputs:
-        async for i, out in outputs:
-            failure = failure_of(out)
-            if failure:
-                raise EngineFailure(failure)
+    # aclosing: a client that goes away mid-stream aborts the unfinished requests at once
+    async with aclosing(stream_choices(request, engine, reqs, finals)) as choices:
+        async for i, out in choices:
             if out.text:
                 yield chunk(i, out.text)
             if out.finished:
-                finals[i] = out
                 yield chunk(i, "", finish_reason_of(out))
-            if await request.is_disconnected():
-                return  # closing `outputs` aborts the unfinished requests
     if any(f is None for f in finals):
-        raise EngineFailure("the engine ended a request without a final output")
+        return  # the client is gone
     if body.include_usage:
         usage = make_usage(*summed_usage(finals, body.n))  # type: ignore[arg-type]
         yield sse_data(CompletionResponse(id=response_id, created=created, model=name, choices=[], usage=usage))

@@ -4,20 +4,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import RequestError
 from tierlm.server.protocol import ChatMessage
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     """Tokenize like SGLang/vLLM do for raw prompts: with the tokenizer's special tokens (e.g. BOS)."""
     return list(tokenizer.encode(text))
 
 
-def decode_ids(tokenizer: Any, ids: list[int]) -> str:
+def decode_ids(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids)
 
 
-def normalize_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
+def normalize_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
     """Each prompt as (token ids, original text or None for id prompts). An empty prompt list is a 400."""
     if isinstance(prompt, str):
         return [(encode_text(tokenizer, prompt), prompt)]
@@ -45,7 +46,7 @@ def _message_to_template_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def apply_chat_template(tokenizer: Any, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Render messages with the model's chat template and tokenize, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(

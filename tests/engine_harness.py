@@ -73,8 +73,3 @@ def pool_is_clean(engine: Engine) -> bool:
     return device_ok and host_ok
 
 
-def stop_scheduler_thread(engine: Engine) -> None:
-    """Stop the scheduler thread but keep the parts open, so a test can drive the cache manager by hand."""
-    engine._stop.set()
-    engine._inbox.put(("wake",))
-    engine._thread.join(timeout=10)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TOKENIZER_VOCAB = 285  # the demo model's byte-level BPE tokenizer (backends/demo_model.py), saved with each model
+# The byte-level BPE tokenizer of tierlm's own models (backends/model_source/tokenizer.py), saved with each model.
+TOKENIZER_VOCAB = 285
 
 # Small enough for a 2-core CPU, big enough to exercise GQA, several layers and pages.
 COMMON = dict(
@@ -61,35 +62,31 @@ def build_tiny_model(family: str, out_dir: Path, seed: int | None = None) -> Pat
 
 def _write_tokenizer(out_dir: Path) -> None:
     """The demo tokenizer (byte-level BPE, ChatML template), so the engine and server can serve the model."""
-    from tierlm.backends.demo_model import CHATML_TEMPLATE, build_tokenizer
+    from tierlm.backends.model_source.tokenizer import save_byte_tokenizer
 
-    tok = build_tokenizer()
-    assert tok.get_vocab_size(with_added_tokens=True) == TOKENIZER_VOCAB
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "chat_template": CHATML_TEMPLATE,
-    }))
+    assert save_byte_tokenizer(out_dir) == TOKENIZER_VOCAB
 
 
 def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate in float32: the ground truth every backend must match."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """transformers' own greedy generate in float32: the ground truth every backend must match.
 
-    model = _cached_reference_model(str(model_dir))
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
-        )
-    return out[0, len(prompt_ids):].tolist()
+    Computed once per (model, prompt) for the whole session: a shorter length is a prefix of a longer one
+    (greedy, EOS ignored), so a longer request extends the stored tokens and a shorter one slices them. The
+    same reference then serves every backend, page size and test that asks for it.
+    """
+    key = (str(Path(model_dir).resolve()), tuple(int(t) for t in prompt_ids))
+    have = _REFERENCES.get(key, [])
+    if len(have) < max_new_tokens:
+        have = _generate_greedy(key[0], list(key[1]), max_new_tokens)
+        _REFERENCES[key] = have
+    return have[:max_new_tokens]
 
 
+_REFERENCES: dict[tuple[str, tuple[int, ...]], list[int]] = {}
 _REF_MODELS: dict = {}
 
 
-def _cached_reference_model(path: str):
+def _generate_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -97,7 +94,12 @@ def _cached_reference_model(path: str):
         m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
         m.eval()
         _REF_MODELS[path] = m
-    return _REF_MODELS[path]
+    with torch.no_grad():
+        out = _REF_MODELS[path].generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt_ids):].tolist()
 
 
 # gpt-oss in miniature: alternating sliding (window 8, shorter than the test prompts) and full attention layers,

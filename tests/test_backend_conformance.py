@@ -22,11 +22,7 @@ NEW_TOKENS = 64
 
 def _missing_reason(name: str) -> str | None:
     if name == "torch":
-        if importlib.util.find_spec("torch") is None:
-            return "torch is not installed"
-        if importlib.util.find_spec("tierlm.backends.torch.backend") is None:
-            return "tierlm.backends.torch.backend does not exist yet"
-        return None
+        return "torch is not installed" if importlib.util.find_spec("torch") is None else None
     try:
         import mlx.core  # noqa: F401
     except Exception as exc:  # ImportError, or a broken native library
@@ -60,16 +56,6 @@ def backend_name(request) -> str:
     return request.param
 
 
-_REFERENCES: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
-
-
-def reference(model_dir: Path, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    key = (str(model_dir), tuple(prompt), n)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = reference_greedy(model_dir, prompt, n)
-    return _REFERENCES[key]
-
-
 def prompts_of(model_dir: Path, lengths, seed: int = 0) -> list[list[int]]:
     """Seeded random prompts over the model's vocabulary (ids 0-2 are special: left out)."""
     vocab = _config(model_dir)["vocab_size"]
@@ -90,7 +76,7 @@ def test_mixed_batch_matches_reference_on_every_family(backend_name, tiny_model)
     # The schedule really mixed prefill chunks with other requests' decode tokens in one forward.
     assert any(1 in shape and max(shape) > 1 for shape in drivers[0].batch_shapes)
     for prompt, out in zip(prompts, outputs):
-        assert out == reference(tiny_model, prompt), f"prompt of {len(prompt)} tokens diverged"
+        assert out == reference_greedy(tiny_model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens diverged"
 
 
 @pytest.mark.parametrize("page_size,chunk_size", [(1, 3), (4, 7), (16, 13), (16, None)])
@@ -100,7 +86,7 @@ def test_page_sizes_and_chunk_boundaries(backend_name, tiny_llama, page_size, ch
     prompts = prompts_of(tiny_llama, [29, 2, 17], seed=page_size)
     outputs = run_greedy(backend, prompts, 40, page_size=page_size, chunk_size=chunk_size, stagger=2)
     for prompt, out in zip(prompts, outputs):
-        assert out == reference(tiny_llama, prompt, 40)
+        assert out == reference_greedy(tiny_llama, prompt, 40)
 
 
 def test_requests_are_isolated_in_one_batch(backend_name, tiny_llama):
@@ -109,8 +95,8 @@ def test_requests_are_isolated_in_one_batch(backend_name, tiny_llama):
     prompts = prompts_of(tiny_llama, [9, 9, 30])
     prompts[1] = list(prompts[0])
     outputs = run_greedy(backend, prompts, 24, page_size=4, chunk_size=None, stagger=0)
-    assert outputs[0] == outputs[1] == reference(tiny_llama, prompts[0], 24)
-    assert outputs[2] == reference(tiny_llama, prompts[2], 24)
+    assert outputs[0] == outputs[1] == reference_greedy(tiny_llama, prompts[0], 24)
+    assert outputs[2] == reference_greedy(tiny_llama, prompts[2], 24)
 
 
 def test_greedy_rows_stay_exact_next_to_sampled_rows(backend_name, tiny_llama):
@@ -131,9 +117,10 @@ def test_greedy_rows_stay_exact_next_to_sampled_rows(backend_name, tiny_llama):
         return {i: r.output for i, r in reqs.items()}
 
     a, b = run([0, 1, 2]), run([1, 2])
-    assert a[0] == reference(tiny_llama, prompts[0], 24) and a[2] == b[2] == reference(tiny_llama, prompts[2], 24)
+    assert a[0] == reference_greedy(tiny_llama, prompts[0], 24)
+    assert a[2] == b[2] == reference_greedy(tiny_llama, prompts[2], 24)
     assert a[1] == b[1]
-    assert a[1] != reference(tiny_llama, prompts[1], 24)  # temperature 1 on random weights: not the argmax path
+    assert a[1] != reference_greedy(tiny_llama, prompts[1], 24)  # temperature 1 on random weights: not the argmax path
 
 
 def _variant(root: Path, family: str, name: str, **config_changes) -> Path:
@@ -164,7 +151,7 @@ def llama_theta_5e5(tiny_models_root) -> Path:
 def test_rope_theta_from_rope_parameters(backend_name, llama_theta_5e5):
     backend = make_backend(backend_name, llama_theta_5e5)
     prompt = prompts_of(llama_theta_5e5, [30], seed=11)[0]
-    assert run_greedy(backend, [prompt], 40, page_size=4, chunk_size=8)[0] == reference(llama_theta_5e5, prompt, 40)
+    assert run_greedy(backend, [prompt], 40, page_size=4, chunk_size=8)[0] == reference_greedy(llama_theta_5e5, prompt, 40)
 
 
 def test_sliding_window_matches_reference(backend_name, windowed_mistral):
@@ -173,7 +160,7 @@ def test_sliding_window_matches_reference(backend_name, windowed_mistral):
     prompts = prompts_of(windowed_mistral, [12, 3], seed=5)
     outputs = run_greedy(backend, prompts, 40, page_size=4, chunk_size=7)
     for prompt, out in zip(prompts, outputs):
-        assert out == reference(windowed_mistral, prompt, 40)
+        assert out == reference_greedy(windowed_mistral, prompt, 40)
 
 
 def test_stories260k_greedy_text(backend_name, stories_dir):
@@ -183,7 +170,7 @@ def test_stories260k_greedy_text(backend_name, stories_dir):
     backend = make_backend(backend_name, stories_dir)
     out = run_greedy(backend, [prompt, prompt[:2]], 40, page_size=16, chunk_size=3)
     assert out[0] == STORIES_FIRST_40
-    assert out[1] == reference(stories_dir, prompt[:2], 40)
+    assert out[1] == reference_greedy(stories_dir, prompt[:2], 40)
 
 
 def _host_pool(backend: ModelBackend, page_size: int, num_pages: int, layout: str) -> HostKVPool:
@@ -220,7 +207,7 @@ def test_pages_survive_a_round_trip_through_the_host_tier(backend_name, tiny_lla
     backend.copy_pages_from_host(other, other_pages, np.array(new_pages[:used]))
     req.pages = new_pages
     driver.run()
-    assert req.output == reference(tiny_llama, prompt)
+    assert req.output == reference_greedy(tiny_llama, prompt, NEW_TOKENS)
 
 
 def test_copy_to_host_is_byte_exact_in_bfloat16(backend_name, tiny_llama):
@@ -261,7 +248,7 @@ def test_pages_written_by_one_backend_continue_on_the_other(tiny_llama, writer_n
     reader.copy_pages_from_host(host, np.arange(used), np.arange(used))
     second.requests.append(req)  # same request state: prompt, outputs so far, kv_len
     second.run()
-    assert req.output == reference(tiny_llama, prompt, 32)
+    assert req.output == reference_greedy(tiny_llama, prompt, 32)
 
 
 def test_model_info_and_sizes(backend_name, tiny_model):
@@ -275,6 +262,18 @@ def test_model_info_and_sizes(backend_name, tiny_model):
     assert backend.kv_bytes_per_token() == info.num_layers * 2 * info.num_kv_heads * info.head_dim * 4
     n_params = sum(int(np.prod(v)) for v in _param_shapes(tiny_model).values())
     assert backend.weight_bytes() == 4 * n_params
+
+
+def test_sizes_read_from_the_folder_match_the_loaded_backend(backend_name, tiny_model):
+    """doctor and bench size a model from its folder; the numbers are the ones the backend really uses."""
+    from tierlm.backends.model_source.folder_facts import model_size
+
+    backend = make_backend(backend_name, tiny_model)
+    size = model_size(tiny_model, "float32")
+    assert size.kv_bytes_per_token == backend.kv_bytes_per_token()
+    assert size.weight_bytes == backend.weight_bytes()
+    assert size.vocab_size == backend.info.vocab_size
+    assert model_size(tiny_model, "bfloat16").kv_bytes_per_token * 2 == size.kv_bytes_per_token
 
 
 def _param_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -9,10 +9,13 @@ import json
 
 import pytest
 
-from tierlm.backends.synthetic_models import SPECS, ensure_synthetic_model, weight_shapes
-from tierlm.server import bench_cmd, bench_multiturn, bench_prefix
-from tierlm.server.bench_report import Column, Report, Table, Target, render_table
-from tierlm.server.bench_server import RequestResult, parse_prometheus
+from tierlm.backends.model_source.synthetic import SPECS, ensure_synthetic_model, weight_shapes
+from tierlm.server.bench import command as bench_cmd
+from tierlm.server.bench import multiturn as bench_multiturn
+from tierlm.server.bench import prefix as bench_prefix
+from tierlm.server.bench import stats
+from tierlm.server.bench.report import Column, Report, Table, Target, render_table
+from tierlm.server.bench.server_process import RequestResult, parse_prometheus
 
 
 def _result(device: int = 0, host: int = 0, storage: int = 0) -> RequestResult:
@@ -58,9 +61,9 @@ def test_multiturn_mode_must_hit_the_tier_it_adds() -> None:
 
 
 def test_percentile_median_and_prometheus_parsing() -> None:
-    assert bench_cmd.percentile([5, 1, 4, 2, 3], 90) == 5
-    assert bench_cmd.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
-    assert bench_cmd.median([3, 1, 2, 10]) == 2.5
+    assert stats.percentile([5, 1, 4, 2, 3], 90) == 5
+    assert stats.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
+    assert stats.median([3, 1, 2, 10]) == 2.5
     text = ('# HELP x\ntierlm_cache_hit_tokens_total{model_name="m",tier="host"} 32.0\n'
             'tierlm_kv_pages_total{model_name="m"} 7.0\n')
     assert parse_prometheus(text) == {'tierlm_cache_hit_tokens_total{tier="host"}': 32.0,
@@ -112,6 +115,11 @@ def test_bench_needs_a_model(capsys) -> None:
         bench_cmd.main(["prefix"])
     assert e.value.code == 2
     assert "--synthetic" in capsys.readouterr().err
+
+
+def test_bench_names_a_missing_model_without_a_traceback(tmp_path, capsys) -> None:
+    assert bench_cmd.main(["prefix", "--model-path", str(tmp_path / "missing")]) == 1
+    assert "no such folder" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- end to end (real servers)

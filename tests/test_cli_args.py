@@ -99,7 +99,7 @@ def test_cli_lazy_commands(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     monkeypatch.setitem(sys.modules, "tierlm.server.doctor_cmd", fake)
     assert cli.main(["doctor", "--json"]) == 0
     assert calls == [["--json"]]
-    monkeypatch.setitem(sys.modules, "tierlm.server.bench_cmd", None)  # import of this name fails
+    monkeypatch.setitem(sys.modules, "tierlm.server.bench.command", None)  # import of this name fails
     assert cli.main(["bench"]) == 2
     assert "not available" in capsys.readouterr().err
 

@@ -55,16 +55,6 @@ def make_backend(name: str, model_dir: Path):
     return _BACKENDS[key]
 
 
-_REFS: dict = {}
-
-
-def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    key = (str(model_dir), tuple(prompt), n)
-    if key not in _REFS:
-        _REFS[key] = reference_greedy(model_dir, prompt, n)
-    return _REFS[key]
-
-
 def prompts(lengths, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, GPT_OSS_TINY["vocab_size"], n).tolist() for n in lengths]
@@ -143,7 +133,7 @@ def test_greedy_matches_reference(gpt_oss, backend_name, page_size, chunk_size):
     if chunk_size:
         assert any(1 in shape and max(shape) > 1 for shape in drivers[0].batch_shapes)
     for prompt, out in zip(ps, outputs):
-        assert out == reference(gpt_oss, prompt, 32), f"prompt of {len(prompt)} tokens diverged"
+        assert out == reference_greedy(gpt_oss, prompt, 32), f"prompt of {len(prompt)} tokens diverged"
 
 
 @pytest.mark.parametrize("depth", [4, 8, 12, 20, 40])
@@ -163,8 +153,8 @@ def test_continuing_from_a_cached_prefix_at_any_depth(gpt_oss, backend_name, dep
     b = driver.add(second, 16, list(range(depth // PS)) + list(range(n1, n1 + n2 - depth // PS)))
     b.kv_len = depth  # positions < depth come from the first request's pages, never recomputed
     driver.run()
-    assert a.output == reference(gpt_oss, first, 4)
-    assert b.output == reference(gpt_oss, second, 16)
+    assert a.output == reference_greedy(gpt_oss, first, 4)
+    assert b.output == reference_greedy(gpt_oss, second, 16)
 
 
 @pytest.mark.parametrize("writer_name,reader_name", [("torch", "mlx"), ("mlx", "torch")])
@@ -189,7 +179,7 @@ def test_pages_written_by_one_backend_continue_on_the_other(gpt_oss, writer_name
     reader.copy_pages_from_host(host, np.arange(used), np.arange(used))
     second.requests.append(req)  # same request state: prompt, outputs so far, kv_len
     second.run()
-    assert req.output == reference(gpt_oss, prompt, 24)
+    assert req.output == reference_greedy(gpt_oss, prompt, 24)
 
 
 # ---------------------------------------------------------------- through the engine (scheduler + radix cache)
@@ -205,7 +195,7 @@ def test_engine_batched_greedy_matches_reference(gpt_oss, backend_name):
         ps = prompts([5, 30, 61], seed=3)
         results = run(engine, ps, greedy(24))
         for prompt, res in zip(ps, results):
-            assert res.token_ids == reference(gpt_oss, prompt, 24), f"prompt of {len(prompt)} tokens"
+            assert res.token_ids == reference_greedy(gpt_oss, prompt, 24), f"prompt of {len(prompt)} tokens"
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
@@ -223,8 +213,8 @@ def test_shared_system_prompt_is_reused_to_its_last_whole_page(gpt_oss, backend_
         assert (hot.last.cached.device, len(system + user_b)) == (40, 47)  # matched depth vs prompt length
         assert _prefilled(engine) - before == 47 - 40  # statistics: exactly the reused tokens were skipped
         assert cold.last.cached.total == 0
-        assert cold.token_ids == reference(gpt_oss, system + user_a, 16)
-        assert hot.token_ids == reference(gpt_oss, system + user_b, 16)
+        assert cold.token_ids == reference_greedy(gpt_oss, system + user_a, 16)
+        assert hot.token_ids == reference_greedy(gpt_oss, system + user_b, 16)
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
@@ -243,8 +233,8 @@ def test_multi_turn_continuation_reuses_the_whole_conversation(gpt_oss, backend_
         second = run(engine, [turn2], greedy(16))[0]
         assert (second.last.cached.device, len(turn2)) == (computed // PS * PS, 63) == (56, 63)
         assert _prefilled(engine) - before == 63 - 56
-        assert first.token_ids == reference(gpt_oss, turn1, 15)
-        assert second.token_ids == reference(gpt_oss, turn2, 16)
+        assert first.token_ids == reference_greedy(gpt_oss, turn1, 15)
+        assert second.token_ids == reference_greedy(gpt_oss, turn2, 16)
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
@@ -283,7 +273,7 @@ def test_host_tier_hit_gives_the_cold_output(gpt_oss, backend_name, store):
         hot, = run(engine, [prompt], greedy(12))
         assert (hot.last.cached.host, hot.last.cached.device) == (60, 0)
         assert _prefilled(engine) - before == len(prompt) - 60
-        assert hot.token_ids == cold.token_ids == reference(gpt_oss, prompt, 12)
+        assert hot.token_ids == cold.token_ids == reference_greedy(gpt_oss, prompt, 12)
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
@@ -301,7 +291,7 @@ def test_storage_tier_hit_after_restart_gives_the_cold_output(gpt_oss, backend_n
         hot, = run(engine, [prompt], greedy(12))
         assert (hot.last.cached.storage, hot.last.cached.total) == (60, 60)
         assert _prefilled(engine) == len(prompt) - 60  # a fresh engine: only this request's last token
-        assert hot.token_ids == cold.token_ids == reference(gpt_oss, prompt, 12)
+        assert hot.token_ids == cold.token_ids == reference_greedy(gpt_oss, prompt, 12)
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
@@ -368,4 +358,4 @@ def test_mxfp4_checkpoint_matches_reference(gpt_oss_mxfp4, gpt_oss, backend_name
     for prompt, out in zip(ps, outputs):
         assert out == mxfp4_reference(gpt_oss_mxfp4, prompt, 32), f"prompt of {len(prompt)} tokens"
     # Same seed as the float model before quantization: the references differ, so the MXFP4 values are used.
-    assert outputs[1] != reference(gpt_oss, ps[1], 32)
+    assert outputs[1] != reference_greedy(gpt_oss, ps[1], 32)

@@ -1,12 +1,11 @@
 """HiCache through the real engine: L1 eviction -> host (L2) hits, restarts -> storage (L3) hits, damaged files,
 foreign namespaces, write and prefetch policies. A hit in any tier must give exactly the cold output."""
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from engine_harness import greedy, pool_is_clean, run, start_engine, stop_scheduler_thread
+from engine_harness import greedy, pool_is_clean, run, start_engine
 from model_factory import reference_greedy
 from tierlm.runtime.errors import StartupError
 
@@ -212,7 +211,7 @@ def test_storage_pages_park_in_host_when_device_is_full(tiny_llama, store, backe
         engine.shutdown()
     engine = hicache_engine(backend_name, tiny_llama)
     try:
-        stop_scheduler_thread(engine)  # drive the cache manager by hand
+        engine.stop_scheduler()  # drive the cache manager by hand
         cache = engine.parts.cache
         req = Req(rid="a", input_ids=list(prompt), sampling_params=greedy(6))
         cache.on_request_added(req)

@@ -1,35 +1,76 @@
-"""The import direction of the layout: runtime/ talks to tensors only through the backend contract."""
+"""The import direction of the layout.
+
+server -> runtime -> backends, platforms beside them. runtime/ talks to tensors only through the backend
+contract (backends/base.py): one file, the composition root runtime/engine_setup.py, names concrete backends,
+model sources and the platform layer. backends/ and platforms/ never import the runtime or the server.
+"""
 import ast
 from pathlib import Path
 
+from tierlm.runtime.engine_api import EngineAPI
+
 ROOT = Path(__file__).resolve().parent.parent
+COMPOSITION_ROOT = "runtime/engine_setup.py"
+TENSOR_LIBRARIES = ("torch", "mlx", "mlx_lm", "transformers")
 
 
 def _imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(tree):  # function-level and TYPE_CHECKING imports count too
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            names.add("." * node.level + (node.module or ""))
     return names
 
 
-def test_runtime_never_imports_torch_or_mlx():
+def _imports(folder: str):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for mod in sorted(_imported_modules(path)):
+            yield path.relative_to(ROOT).as_posix(), mod
+
+
+def test_runtime_reaches_tensors_only_through_the_backend_contract():
     offenders = []
-    for path in sorted((ROOT / "runtime").rglob("*.py")):
-        for mod in _imported_modules(path):
-            if mod.split(".")[0] in ("torch", "mlx", "mlx_lm"):
-                offenders.append(f"{path.relative_to(ROOT)} imports {mod}")
+    for path, mod in _imports("runtime"):
+        if path == COMPOSITION_ROOT:
+            continue
+        if mod.split(".")[0] in TENSOR_LIBRARIES:
+            offenders.append(f"{path} imports {mod}")
+        if mod.startswith(("tierlm.backends", "tierlm.platforms")) and mod != "tierlm.backends.base":
+            offenders.append(f"{path} imports {mod} (only {COMPOSITION_ROOT} wires backends and platforms)")
     assert offenders == []
 
 
-def test_backends_and_platforms_do_not_import_the_server():
+def test_the_composition_root_never_imports_tensor_libraries_itself():
+    # It picks a concrete backend; the backend brings its own libraries.
+    assert [m for _, m in _imports("runtime") if _ == COMPOSITION_ROOT and m.split(".")[0] in TENSOR_LIBRARIES] == []
+
+
+def test_lower_layers_do_not_import_upper_ones():
     offenders = []
-    for folder in ("backends", "platforms", "runtime"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            for mod in _imported_modules(path):
-                if mod.startswith("tierlm.server"):
-                    offenders.append(f"{path.relative_to(ROOT)} imports {mod}")
+    for folder, forbidden in (("backends", ("tierlm.runtime", "tierlm.server")),
+                              ("platforms", ("tierlm.runtime", "tierlm.server", "tierlm.backends")),
+                              ("runtime", ("tierlm.server",))):
+        for path, mod in _imports(folder):
+            if mod.startswith(forbidden):
+                offenders.append(f"{path} imports {mod}")
     assert offenders == []
+
+
+def test_imports_are_absolute():
+    relative = [f"{p} imports {m}" for folder in ("runtime", "backends", "platforms", "server")
+                for p, m in _imports(folder) if m.startswith(".")]
+    assert relative == []
+
+
+def test_engine_and_the_fake_engine_both_satisfy_the_engine_api():
+    from fake_engine import FakeEngine
+    from tierlm.runtime.engine import Engine
+    from tierlm.runtime.server_args import ServerArgs
+
+    assert isinstance(Engine(ServerArgs()), EngineAPI)
+    assert isinstance(FakeEngine(), EngineAPI)

@@ -15,7 +15,7 @@ commands:
 Run `tierlm <command> --help` for a command's options."""
 
 # Commands implemented in their own modules, imported only when used (keeps `tierlm serve` start-up lean).
-_LAZY_COMMANDS = {"doctor": "tierlm.server.doctor_cmd", "bench": "tierlm.server.bench_cmd"}
+_LAZY_COMMANDS = {"doctor": "tierlm.server.doctor_cmd", "bench": "tierlm.server.bench.command"}
 
 
 def _run_lazy(command: str, argv: list[str]) -> int:

@@ -8,12 +8,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from tierlm.backends.base import ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, HostKVPool, ModelBackend, ModelInfo
 from tierlm.backends.mlx.kv_pool import MLXKVPool
 from tierlm.backends.mlx.model_loader import load_mlx_model
 from tierlm.backends.mlx.paged_attention import StepContext, StepPlan, install_paged_attention, sliding_windows
 from tierlm.backends.mlx.sampler import sample
-from tierlm.backends.model_files import model_fingerprint, read_generation_eos
+from tierlm.backends.model_source.fingerprint import model_fingerprint
+from tierlm.backends.model_source.folder_facts import read_generation_eos
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "floa
 
 class MLXBackend(ModelBackend):
     name = "mlx"
+    page_layout = SHARED_PAGE_LAYOUT
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0, device: str | None = None
                  ) -> None:
@@ -64,10 +66,6 @@ class MLXBackend(ModelBackend):
                  num_layers, self.info.dtype, self.device, self._weight_bytes / 2**20)
 
     # --- sizing ---
-    def kv_bytes_per_token(self) -> int:
-        i = self.info
-        return i.num_layers * 2 * i.num_kv_heads * i.head_dim * self.dtype.size
-
     def weight_bytes(self) -> int:
         return self._weight_bytes
 
@@ -120,14 +118,6 @@ class MLXBackend(ModelBackend):
 
     def copy_pages_from_host(self, host: HostKVPool, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         self._require_pool().from_host(host, np.asarray(host_pages), np.asarray(device_pages))
-
-    def kv_byte_layout(self) -> str:
-        # Same bytes as the torch pool: post-RoPE K and V (rotate-half convention), [layer, K/V, token, head,
-        # dim], little-endian in the pool dtype. Only equal strings share L3 pages, so torch must match it.
-        return "layer,kv,token,head,dim"
-
-    def memory_stats(self) -> dict:
-        return {"weight_bytes": self._weight_bytes, "kv_pool_bytes": self.pool.total_bytes if self.pool else 0}
 
     def _require_pool(self) -> MLXKVPool:
         if self.pool is None:

@@ -9,32 +9,23 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from tierlm.backends.base import HostKVPool
+from tierlm.backends.base import HostKVPool, KVPoolGeometry
 
 # numpy has no bfloat16: its raw 2-byte values travel as uint16, which has the same size and byte order.
 _RAW_VIEW = {mx.float32: mx.float32, mx.float16: mx.float16, mx.bfloat16: mx.uint16}
 
 
-class MLXKVPool:
+class MLXKVPool(KVPoolGeometry):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: mx.Dtype) -> None:
         if dtype not in _RAW_VIEW:
             raise ValueError(f"KV pool dtype {dtype} is not supported; use float32, float16 or bfloat16")
-        self.num_layers = num_layers
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        super().__init__(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype.size)
         self.dtype = dtype
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self.k, self.v)
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.size
 
     @property
     def total_bytes(self) -> int:
@@ -74,7 +65,7 @@ class MLXKVPool:
         mx.eval(self.k, self.v)
 
     def to_host(self, pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
-        self._check_host(host)
+        self.check_host(host)
         pages, host_pages = np.asarray(pages).reshape(-1), np.asarray(host_pages).reshape(-1)
         if len(pages) == 0:
             return
@@ -86,7 +77,7 @@ class MLXKVPool:
             host.data[host_pages] = raw.reshape(len(pages), -1)
 
     def from_host(self, host: HostKVPool, host_pages: np.ndarray, pages: np.ndarray) -> None:
-        self._check_host(host)
+        self.check_host(host)
         pages, host_pages = np.asarray(pages).reshape(-1), np.asarray(host_pages).reshape(-1)
         if len(pages) == 0:
             return
@@ -98,14 +89,6 @@ class MLXKVPool:
         values = mx.array(raw.view(np.dtype(_numpy_name(self.dtype)))).view(self.dtype)
         blocks = values.reshape(len(pages), self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
         self.scatter_pages(pages, blocks)
-
-    def _check_host(self, host: HostKVPool) -> None:
-        if host.page_bytes != self.page_bytes or host.num_layers != self.num_layers:
-            raise ValueError(
-                f"host pool pages hold {host.page_bytes} bytes over {host.num_layers} layers but this device "
-                f"pool's pages hold {self.page_bytes} bytes over {self.num_layers} layers; size the HostKVPool "
-                "with page_bytes from the backend's pool (same page_size and dtype)"
-            )
 
 
 def _numpy_name(dtype: mx.Dtype) -> str:

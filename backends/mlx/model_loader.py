@@ -1,13 +1,15 @@
 """Load a local Hugging Face model folder with mlx-lm's model classes (no hub access), in the asked dtype."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from tierlm.backends.dtypes import serving_dtype
+from tierlm.backends.model_source.folder_facts import read_json
 
 log = logging.getLogger(__name__)
 
@@ -16,12 +18,9 @@ DTYPE_NAMES_BY_VALUE = {v: k for k, v in DTYPES.items()}
 
 
 def resolve_dtype(dtype: str, config: dict[str, Any]) -> mx.Dtype:
-    """auto -> float32 on CPU (exact match with the float32 reference); on Metal the checkpoint's half dtype."""
-    if dtype == "auto":
-        if mx.default_device() == mx.cpu:
-            return mx.float32
-        stored = config.get("torch_dtype") or config.get("dtype")
-        return DTYPES.get(stored, mx.float32) if stored in ("bfloat16", "float16") else mx.float32
+    """The mlx dtype for ``--dtype`` (auto: backends/dtypes.serving_dtype for the device MLX runs on)."""
+    device = "cpu" if mx.default_device() == mx.cpu else "metal"
+    dtype = serving_dtype(dtype, device, config.get("torch_dtype") or config.get("dtype"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported by the mlx backend; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -95,10 +94,3 @@ def model_classes(config: dict[str, Any]) -> tuple[type, type]:
 
         return gpt_oss.Model, gpt_oss.ModelArgs
     return _get_classes(config)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}

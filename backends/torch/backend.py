@@ -1,41 +1,25 @@
 """TorchBackend: transformers modeling classes + tierlm's paged attention + batched sampling."""
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tierlm.backends.base import ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.model_source.fingerprint import model_fingerprint
+from tierlm.backends.model_source.folder_facts import read_generation_eos
 from tierlm.backends.torch import paged_attention
 from tierlm.backends.torch.kv_pool import TorchKVPool
-from tierlm.backends.torch.model_loader import load_model, read_json, resolve_dtype
+from tierlm.backends.torch.model_loader import load_model, resolve_dtype
 
 log = logging.getLogger(__name__)
 
 
-def _eos_ids(model_dir: Path) -> list[int]:
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        v = read_json(model_dir / name).get("eos_token_id")
-        for x in (v if isinstance(v, list) else [v]):
-            if isinstance(x, int) and x not in ids:
-                ids.append(x)
-    return ids
-
-
-def _fingerprint(model_dir: Path) -> str:
-    try:
-        from tierlm.backends.model_files import model_fingerprint
-        return model_fingerprint(model_dir)
-    except ImportError:  # pragma: no cover - model_files is part of the package
-        return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-
-
 class TorchBackend(ModelBackend):
     name = "torch"
+    page_layout = SHARED_PAGE_LAYOUT
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, seed: int = 0) -> None:
@@ -56,19 +40,15 @@ class TorchBackend(ModelBackend):
             head_dim=head_dim,
             vocab_size=text_cfg.vocab_size,
             max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 2048),
-            eos_token_ids=_eos_ids(self.model_dir),
+            eos_token_ids=read_generation_eos(self.model_dir),
             dtype=str(self.dtype).removeprefix("torch."),
-            fingerprint=_fingerprint(self.model_dir),
+            fingerprint=model_fingerprint(self.model_dir),
             sliding_window=getattr(text_cfg, "sliding_window", None),
         )
         self.pool: TorchKVPool | None = None
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
 
     # --- sizing ---
-    def kv_bytes_per_token(self) -> int:
-        i = self.info
-        return i.num_layers * 2 * i.num_kv_heads * i.head_dim * torch.tensor([], dtype=self.dtype).element_size()
-
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
@@ -108,18 +88,9 @@ class TorchBackend(ModelBackend):
 
         return sample(logits, s, self.generator)
 
-    def kv_byte_layout(self) -> str:
-        # Post-RoPE K and V, [layer, K/V, token, head, dim], little-endian in the pool dtype: the same bytes the
-        # MLX backend stores, so an L3 folder written by one backend serves the other (tests check continuation).
-        return "layer,kv,token,head,dim"
-
     # --- tiers ---
     def copy_pages_to_host(self, device_pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
         self.pool.to_host(np.asarray(device_pages), host, np.asarray(host_pages))
 
     def copy_pages_from_host(self, host: HostKVPool, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         self.pool.from_host(host, np.asarray(host_pages), np.asarray(device_pages))
-
-    def memory_stats(self) -> dict:
-        return {"weight_bytes": self.weight_bytes(),
-                "kv_pool_bytes": int(self.pool.buffer.numel() * self.pool.buffer.element_size()) if self.pool else 0}

@@ -8,17 +8,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierlm.backends.base import HostKVPool
+from tierlm.backends.base import HostKVPool, KVPoolGeometry
 
 
-class TorchKVPool:
+class TorchKVPool(KVPoolGeometry):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.num_layers = num_layers
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        super().__init__(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype.itemsize)
         self.dtype = dtype
         self.device = device
         # [layer, K/V, slot, head, dim]: one allocation; per-layer views are what attention indexes.
@@ -31,11 +27,6 @@ class TorchKVPool:
         self.k_pages = [k.view(num_pages, page_size, num_kv_heads, head_dim) for k in self.k]
         self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
         self._stage: torch.Tensor | None = None
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.buffer.element_size()
 
     def _page_view(self) -> torch.Tensor:
         # [layer, K/V, page, token, head, dim]
@@ -55,6 +46,7 @@ class TorchKVPool:
         return self._stage[:need]
 
     def to_host(self, pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
+        self.check_host(host)
         n, L = len(pages), self.num_layers
         idx = torch.as_tensor(pages, dtype=torch.long, device=self.device)
         stage = self._staging(n)
@@ -70,6 +62,7 @@ class TorchKVPool:
             host.data.reshape(host.num_pages, L, 2, -1)[host_pages] = raw.transpose(2, 0, 1, 3)
 
     def from_host(self, host: HostKVPool, host_pages: np.ndarray, pages: np.ndarray) -> None:
+        self.check_host(host)
         n, L = len(pages), self.num_layers
         shape = (self.page_size, self.num_kv_heads, self.head_dim)
         stage = self._staging(n)

@@ -1,12 +1,12 @@
 """Load a Hugging Face causal LM with transformers' modeling classes, wired to tierlm's paged attention."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
+from tierlm.backends.dtypes import serving_dtype
 from tierlm.backends.torch import paged_attention
 
 log = logging.getLogger(__name__)
@@ -15,10 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto -> float32 on CPU (exact reference match, fastest matmuls here), bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
+    """The torch dtype for ``--dtype`` on ``device`` (auto: backends/dtypes.serving_dtype)."""
+    return DTYPES[serving_dtype(dtype, device.type)]
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
@@ -59,10 +57,3 @@ def quantization_kwargs(config, dtype: torch.dtype) -> dict:
                  str(dtype).removeprefix("torch."))
         return {"quantization_config": Mxfp4Config(dequantize=True)}
     return {}
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}

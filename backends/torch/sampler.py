@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierlm.backends.base import SamplingBatch
+from tierlm.backends.base import SamplingBatch, active_filters
 
 GREEDY_TEMPERATURE = 1e-6  # at or below this a row is greedy (SamplingParams.is_greedy uses the same bound)
 _MIN_NOISE = 1e-20  # keeps probs / E finite when Exp(1) rounds to 0
@@ -122,11 +122,10 @@ def _keep_threshold(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, m
     shortest of the three prefixes: one threshold per row (ties at the threshold stay, as in HF's top_k).
     """
     num_rows, vocab = probs.shape
-    topk_on = (top_k > 0) & (top_k < vocab)
-    topp_on = top_p < 1.0
-    minp_on = min_p > 0.0
-    if not (topk_on.any() or topp_on.any() or minp_on.any()):
+    active = active_filters(top_k, top_p, min_p, vocab)
+    if active is None:
         return None
+    topk_on, topp_on, minp_on = active
 
     device = probs.device
     k = torch.from_numpy(np.where(topk_on, top_k, vocab)).to(device)

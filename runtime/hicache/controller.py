@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from tierlm.backends.base import HostKVPool, ModelBackend
 from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
 from tierlm.runtime.hicache.page_keys import page_keys
+from tierlm.runtime.hicache.storage_io import StorageIO
+from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.kv_cache_manager import KVCacheManager
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.page_allocator import PageAllocator
-from tierlm.runtime.radix_cache import TreeNode
-from tierlm.runtime.request import Req
+from tierlm.runtime.radix_cache import MatchResult, TreeNode
+from tierlm.runtime.request import PendingPrefetch, Req
 from tierlm.runtime.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -39,12 +43,12 @@ PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
 
 class HiCacheManager(KVCacheManager):
     def __init__(self, backend: ModelBackend, num_pages: int, page_size: int, host_pages: int, *,
-                 write_policy: str, layout: str, metrics: EngineMetrics, storage=None, storage_io=None,
+                 write_policy: str, layout: str, storage: FileKVStorage | None = None,
+                 storage_io: StorageIO | None = None,
                  prefetch_policy: str = "timeout", prefetch_timeout: tuple[float, float] = (
                      PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)) -> None:
         super().__init__(num_pages, page_size, enable_radix=False)
         self.backend = backend
-        self.metrics = metrics
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout = prefetch_timeout
@@ -62,8 +66,7 @@ class HiCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------ construction from flags
     @classmethod
-    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int,
-               metrics: EngineMetrics) -> "HiCacheManager":
+    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int) -> "HiCacheManager":
         """From the flags; ``host_pages`` comes from the platform's memory plan (runtime/engine_setup.py)."""
         for name, value, allowed in (("--hicache-write-policy", args.hicache_write_policy, WRITE_POLICIES),
                                      ("--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy,
@@ -79,7 +82,7 @@ class HiCacheManager(KVCacheManager):
         if args.hicache_storage_backend:
             storage, storage_io, timeout = _open_storage(args, backend, page_bytes)
         mgr = cls(backend, num_pages, ps, host_pages, write_policy=args.hicache_write_policy,
-                  layout=args.hicache_mem_layout, metrics=metrics, storage=storage, storage_io=storage_io,
+                  layout=args.hicache_mem_layout, storage=storage, storage_io=storage_io,
                   prefetch_policy=args.hicache_storage_prefetch_policy, prefetch_timeout=timeout)
         log.info("HiCache host pool (L2): %d pages x %d tokens = %d tokens, %.1f MiB, layout %s, write policy %s",
                  host_pages, ps, host_pages * ps, mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy)
@@ -87,7 +90,6 @@ class HiCacheManager(KVCacheManager):
             st = storage.stats()
             log.info("HiCache storage (L3): file backend at %s, %d pages already stored (%.1f MiB), prefetch policy %s",
                      storage.dir, st["files"], st["bytes"] / 2**20, args.hicache_storage_prefetch_policy)
-        mgr._register_gauges()
         return mgr
 
     # ------------------------------------------------------------ write policies
@@ -132,50 +134,36 @@ class HiCacheManager(KVCacheManager):
         keys = page_keys(tokens[:max_pages * self.page_size], self.page_size)[have:]
         hits = self.storage.batch_exists_prefix(keys)
         if hits:
-            req.prefetch = (have, self.storage_io.prefetch(keys[:hits]), time.perf_counter())
+            req.prefetch = PendingPrefetch(have, self.storage_io.prefetch(keys[:hits]), time.perf_counter())
 
     def ready_to_admit(self, req: Req) -> bool:
         """False while a timeout-policy prefetch is still loading within its time budget."""
-        pf = getattr(req, "prefetch", None)
+        pf = req.prefetch
         if pf is None or self.prefetch_policy != "timeout":
             return True
-        _, handle, started = pf
         base, per_page = self.prefetch_timeout
-        return handle.done or time.perf_counter() - started >= base + per_page * len(handle.keys)
+        return pf.handle.done or time.perf_counter() - pf.started_at >= base + per_page * len(pf.handle.keys)
 
-    def match(self, req: Req) -> None:
-        if req.pages:
-            return
-        tokens = req.input_ids + req.output_ids if req.output_ids else req.input_ids
-        max_pages = (len(tokens) - 1) // self.page_size
-        m = self.tree.match_prefix(tokens, max_pages)
+    def _extend_match(self, req: Req, tokens: list[int], m: MatchResult
+                      ) -> tuple[TreeNode, list[int], CachedTokens]:
+        """Device pages in place, then the host continuation copied back, then pages read from storage."""
         for node in _path(self.tree, m.last_node):
             node.hit_count += 1
             if self.write_policy == "write_through_selective" and node.hit_count >= 2 and node.host_pages is None:
                 self._backup_node(node)
-        node = m.last_node
-        pages = list(m.device_pages)
-        n_dev = len(pages)
-        n_host = 0
+        node, pages = m.last_node, list(m.device_pages)
+        n_dev, n_host, n_store = len(pages), 0, 0
         if m.host_pages:
             node, loaded = self._load_from_host(m)
             pages += loaded
             n_host = len(loaded)
-        n_store = 0
-        pf = getattr(req, "prefetch", None)
-        if pf is not None:
-            req.prefetch = None
-            node, pages, n_store = self._load_from_storage(req, tokens, node, pages, pf)
-        self.tree.lock(node)
-        req.last_node = node
-        req.pages = pages
-        req.tree_pages = len(pages)
-        req.kv_len = len(pages) * self.page_size
-        if not req.admitted_once:
-            ps = self.page_size
-            req.cached.device, req.cached.host, req.cached.storage = n_dev * ps, n_host * ps, n_store * ps
+        if req.prefetch is not None:
+            pf, req.prefetch = req.prefetch, None
+            node, pages, n_store = self._load_from_storage(tokens, node, pages, pf)
+        ps = self.page_size
+        return node, pages, CachedTokens(device=n_dev * ps, host=n_host * ps, storage=n_store * ps)
 
-    def _load_from_host(self, m) -> tuple[TreeNode, list[int]]:
+    def _load_from_host(self, m: MatchResult) -> tuple[TreeNode, list[int]]:
         """Copy the host-only continuation of a match back to device pages; returns (deepest node, pages)."""
         nodes = _path_between(self.tree, m.last_node, m.host_last_node)
         n = len(m.host_pages)
@@ -195,9 +183,9 @@ class HiCacheManager(KVCacheManager):
         self.loaded_host_pages += n
         return m.host_last_node, dev
 
-    def _load_from_storage(self, req: Req, tokens, node: TreeNode, pages: list[int], pf
+    def _load_from_storage(self, tokens: list[int], node: TreeNode, pages: list[int], pf: PendingPrefetch
                            ) -> tuple[TreeNode, list[int], int]:
-        start, handle, _ = pf
+        start, handle = pf.start_page, pf.handle
         if self.prefetch_policy == "wait_complete":
             handle.wait()
             payloads = handle.result()
@@ -276,10 +264,9 @@ class HiCacheManager(KVCacheManager):
                    host_cached_pages=self.tree.host_pages_cached)
         return acc
 
-    def _register_gauges(self) -> None:
-        m = self.metrics
-        ps = self.page_size
-        t = self.tree
+    def register_gauges(self, metrics: EngineMetrics) -> None:
+        super().register_gauges(metrics)
+        m, ps, t = metrics, self.page_size, self.tree
         m.gauge("tierlm_hicache_host_pages_total", "Host (L2) KV pages", lambda: self.host.num_pages)
         m.gauge("tierlm_hicache_host_pages_used", "Host (L2) KV pages in use",
                 lambda: self.host.num_pages - self.host_alloc.num_free)
@@ -296,8 +283,14 @@ class HiCacheManager(KVCacheManager):
                 m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
                         lambda stat=stat: self.storage.stats()[stat])
 
+    def eviction_counters(self) -> dict[str, Callable[[], float]]:
+        counters = {**super().eviction_counters(), "host": lambda: self.tree.evicted_host_pages}
+        if self.storage is not None:
+            counters["storage"] = lambda: self.storage.stats()["evictions"]
+        return counters
 
-def _path(tree, node: TreeNode) -> list[TreeNode]:
+
+def _path(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
     out = []
     while node is not tree.root:
         out.append(node)
@@ -305,7 +298,7 @@ def _path(tree, node: TreeNode) -> list[TreeNode]:
     return out[::-1]
 
 
-def _path_between(tree, upper: TreeNode, lower: TreeNode) -> list[TreeNode]:
+def _path_between(tree: HiRadixCache, upper: TreeNode, lower: TreeNode) -> list[TreeNode]:
     """Nodes strictly below ``upper`` down to and including ``lower``, top first."""
     out = []
     while lower is not upper:
@@ -314,11 +307,8 @@ def _path_between(tree, upper: TreeNode, lower: TreeNode) -> list[TreeNode]:
     return out[::-1]
 
 
-def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int):
-    from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
-    from tierlm.runtime.hicache.storage_io import StorageIO
-    from tierlm.runtime.hicache.storage_namespace import StorageNamespace
-
+def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int
+                  ) -> tuple[FileKVStorage, StorageIO, tuple[float, float]]:
     if args.hicache_storage_backend != "file":
         raise StartupError(f"--hicache-storage-backend {args.hicache_storage_backend!r} is not available; "
                            "tierlm ships the 'file' backend")

@@ -24,10 +24,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import StartupError
-from .page_keys import is_page_key
-from .storage_base import KVStorage
-from .storage_namespace import StorageNamespace
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache.page_keys import is_page_key
+from tierlm.runtime.hicache.storage_base import KVStorage
+from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -183,10 +183,7 @@ class FileKVStorage(KVStorage):
             self._count(misses=1)
             return None
         with self._lock:
-            if key not in self._index:
-                self._total += st.st_size
-            self._index[key] = st.st_size
-            self._index.move_to_end(key)
+            self._record_locked(key, st.st_size)
             self._counts["reads"] += 1
             self._counts["bytes_read"] += len(payload)
         self._touch(path)
@@ -223,10 +220,7 @@ class FileKVStorage(KVStorage):
             self._count(errors=1)
             return False
         with self._lock:
-            if key not in self._index:
-                self._total += self.file_bytes
-            self._index[key] = self.file_bytes
-            self._index.move_to_end(key)
+            self._record_locked(key, self.file_bytes)
             self._counts["writes"] += 1
             self._counts["bytes_written"] += self.file_bytes
             victims = self._pick_victims_locked(keep=key)
@@ -325,12 +319,16 @@ class FileKVStorage(KVStorage):
 
     def _note_present(self, key: str, size: int) -> None:
         with self._lock:
-            if key not in self._index:
-                self._total += size
-            self._index[key] = size
-            self._index.move_to_end(key)
+            self._record_locked(key, size)
             victims = self._pick_victims_locked(keep=key)
         self._remove_victims(victims)
+
+    def _record_locked(self, key: str, size: int) -> None:
+        """``key`` is on disk with ``size`` bytes and was used just now (the most recent end of the LRU)."""
+        if key not in self._index:
+            self._total += size
+        self._index[key] = size
+        self._index.move_to_end(key)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -425,9 +423,8 @@ class FileKVStorage(KVStorage):
                     found.append((st.st_mtime, name[: -len(FILE_SUFFIX)], st.st_size))
         found.sort()
         with self._lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self._total += size
+            for _, key, size in found:  # oldest first, so the LRU order follows the mtimes
+                self._record_locked(key, size)
             self._counts["errors"] += damaged
             victims = self._pick_victims_locked(keep=None)
         self._remove_victims(victims)

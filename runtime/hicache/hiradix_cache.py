@@ -23,7 +23,6 @@ class HiRadixCache(RadixCache):
         self._on_new_node_cb = on_new_node
         self.host_pages_cached = 0
         self.demoted_pages = 0
-        self.dropped_device_pages = 0
         self.evicted_host_pages = 0
 
     # ---------------------------------------------------------------- hooks
@@ -83,7 +82,6 @@ class HiRadixCache(RadixCache):
             self._backup_node(node)  # write_back, or a write-through copy that did not fit earlier
         pages = node.device_pages
         if node.host_pages is None:
-            self.dropped_device_pages += len(pages)
             if node.children:  # host-only descendants would become unreachable: drop them too
                 self._drop_subtree_host(node)
             return super()._evict_node(node)

@@ -14,7 +14,6 @@ from typing import Sequence
 
 import numpy as np
 
-KEY_HEX_LEN = 64
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable, Sequence
 
-from .storage_base import KVStorage
+from tierlm.runtime.hicache.storage_base import KVStorage
 
 logger = logging.getLogger(__name__)
 

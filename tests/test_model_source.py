@@ -11,12 +11,15 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tierlm.backends import demo_model, model_files
-from tierlm.backends.demo_model import DEMO_MODEL_NAME, DEMO_MODEL_NOTICE, ensure_demo_model
-from tierlm.backends.model_files import model_fingerprint, read_generation_eos, resolve_model_path
-from tierlm.runtime.errors import StartupError
+from tierlm.backends.model_source import demo as demo_model
+from tierlm.backends.model_source import fingerprint, resolve
+from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, DEMO_MODEL_NOTICE, ensure_demo_model
+from tierlm.backends.model_source import ModelSourceError, resolve_model_path
+from tierlm.backends.model_source.fingerprint import model_fingerprint
+from tierlm.backends.model_source.folder_facts import read_generation_eos
 
 UNICODE_TEXT = "Hello, wörld! 你好 🙂  two spaces\n\ttab <b>&amp;</b> café"
 
@@ -51,7 +54,7 @@ def test_local_folder_without_config_names_the_missing_file(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x")
-    with pytest.raises(StartupError, match="config.json"):
+    with pytest.raises(ModelSourceError, match="config.json"):
         resolve_model_path(str(folder))
 
 
@@ -59,24 +62,24 @@ def test_local_folder_without_weights_says_so(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    with pytest.raises(StartupError, match=r"safetensors"):
+    with pytest.raises(ModelSourceError, match=r"safetensors"):
         resolve_model_path(str(folder))
 
 
 def test_missing_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
-    monkeypatch.setattr(model_files, "_resolve_hub_id", lambda *a: pytest.fail("a path went to the hub"))
-    with pytest.raises(StartupError, match="no such folder"):
+    monkeypatch.setattr(resolve.hub, "resolve_hub_id", lambda *a: pytest.fail("a path went to the hub"))
+    with pytest.raises(ModelSourceError, match="no such folder"):
         resolve_model_path(str(tmp_path / "does" / "not" / "exist"))
 
 
-def test_invalid_hub_id_is_a_startup_error():
-    with pytest.raises(StartupError, match="neither an existing folder nor a valid Hugging Face hub id"):
+def test_invalid_hub_id_is_a_model_source_error():
+    with pytest.raises(ModelSourceError, match="neither an existing folder nor a valid Hugging Face hub id"):
         resolve_model_path("bad name with spaces")
 
 
 def test_hub_id_offline_and_not_cached_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(StartupError) as err:
+    with pytest.raises(ModelSourceError) as err:
         resolve_model_path("tierlm-test/not-cached", cache_dir=tmp_path / "hub")
     message = str(err.value)
     assert "'tierlm-test/not-cached' is not in the local Hugging Face cache" in message
@@ -93,7 +96,7 @@ def test_hub_id_unreachable_hub_and_not_cached_names_the_fix(tmp_path, monkeypat
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
-    with pytest.raises(StartupError) as err:
+    with pytest.raises(ModelSourceError) as err:
         resolve_model_path("tierlm-test/not-cached", cache_dir=tmp_path / "hub")
     message = str(err.value)
     assert "not in the local Hugging Face cache" in message and "cannot be reached" in message
@@ -119,7 +122,7 @@ def test_cached_snapshot_without_weights_is_not_used(tmp_path, monkeypatch):
     (repo / "snapshots" / commit / "config.json").write_text("{}")
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
-    with pytest.raises(StartupError, match="not in the local Hugging Face cache"):
+    with pytest.raises(ModelSourceError, match="not in the local Hugging Face cache"):
         resolve_model_path("tierlm-test/partial", cache_dir=tmp_path / "hub")
 
 
@@ -162,7 +165,7 @@ def test_fingerprint_of_a_big_file_sees_its_start_end_and_middle(tmp_path):
     folder = _fake_model(tmp_path / "a", weights=bytes(size))
     before = model_fingerprint(folder)
     path = folder / "model.safetensors"
-    sampled_offsets = [off for off, _ in model_files._sample_ranges(size)]
+    sampled_offsets = [off for off, _ in fingerprint._sample_ranges(size)]
     for offset in (0, size - 1, sampled_offsets[len(sampled_offsets) // 2]):
         data = bytearray(bytes(size))
         data[offset] = 7
@@ -172,7 +175,7 @@ def test_fingerprint_of_a_big_file_sees_its_start_end_and_middle(tmp_path):
 
 def test_sample_ranges_stay_inside_the_file():
     for size in (0, 10, (3 << 20) - 1, 3 << 20, 10 << 20, 10**10 + 7):
-        for offset, length in model_files._sample_ranges(size):
+        for offset, length in fingerprint._sample_ranges(size):
             assert 0 <= offset and offset + length <= size
 
 
@@ -227,10 +230,10 @@ def test_demo_model_incomplete_folder_is_rebuilt(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [DEMO_MODEL_NAME]  # no temp folders left behind
 
 
-def test_demo_model_unwritable_cache_is_a_startup_error(tmp_path):
+def test_demo_model_unwritable_cache_is_a_model_source_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(StartupError, match="--model-path"):
+    with pytest.raises(ModelSourceError, match="--model-path"):
         ensure_demo_model(blocker / "cache")
 
 
@@ -274,7 +277,7 @@ def test_demo_model_built_by_two_processes_at_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from tierlm.backends.demo_model import ensure_demo_model
+        from tierlm.backends.model_source.demo import ensure_demo_model
         Path(sys.argv[1]).touch()
         while not Path({str(go)!r}).exists():
             time.sleep(0.005)
@@ -298,3 +301,24 @@ def test_demo_model_built_by_two_processes_at_once(tmp_path):
     demo_model.write_demo_model(reference)
     for name in demo_model.REQUIRED_FILES:
         assert (tmp_path / "cache" / DEMO_MODEL_NAME / name).read_bytes() == (reference / name).read_bytes()
+
+
+def test_model_size_counts_the_weights_the_backend_loads(tmp_path):
+    """A folder with both formats is loaded from its safetensors; sizes follow the dtype served on the device."""
+    from safetensors.numpy import save_file
+
+    from tierlm.backends.model_source.folder_facts import model_size
+
+    config = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                  vocab_size=100, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = {"w": np.zeros((10, 10), np.float32), "ids": np.zeros(8, np.int64)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 10_000)  # an older copy of the same weights
+    on_cpu = model_size(tmp_path, "auto", "cpu")  # auto on CPU: float32
+    assert on_cpu.dtype == "float32" and on_cpu.weight_bytes == 100 * 4 + 8 * 8
+    assert on_cpu.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 and on_cpu.vocab_size == 100
+    on_gpu = model_size(tmp_path, "auto", "cuda")  # floats cast to bfloat16, integers as stored
+    assert on_gpu.dtype == "bfloat16" and on_gpu.weight_bytes == 100 * 2 + 8 * 8
+    assert model_size(tmp_path, "auto", "mps").dtype == "bfloat16"  # Apple GPU: the checkpoint's half dtype
+    assert model_size(tmp_path, "float16", "cpu").kv_bytes_per_token == on_cpu.kv_bytes_per_token // 2

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from tierlm.server.bench_cmd import BenchContext, median, random_tokens, ratio
-from tierlm.server.bench_report import Column, Report, Table, Target, environment
-from tierlm.server.bench_server import BenchServer, RequestResult, run_one
+from tierlm.server.bench.context import BenchContext, random_tokens
+from tierlm.server.bench.report import Column, Report, Table, Target, environment
+from tierlm.server.bench.server_process import BenchServer, RequestResult, run_one
+from tierlm.server.bench.stats import median, ratio
 
 CASES = ("cold", "L1 hit", "L2 hit", "L3 hit")
 EXPECTED_TIER = {"cold": None, "L1 hit": "device", "L2 hit": "host", "L3 hit": "storage"}

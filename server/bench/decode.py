@@ -10,22 +10,19 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
-import struct
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tierlm.server.bench_cmd import BenchContext, median, random_tokens, ratio
-from tierlm.server.bench_report import Column, Report, Table, Target, environment
-from tierlm.server.bench_server import BenchServer, run_concurrent, run_one
+from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.server.bench.context import BenchContext, random_tokens
+from tierlm.server.bench.report import Column, Report, Table, Target, environment
+from tierlm.server.bench.server_process import BenchServer, run_concurrent, run_one
+from tierlm.server.bench.stats import median, ratio
 
 TARGET_BATCH1 = 1.0  # x transformers' decode tokens/s at batch 1 (issue 6)
 TARGET_STREAMS = 2.5  # x transformers' aggregate tokens/s for the same streams (issue 6)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SAFETENSORS_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,23 +48,6 @@ def memory_bandwidth(mib: int = 512, rounds: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
-
-
-def weight_bytes(model_dir: Path, dtype: str) -> int:
-    """Bytes of the weights as the engine holds them (floating tensors in ``dtype``), from safetensors headers."""
-    per = DTYPE_BYTES.get(dtype)
-    total = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            numel = int(np.prod(t["shape"])) if t["shape"] else 1
-            is_float = t["dtype"] in ("F32", "F16", "BF16", "F64")
-            total += numel * (per if per and is_float else SAFETENSORS_BYTES.get(t["dtype"], 4))
-    return total
 
 
 # ---------------------------------------------------------------- tierlm server
@@ -106,7 +86,7 @@ def server_rows(ns: argparse.Namespace, ctx: BenchContext, bar) -> tuple[list[di
 
 # ---------------------------------------------------------------- in-process baselines
 def transformers_rows(ns: argparse.Namespace, ctx: BenchContext, bar) -> list[dict[str, Any]]:
-    from tierlm.backends.torch.hf_baseline import HFBaseline
+    from tierlm.server.bench.hf_baseline import HFBaseline
 
     rng = np.random.default_rng(ctx.seed + 1)
     bar.set_description("decode: loading transformers")
@@ -159,7 +139,7 @@ def mlx_lm_row(ns: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
     once(2)  # warm-up
     runs = [once(ns.new_tokens) for _ in range(ns.repeats)]
     decode = [(ns.new_tokens - 1) / (total - first) for first, total in runs if total > first]
-    del model
+    model = None  # free the weights before the next row loads its own
     gc.collect()
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
     return {"engine": f"mlx-lm generate_step ({device})", "shape": "batch 1",
@@ -221,7 +201,7 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     bandwidth = memory_bandwidth(ns.bandwidth_mib)
     rows, info = server_rows(ns, ctx, bar)
     dtype = info.get("dtype", "float32")
-    wbytes = weight_bytes(ctx.model_dir, dtype)
+    wbytes = model_size(ctx.model_dir, dtype).weight_bytes
     if not ns.no_baseline:
         rows += transformers_rows(ns, ctx, bar)
         rows += _optional_rows(ns, ctx, notes)

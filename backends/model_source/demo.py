@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierlm.runtime.errors import StartupError
+from tierlm.backends.model_source.errors import ModelSourceError
+from tierlm.backends.model_source.tokenizer import BOS_ID, EOS_ID, IM_END_ID, build_byte_tokenizer, save_byte_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +35,6 @@ DEMO_MODEL_NOTICE = (
 # Files a complete demo folder has; a folder missing any of them is rebuilt.
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json")
-
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0..4
-UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
-
-# A few fixed English merges so common words are not all single bytes ("Ġ" is the byte-level space).
-MERGES = [
-    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"), ("Ġ", "a"),
-    ("r", "e"), ("Ġ", "s"), ("e", "n"), ("a", "t"), ("o", "u"), ("Ġ", "w"), ("i", "s"), ("Ġ", "o"),
-    ("in", "g"), ("Ġ", "i"), ("e", "d"), ("Ġ", "b"), ("n", "d"), ("Ġ", "c"), ("Ġa", "nd"), ("o", "r"),
-]
-
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 HIDDEN = 64
 INTERMEDIATE = 128
@@ -83,7 +67,7 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.building-", dir=cache_dir))
     except OSError as exc:
-        raise StartupError(
+        raise ModelSourceError(
             f"cannot build the demo model in {cache_dir} ({exc}); make that folder writable, or pass a real "
             "model with --model-path (e.g. Qwen/Qwen2.5-0.5B-Instruct)."
         ) from None
@@ -106,44 +90,17 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
 def write_demo_model(out_dir: Path) -> Path:
     """Write the demo model's files into ``out_dir`` (an existing folder); the same bytes on every call."""
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab_size = build_byte_tokenizer().get_vocab_size(with_added_tokens=True)
     _write_json(out_dir / "config.json", _model_config(vocab_size))
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": BOS_ID, "eos_token_id": [IM_END_ID, EOS_ID], "do_sample": True,
         "temperature": 0.7, "top_p": 0.9,
     })
     _write_weights(out_dir / "model.safetensors", vocab_size)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}
     _write_json(out_dir / "special_tokens_map.json", special)
-    _write_json(out_dir / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **special,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,  # keeps decode(encode(text)) == text
-        "model_max_length": 2048,
-        "chat_template": CHATML_TEMPLATE,
-    })
+    save_byte_tokenizer(out_dir, **special, add_bos_token=False, add_eos_token=False, model_max_length=2048)
     return out_dir
-
-
-def build_tokenizer():
-    """Byte-level BPE: 5 special tokens, the 256 byte tokens, then the fixed merges. Any text round-trips."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    byte_tokens = sorted(pre_tokenizers.ByteLevel.alphabet())  # sorted: the set's order is not fixed
-    vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for tok in byte_tokens:
-        vocab[tok] = len(vocab)
-    for left, right in MERGES:
-        vocab.setdefault(left + right, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(MERGES), unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tokenizer
 
 
 def _model_config(vocab_size: int) -> dict:

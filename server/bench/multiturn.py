@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tierlm.server.bench_cmd import BenchContext, percentile, random_tokens, ratio
-from tierlm.server.bench_report import Column, Report, Table, Target, environment, load_average
-from tierlm.server.bench_server import REQUEST_TIMEOUT_S, BenchServer, RequestResult, run_one, stream_generate
+from tierlm.server.bench.context import BenchContext, random_tokens
+from tierlm.server.bench.report import Column, Report, Table, Target, environment, load_average
+from tierlm.server.bench.server_process import REQUEST_TIMEOUT_S, BenchServer, RequestResult, run_one, stream_generate
+from tierlm.server.bench.stats import percentile, ratio
 
 MODES = ("radix", "hicache-l2", "hicache-l2+l3")
 TARGET_RATIO = 0.3  # HiCache mean TTFT vs radix-only (issue 6)

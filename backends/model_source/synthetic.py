@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tierlm.backends.model_source.tokenizer import save_byte_tokenizer
+
 log = logging.getLogger(__name__)
 
 SEED = 20250101
@@ -118,7 +120,7 @@ def write_synthetic_model(name: str, out_dir: Path, progress: Callable[[int, int
         {"bos_token_id": spec["bos_token_id"], "eos_token_id": eos, "do_sample": False}, indent=2))
     shapes = weight_shapes(config)
     _write_safetensors(out_dir / "model.safetensors", shapes, progress)
-    _write_tokenizer(out_dir)
+    save_byte_tokenizer(out_dir, model_max_length=1 << 30)
     (out_dir / MARKER).write_text(json.dumps({"name": name, "digest": spec_digest(name), "seed": SEED,
                                               "note": "random weights in a published shape; output is meaningless"},
                                              indent=2))
@@ -177,17 +179,6 @@ def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
             done += data.nbytes
             if progress is not None:
                 progress(done, offset)
-
-
-def _write_tokenizer(out_dir: Path) -> None:
-    from tierlm.backends.demo_model import CHATML_TEMPLATE, build_tokenizer
-
-    build_tokenizer().save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "chat_template": CHATML_TEMPLATE,
-        "model_max_length": 1 << 30,
-    }))
 
 
 def _built_from(folder: Path) -> str | None:

@@ -7,51 +7,25 @@ one run; hit statistics are read back from the responses.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
+
+from tierlm.backends.model_source import ModelSourceError
+from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.server.bench.context import BenchContext
 
 log = logging.getLogger("tierlm.bench")
 
 SUBCOMMANDS = {
-    "prefix": ("tierlm.server.bench_prefix", "TTFT per cache tier for a shared prefix: cold, L1, L2, L3 hit"),
-    "multiturn": ("tierlm.server.bench_multiturn", "C clients x R rounds of growing conversations, radix vs HiCache"),
-    "decode": ("tierlm.server.bench_decode", "decode tokens/s at batch 1 and N streams, next to transformers"),
+    "prefix": ("tierlm.server.bench.prefix", "TTFT per cache tier for a shared prefix: cold, L1, L2, L3 hit"),
+    "multiturn": ("tierlm.server.bench.multiturn", "C clients x R rounds of growing conversations, radix vs HiCache"),
+    "decode": ("tierlm.server.bench.decode", "decode tokens/s at batch 1 and N streams, next to transformers"),
 }
-
-
-@dataclass
-class BenchContext:
-    """What every benchmark needs besides its own options."""
-
-    model_dir: Path
-    model_label: str
-    dtype: str
-    page_size: int
-    server_extra: list[str]
-    seed: int
-    progress: bool
-    work_dir: Path
-    command: str
-    vocab_size: int = 0
-    load_at_start: float | None = None
-
-    def server_args(self, *more: str) -> list[str]:
-        """Flags for `python -m tierlm.launch_server` common to every server this run starts."""
-        return ["--model-path", str(self.model_dir), "--dtype", self.dtype, "--page-size", str(self.page_size),
-                "--random-seed", str(self.seed), *more, *self.server_extra]
-
-    def progress_bar(self, total: int, desc: str):
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, disable=not self.progress, file=sys.stderr, leave=False,
-                    dynamic_ncols=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    from tierlm.backends.synthetic_models import synthetic_names
+    from tierlm.backends.model_source.synthetic import synthetic_names
 
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
@@ -101,7 +75,7 @@ def _module(name: str):
 
 def resolve_model(ns: argparse.Namespace, progress: bool) -> tuple[Path, str]:
     if ns.synthetic:
-        from tierlm.backends.synthetic_models import ensure_synthetic_model
+        from tierlm.backends.model_source.synthetic import ensure_synthetic_model
 
         bar = None
 
@@ -118,7 +92,7 @@ def resolve_model(ns: argparse.Namespace, progress: bool) -> tuple[Path, str]:
         if bar is not None:
             bar.close()
         return path, f"synthetic {ns.synthetic} (seeded random weights, published shapes; {path})"
-    from tierlm.backends.model_files import resolve_model_path
+    from tierlm.backends.model_source import resolve_model_path
 
     path = resolve_model_path(ns.model_path)
     return path, str(path)
@@ -133,12 +107,6 @@ def set_threads(n: int) -> None:
         sys.modules["torch"].set_num_threads(n)
 
 
-def vocab_size_of(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    text = cfg.get("text_config") or {}
-    return int(cfg.get("vocab_size") or text.get("vocab_size"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -150,21 +118,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"tierlm bench {ns.benchmark}: pass --model-path DIR, or --synthetic NAME for random weights "
                        "in a real shape (e.g. --synthetic qwen2.5-0.5b)\n")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from tierlm.server.bench_report import emit, load_average
+    from tierlm.server.bench.report import emit, load_average
 
     load_at_start = load_average()  # before this run adds its own load
     if ns.threads:
         set_threads(ns.threads)
     progress = not ns.no_progress
-    model_dir, label = resolve_model(ns, progress)
+    try:
+        model_dir, label = resolve_model(ns, progress)
+    except ModelSourceError as e:
+        print(f"tierlm bench {ns.benchmark}: {e}", file=sys.stderr)
+        return 1
     own_work_dir = ns.work_dir is None
     work_dir = Path(ns.work_dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     ctx = BenchContext(model_dir=model_dir, model_label=label, dtype=ns.dtype, page_size=ns.page_size,
                        server_extra=list(ns.server_arg), seed=ns.seed, progress=progress, work_dir=work_dir,
-                       command="tierlm bench " + shlex.join(argv), vocab_size=vocab_size_of(model_dir),
+                       command="tierlm bench " + shlex.join(argv), vocab_size=model_size(model_dir).vocab_size or 0,
                        load_at_start=load_at_start)
-    from tierlm.server.bench_server import BenchServerError
+    from tierlm.server.bench.server_process import BenchServerError
 
     module = _module(SUBCOMMANDS[ns.benchmark][0])
     try:
@@ -176,30 +148,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(work_dir, ignore_errors=True)
     emit(report, ns.json)
     return 0
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def median(xs: Sequence[float]) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100)."""
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    k = max(0, min(len(xs) - 1, -(-len(xs) * q // 100) - 1))
-    return xs[int(k)]
-
-
-def random_tokens(rng: Any, n: int, vocab_size: int) -> list[int]:
-    """Distinct random prompts: ids 5.. (above the demo tokenizer's special tokens) within the vocabulary."""
-    return rng.integers(5, vocab_size, size=n).tolist()
-

@@ -1,0 +1,16 @@
+"""tierlm.backends.model_source: where a model folder comes from, and what can be read from it unloaded.
+
+    resolve.py       --model-path -> a local folder: the demo model, a local folder, or a hub id (hub.py)
+    demo.py          the built-in demo model (`tierlm serve` with no --model-path)
+    synthetic.py     seeded random weights in published shapes (`tierlm bench --synthetic`)
+    tokenizer.py     loading a folder's tokenizer; the byte-level tokenizer tierlm's own models carry
+    folder_facts.py  config, EOS ids, weight files, KV bytes per token and weight bytes
+    fingerprint.py   the model fingerprint that namespaces L3 pages
+
+Nothing here touches a device; both backends and the tools (doctor, bench) read models through it. Failures
+raise ModelSourceError with the fix in its message.
+"""
+from tierlm.backends.model_source.errors import ModelSourceError
+from tierlm.backends.model_source.resolve import resolve_model_path
+
+__all__ = ["ModelSourceError", "resolve_model_path"]

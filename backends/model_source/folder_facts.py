@@ -1,0 +1,120 @@
+"""Facts read from a model folder without loading it: config, end-of-sequence ids, weight files and sizes.
+
+One place for each: the backends read EOS ids here, and `tierlm doctor` and `tierlm bench` size a model here
+(KV bytes per token, weight bytes in the serving dtype) with the formulas the backends size their pools by
+(backends/dtypes.py).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token, serving_dtype
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
+MAX_HEADER_BYTES = 100 << 20  # a larger header length means the file is not safetensors
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when the file is absent or not JSON."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def text_config(model_dir: Path) -> dict[str, Any]:
+    """config.json, or its language-model part where a multimodal config nests it under text_config."""
+    cfg = read_json(Path(model_dir) / "config.json")
+    return cfg.get("text_config") or cfg
+
+
+def read_generation_eos(model_dir: Path) -> list[int]:
+    """End-of-sequence token ids: generation_config.json's eos_token_id, then config.json's, without repeats.
+
+    Either file may be absent and either value may be an int, a list of ints or null.
+    """
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        value = read_json(Path(model_dir) / name).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
+@dataclass
+class ModelSize:
+    path: str
+    dtype: str
+    kv_bytes_per_token: int
+    weight_bytes: int
+    vocab_size: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "dtype": self.dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "weight_bytes": self.weight_bytes, "vocab_size": self.vocab_size}
+
+
+def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu") -> ModelSize:
+    """KV bytes per token and weight bytes of a local model folder served in ``dtype`` on ``device`` (auto: as
+    the backends resolve it, dtypes.serving_dtype), from config.json and the safetensors headers."""
+    folder = Path(model_dir)
+    cfg = text_config(folder)
+    stored = cfg.get("torch_dtype") or cfg.get("dtype")
+    dtype = serving_dtype(dtype, device, stored if isinstance(stored, str) else None)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    vocab = cfg.get("vocab_size")
+    return ModelSize(path=str(folder), dtype=dtype,
+                     kv_bytes_per_token=kv_bytes_per_token(int(cfg["num_hidden_layers"]), kv_heads, head_dim, dtype),
+                     weight_bytes=weight_bytes(folder, dtype), vocab_size=int(vocab) if vocab else None)
+
+
+def weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of the weights as an engine holds them in ``dtype`` (floating tensors cast, the rest as stored).
+
+    Read from the safetensors headers; a file whose header cannot be read (and *.bin files, which have none)
+    counts its size on disk.
+    """
+    files = weight_files(model_dir)
+    safetensors = [p for p in files if p.suffix == ".safetensors"]
+    total = 0
+    for path in safetensors or files:  # a folder with both formats is loaded from its safetensors
+        header = _safetensors_header(path) if path.suffix == ".safetensors" else None
+        if header is None:
+            total += path.stat().st_size
+            continue
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in t["shape"]:
+                numel *= int(d)
+            float_bytes = DTYPE_BYTES.get(dtype) if t["dtype"] in SAFETENSORS_FLOATS else None
+            total += numel * (float_bytes or SAFETENSORS_BYTES.get(t["dtype"], 4))
+    return total
+
+
+def _safetensors_header(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error):
+        return None
+    return header if isinstance(header, dict) else None

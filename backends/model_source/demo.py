@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tierlm.backends.model_source.errors import ModelSourceError
-from tierlm.backends.model_source.tokenizer import BOS_ID, EOS_ID, IM_END_ID, build_byte_tokenizer, save_byte_tokenizer
+from tierlm.backends.model_source.tokenizer import BOS_ID, EOS_ID, IM_END_ID, save_byte_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +90,16 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
 def write_demo_model(out_dir: Path) -> Path:
     """Write the demo model's files into ``out_dir`` (an existing folder); the same bytes on every call."""
     out_dir = Path(out_dir)
-    vocab_size = build_byte_tokenizer().get_vocab_size(with_added_tokens=True)
+    special = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}
+    _write_json(out_dir / "special_tokens_map.json", special)
+    vocab_size = save_byte_tokenizer(out_dir, **special, add_bos_token=False, add_eos_token=False,
+                                     model_max_length=2048)
     _write_json(out_dir / "config.json", _model_config(vocab_size))
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": BOS_ID, "eos_token_id": [IM_END_ID, EOS_ID], "do_sample": True,
         "temperature": 0.7, "top_p": 0.9,
     })
     _write_weights(out_dir / "model.safetensors", vocab_size)
-    special = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}
-    _write_json(out_dir / "special_tokens_map.json", special)
-    save_byte_tokenizer(out_dir, **special, add_bos_token=False, add_eos_token=False, model_max_length=2048)
     return out_dir
 
 

@@ -6,7 +6,9 @@ One place for each: the backends read EOS ids here, and `tierlm doctor` and `tie
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +65,7 @@ class ModelSize:
     vocab_size: int | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "dtype": self.dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "weight_bytes": self.weight_bytes, "vocab_size": self.vocab_size}
+        return dataclasses.asdict(self)
 
 
 def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu") -> ModelSize:
@@ -100,9 +101,7 @@ def weight_bytes(model_dir: Path, dtype: str) -> int:
         for name, t in header.items():
             if name == "__metadata__":
                 continue
-            numel = 1
-            for d in t["shape"]:
-                numel *= int(d)
+            numel = math.prod(int(d) for d in t["shape"])
             float_bytes = DTYPE_BYTES.get(dtype) if t["dtype"] in SAFETENSORS_FLOATS else None
             total += numel * (float_bytes or SAFETENSORS_BYTES.get(t["dtype"], 4))
     return total

@@ -76,7 +76,9 @@ class Engine:
         self.ready = True
 
     def shutdown(self) -> None:
-        self.stop_scheduler()
+        """Stop the scheduler and close the caches in a few seconds whatever they are doing (a SIGTERM must stop
+        the server even on a hung disk); threads that do not stop in time are daemons and are left behind."""
+        self.stop_scheduler(timeout=5.0)
         if self.parts is not None:
             self.parts.close()
 
@@ -86,6 +88,9 @@ class Engine:
         self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.warning("the scheduler thread did not stop within %.0f s (a step still running); "
+                            "shutting down without it", timeout)
 
     # ------------------------------------------------------------ requests
     def validate(self, req: GenerateRequest) -> None:
@@ -93,15 +98,16 @@ class Engine:
         n = len(req.input_ids)
         if n == 0:
             raise RequestError("the prompt is empty: send at least one token", param="prompt")
-        vocab = self.parts.model_info.vocab_size
-        bad = [t for t in req.input_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         max_new = req.sampling_params.max_new_tokens
+        # Length first: it is O(1), and refuses a megabyte prompt before anything scans its ids.
         if n >= self.context_length:
             raise RequestError(
                 f"This model's maximum context length is {self.context_length} tokens, but the prompt has {n} "
                 f"tokens. Shorten the prompt.", param="prompt", code="context_length_exceeded")
+        vocab = self.parts.model_info.vocab_size
+        if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:  # C-speed scans; the message needs the first
+            bad = next(t for t in req.input_ids if not 0 <= t < vocab)
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         if n + max_new > self.context_length:
             raise RequestError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "

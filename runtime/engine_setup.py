@@ -1,6 +1,7 @@
 """The composition root: the one place that wires an engine together from ServerArgs.
 
-    model source -> platform facts -> backend decision -> tokenizer + backend -> memory plan (L1, L2)
+    model source -> platform facts -> backend decision -> verified architecture? -> tokenizer + backend
+    -> memory plan (L1, L2)
     -> KV cache manager (radix, HiCache) -> output processor -> scheduler
 
 Only this file names concrete backends (imported once chosen: torch or mlx may not be installed), the model
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from tierlm.backends.base import ModelBackend, ModelInfo
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
 from tierlm.backends.model_source.tokenizer import load_tokenizer
+from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               plan_memory_for_args)
 from tierlm.runtime.engine_api import Tokenizer
@@ -57,6 +59,8 @@ class EngineParts:
     metrics: EngineMetrics
     context_length: int
     decision: Decision
+    architecture_verified: bool = True  # False: loaded only because of --trust-unverified-architecture
+    warnings: list[str] = field(default_factory=list)  # shown in /server_info (and logged at startup)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -73,6 +77,8 @@ class EngineParts:
             "backend_decision": self.decision.to_dict(),
             "context_length": self.context_length,
             "architecture": self.model_info.architecture,
+            "architecture_verified": self.architecture_verified,
+            "warnings": list(self.warnings),
             "kv_pool": {**acc, "total_tokens": acc["total_pages"] * acc["page_size"],
                         "bytes_per_token": kv_tok, "total_bytes": kv_tok * acc["total_pages"] * acc["page_size"]},
             "tiers": self.cache.tiers_info(),
@@ -93,6 +99,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     facts = detect()  # before the weights load, so the memory plan counts them once
     decision = decide_backend(args, facts)
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
+    arch = check_model_architecture(decision, model_dir, args)  # fail fast: before the tokenizer and weights
     tokenizer = tokenizer_for(args, model_dir)
     backend = load_backend(decision, model_dir, args)
     info = backend.info
@@ -112,7 +119,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit)
     scheduler.register_gauges(metrics)
-    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision)
+    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
+                        architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [])
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
     return parts
@@ -143,15 +151,31 @@ def decide_backend(args: ServerArgs, facts: Facts) -> Decision:
         raise StartupError(str(e)) from e
 
 
+def check_model_architecture(decision: Decision, model_dir: Path, args: ServerArgs) -> ArchitectureCheck:
+    """Whether the chosen backend serves the model's architecture verified (backends/verified_architectures.py),
+    from config.json alone; an unverified one is refused unless --trust-unverified-architecture (the backend
+    logs the warning when it loads)."""
+    try:
+        return check_architecture(model_dir, decision.backend, args.trust_unverified_architecture,
+                                  args.trust_remote_code)
+    except UnverifiedArchitectureError as e:  # names the verified list and the flag
+        raise StartupError(str(e)) from e
+
+
 def load_backend(decision: Decision, model_dir: Path, args: ServerArgs) -> ModelBackend:
-    if decision.backend == "mlx":
-        from tierlm.backends.mlx.backend import MLXBackend
+    try:
+        if decision.backend == "mlx":
+            from tierlm.backends.mlx.backend import MLXBackend
 
-        return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed, device=decision.device)
-    from tierlm.backends.torch.backend import TorchBackend
+            return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed, device=decision.device,
+                              trust_unverified_architecture=args.trust_unverified_architecture)
+        from tierlm.backends.torch.backend import TorchBackend
 
-    return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,
-                        trust_remote_code=args.trust_remote_code, seed=args.random_seed)
+        return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,
+                            trust_remote_code=args.trust_remote_code, seed=args.random_seed,
+                            trust_unverified_architecture=args.trust_unverified_architecture)
+    except UnverifiedArchitectureError as e:
+        raise StartupError(str(e)) from e
 
 
 def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: ModelBackend, context_length: int

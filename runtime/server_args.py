@@ -20,11 +20,16 @@ class ServerArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | mps (mps: MLX on Apple Silicon)
     trust_remote_code: bool = False
+    trust_unverified_architecture: bool = False  # serve an architecture the reference tests do not cover
     # http
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None  # admin routes (flush_cache) need this key when set
+    allowed_origins: list[str] = dataclasses.field(default_factory=list)  # extra Origin/Host values to accept
+    max_request_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     log_level: str = "info"
+    log_requests: bool = False  # also log each request's prompt and output text
     # scheduling
     max_running_requests: int = 32
     max_total_tokens: int | None = None  # cap on device KV tokens
@@ -55,8 +60,9 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d.get("api_key"):
-            d["api_key"] = "***"
+        for secret in ("api_key", "admin_api_key"):
+            if d.get(secret):
+                d[secret] = "***"
         return d
 
     def check(self) -> None:
@@ -76,5 +82,7 @@ class ServerArgs:
                 "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache "
                 "(the host and storage tiers live under the radix tree)"
             )
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")

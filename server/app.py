@@ -9,11 +9,15 @@ from fastapi import FastAPI
 
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.server.auth import ApiKeyMiddleware
+from tierlm.server.body_limit import BodyLimitMiddleware
 from tierlm.server.http_errors import install_error_handlers
 from tierlm.server.info_routes import router as info_router
+from tierlm.server.openapi_doc import install_openapi
 from tierlm.server.native_generate import router as native_router
 from tierlm.server.openai_chat import router as chat_router
 from tierlm.server.openai_completions import router as completions_router
+from tierlm.server.origin_guard import OriginGuardMiddleware
+from tierlm.server.request_log import RequestLogMiddleware
 
 logger = logging.getLogger("tierlm.server")
 
@@ -38,6 +42,12 @@ def create_app(engine: EngineAPI, *, shutdown_engine_on_exit: bool = False) -> F
     for router in (chat_router, completions_router, native_router, info_router):
         app.include_router(router)
     install_error_handlers(app)
-    if engine.args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=engine.args.api_key)
+    install_openapi(app)  # the document as the server behaves: statuses, error shape, media types
+    # Middleware runs outermost-last-added: log -> body limit -> origin guard -> API keys -> routes.
+    args = engine.args
+    if args.api_key or args.admin_api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
+    app.add_middleware(OriginGuardMiddleware, bind_host=args.host, allowed_origins=list(args.allowed_origins))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
+    app.add_middleware(RequestLogMiddleware, log_bodies=args.log_requests)
     return app

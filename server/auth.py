@@ -1,35 +1,51 @@
-"""--api-key: API routes need 'Authorization: Bearer <key>'; health checks and metrics stay open (as in SGLang)."""
+"""API keys. --api-key: API routes need 'Authorization: Bearer <key>'; health checks and metrics stay open (as in
+SGLang). --admin-api-key: admin routes (those that change server state, e.g. /flush_cache) need that key
+instead; without it they need --api-key when one is set."""
 from __future__ import annotations
 
-import json
 import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tierlm.server.http_errors import error_body
+from tierlm.server.http_errors import send_error
 
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+ADMIN_PATHS = ("/flush_cache",)
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            return value.strip()
+    return None
+
+
+def _matches(sent: bytes | None, key: str | None) -> bool:
+    return sent is not None and key is not None and secrets.compare_digest(sent, f"Bearer {key}".encode())
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
 
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                return secrets.compare_digest(value.strip(), self.expected)
-        return False
+    def _required(self, path: str) -> tuple[str | None, str]:
+        """(the key this path needs, the flag that set it); no key -> open."""
+        if path in OPEN_PATHS:
+            return None, ""
+        if path in ADMIN_PATHS and self.admin_api_key:
+            return self.admin_api_key, "--admin-api-key"
+        return self.api_key, "--api-key"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        body = json.dumps(error_body(
-            "missing or invalid API key: send 'Authorization: Bearer <key>' with the key the server was started "
-            "with (--api-key)", 401, code="invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        key, flag = self._required(scope["path"])
+        if key is None or _matches(_bearer(scope), key):
+            await self.app(scope, receive, send)
+            return
+        await send_error(send, f"missing or invalid API key: send 'Authorization: Bearer <key>' with the key the "
+                               f"server was started with ({flag})", 401, code="invalid_api_key",
+                         headers=[(b"www-authenticate", b"Bearer")])

@@ -26,13 +26,23 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     model.add_argument("--device", default=_DEFAULTS.device, choices=["auto", "cpu", "cuda", "mps"],
                        help="mps runs MLX on Apple Silicon")
     model.add_argument("--trust-remote-code", action="store_true")
+    model.add_argument("--trust-unverified-architecture", action="store_true",
+                       help="serve an architecture whose output the reference tests do not verify (docs/models.md)")
 
     http = p.add_argument_group("http")
     http.add_argument("--host", default=_DEFAULTS.host)
     http.add_argument("--port", type=int, default=_DEFAULTS.port)
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on API routes")
+    http.add_argument("--admin-api-key", default=None,
+                      help="require this key on admin routes (/flush_cache); defaults to --api-key")
+    http.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                      help="browser origins (e.g. http://localhost:3000) and host names allowed besides this server's own")
+    http.add_argument("--max-request-bytes", type=int, default=_DEFAULTS.max_request_bytes,
+                      help="larger request bodies are refused with 413 before they are read")
     http.add_argument("--log-level", default=_DEFAULTS.log_level,
                       choices=["debug", "info", "warning", "error", "critical"])
+    http.add_argument("--log-requests", action="store_true",
+                      help="also log each request's prompt and generated text (the per-request summary line is always logged)")
 
     sched = p.add_argument_group("scheduling and memory")
     sched.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)

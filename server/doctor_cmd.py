@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
 from tierlm.platforms import (BackendChoiceError, Facts, MemoryPlanError, choose_backend, detect, install_command,
                               pitfalls, plan_memory_for_args)
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
@@ -38,6 +39,20 @@ def model_sizes(model_path: str | None, dtype: str, device: str) -> dict[str, An
     return model_size(Path(model_path), dtype, device).to_dict()
 
 
+def model_architecture(args, backend: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Whether ``backend`` serves the local model folder's architecture verified, from config.json, as `serve`
+    checks it: (architecture, model_type, verified; None when not a local folder) and serve's refusal message,
+    or its warning under --trust-unverified-architecture (None when verified)."""
+    if not args.model_path or not (Path(args.model_path) / "config.json").is_file():
+        return None, None
+    try:
+        check = assess_architecture(args.model_path, backend, args.trust_remote_code)
+    except UnverifiedArchitectureError as e:  # config.json unreadable
+        return None, str(e)
+    facts = {"architecture": check.architecture, "model_type": check.model_type, "verified": check.verified}
+    return facts, check.warning if args.trust_unverified_architecture else check.refusal
+
+
 def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str, Any]:
     """Everything the doctor reports, as one JSON-able dict (the text view prints this)."""
     ns = _parser().parse_args(list(argv))
@@ -51,6 +66,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         "install_command": install_command(facts),
         "decision": None,
         "model": None,
+        "architecture": None,
         "memory": None,
         "errors": [],
         "warnings": pitfalls(facts, env),
@@ -62,13 +78,24 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         report["errors"].append(str(e))
         return report
     report["decision"] = decision.to_dict()
+    report["architecture"], arch_note = model_architecture(args, decision.backend)
+    if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
+        report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
+            arch_note)
 
-    sizes = model_sizes(args.model_path, args.dtype, decision.device)
+    try:
+        sizes = model_sizes(args.model_path, args.dtype, decision.device)
+    except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
+        sizes = None
+        report["warnings"].append(f"cannot size {args.model_path} from its config.json (no usable {e}): tier sizes "
+                                  "are shown in bytes")
+    else:
+        if args.model_path and sizes is None:
+            report["warnings"].append(
+                f"--model-path {args.model_path} is not a local folder with config.json: tier sizes are shown in "
+                "bytes"
+            )
     report["model"] = sizes
-    if args.model_path and sizes is None:
-        report["warnings"].append(
-            f"--model-path {args.model_path} is not a local folder with config.json: tier sizes are shown in bytes"
-        )
     # Without a model, plan in bytes: 1 "token" = 1 byte, so the sizes read as byte budgets.
     per_token = sizes["kv_bytes_per_token"] if sizes else 1
     weights = sizes["weight_bytes"] if sizes else 0
@@ -124,6 +151,11 @@ def render_text(report: dict[str, Any]) -> str:
     if d:
         lines.append(f"Backend            {d['backend']} on {d['device']}")
         lines += [f"  - {r}" for r in d["reasons"]]
+        a = report.get("architecture")
+        if a:
+            lines.append(f"Architecture       {a['architecture']} ({a['model_type'] or 'no model_type'}): "
+                         + ("verified on " + d["backend"] if a["verified"]
+                            else f"NOT verified on {d['backend']} (docs/models.md)"))
     else:
         lines.append("Backend            cannot start as configured (see Errors)")
 

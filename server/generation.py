@@ -17,6 +17,7 @@ from starlette.requests import Request
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import CachedTokens, GenerateOutput, GenerateRequest
+from tierlm.server.request_log import RequestRecord, current_record
 
 logger = logging.getLogger("tierlm.server")
 T = TypeVar("T")
@@ -83,12 +84,14 @@ async def stream_outputs(engine: EngineAPI, reqs: list[GenerateRequest]) -> Asyn
     Stops after every request finished; aborts the unfinished ones when closed or cancelled early.
     """
     group = RequestGroup(engine, reqs)
+    record = current_record() or RequestRecord()  # what the request's log line reports
     try:
         if len(reqs) == 1:  # the common case needs no tasks
             outputs = engine.generate(reqs[0])
             try:
                 async for out in outputs:
                     group.mark(out)
+                    record.observe(out)
                     yield 0, out
                     if out.finished:
                         break
@@ -96,6 +99,7 @@ async def stream_outputs(engine: EngineAPI, reqs: list[GenerateRequest]) -> Asyn
                 await _aclose(outputs)
             return
         async for item in _merged(engine, reqs, group):
+            record.observe(item[1])
             yield item
     finally:
         group.abort_unfinished()

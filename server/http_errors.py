@@ -28,6 +28,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -41,6 +42,15 @@ def error_body(message: str, status: int = 400, type: str | None = None, param: 
 def error_response(message: str, status: int = 400, type: str | None = None, param: str | None = None,
                    code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, type, param, code), status_code=status, headers=headers)
+
+
+async def send_error(send: Send, message: str, status: int, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer from an ASGI middleware (before any route runs) with an error in OpenAI's shape."""
+    body = json.dumps(error_body(message, status, code=code)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def request_error_body(e: RequestError) -> dict[str, Any]:
@@ -107,7 +117,8 @@ async def _handle_http_exception(request: Request, e: StarletteHTTPException) ->
         text = f"method {request.method} is not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
     else:
         text = str(e.detail)
-    return error_response(text, e.status_code, headers=dict(e.headers) if e.headers else None)
+    code = "request_too_large" if e.status_code == 413 else None
+    return error_response(text, e.status_code, code=code, headers=dict(e.headers) if e.headers else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

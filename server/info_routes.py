@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
-from tierlm.server.deps import engine_of, make_request, model_name, ready_engine
+from tierlm.server.deps import engine_of, make_request, model_name, ready_engine, served_names
 from tierlm.server.generation import collect_outputs
 from tierlm.server.http_errors import error_response
 from tierlm.server.protocol import ModelCard, ModelList
@@ -57,7 +57,7 @@ async def list_models(request: Request) -> Response:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     engine = engine_of(request)
-    if model_id != model_name(engine):
+    if model_id not in served_names(engine):
         raise RequestError(f"model '{model_id}' does not exist; this server serves '{model_name(engine)}'", 404,
                            param="model", code="model_not_found", type="not_found_error")
     return JSONResponse(_model_card(engine).model_dump())
@@ -80,7 +80,7 @@ async def server_info(engine: EngineAPI = Depends(ready_engine)) -> Response:
     return JSONResponse(engine.server_info())
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(storage: bool = False, engine: EngineAPI = Depends(ready_engine)) -> Response:
     flushed = await engine.flush_cache(storage=storage)
     if not flushed:

@@ -113,7 +113,8 @@ def run_server(args: ServerArgs) -> None:
         raise SystemExit(1) from None
     engine = Engine(args)
     app = create_app(engine, shutdown_engine_on_exit=True)
-    config = uvicorn.Config(app, log_config=None, log_level=args.log_level, access_log=args.log_level == "debug",
+    # access_log off: server/request_log.py writes one richer line per request
+    config = uvicorn.Config(app, log_config=None, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=30)
     server = uvicorn.Server(config)
     loader = ModelLoader(engine, server, args)

@@ -21,7 +21,7 @@ from tierlm.server.generation import ChoiceResult, collect_outputs, stream_choic
 from tierlm.server.protocol import NativeGenerateRequest
 from tierlm.server.sampling_mapping import native_sampling_params
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
-from tierlm.server.tokenization import encode_text
+from tierlm.server.tokenization import encode_text, off_loop
 
 router = APIRouter()
 
@@ -32,8 +32,8 @@ def _prompts(engine: EngineAPI, body: NativeGenerateRequest) -> tuple[list[list[
         raise RequestError("send exactly one of 'text' or 'input_ids'", 400, param="text")
     if body.text is not None:
         if isinstance(body.text, str):
-            return [encode_text(engine.tokenizer, body.text)], False
-        return [encode_text(engine.tokenizer, t) for t in body.text], True
+            return [encode_text(engine.tokenizer, body.text, "text")], False
+        return [encode_text(engine.tokenizer, t, f"text[{i}]") for i, t in enumerate(body.text)], True
     ids = body.input_ids or []
     if ids and isinstance(ids[0], list):
         return [list(p) for p in ids], True  # type: ignore[arg-type]
@@ -54,14 +54,16 @@ async def generate(body: NativeGenerateRequest, request: Request, engine: Engine
     if body.return_logprob:
         raise RequestError("return_logprob is not supported yet; remove it from the request", 400,
                            param="return_logprob", code="unsupported_parameter")
-    prompts, batch = _prompts(engine, body)
+    prompts, batch = await off_loop(_prompts, engine, body)
     if batch and body.stream:
         raise RequestError("streaming a batch is not supported; send one prompt per streaming request", 400,
                            param="stream")
     if batch and not prompts:
         raise RequestError("the prompt batch is empty", 400, param="text" if body.text is not None else "input_ids")
-    reqs = [make_request(engine, rid, ids, native_sampling_params(body.sampling_params), body.stream)
-            for rid, ids in zip(_rids(body, len(prompts)), prompts)]
+    param = "text" if body.text is not None else "input_ids"
+    reqs = [make_request(engine, rid, ids, native_sampling_params(body.sampling_params), body.stream,
+                         param if not batch else f"{param}[{i}]")
+            for i, (rid, ids) in enumerate(zip(_rids(body, len(prompts)), prompts))]
 
     if body.stream:
         return EventStreamResponse(_events(request, engine, reqs[0]))

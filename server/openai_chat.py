@@ -10,14 +10,14 @@ from fastapi.responses import JSONResponse, Response
 
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
-from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
+from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
 from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
                                       unless_disconnected)
 from tierlm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatDelta, ChatMessageOut, make_usage)
 from tierlm.server.sampling_mapping import chat_max_tokens, openai_sampling_params, reject_unsupported_chat
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
-from tierlm.server.tokenization import apply_chat_template
+from tierlm.server.tokenization import apply_chat_template, off_loop
 
 router = APIRouter()
 
@@ -25,8 +25,9 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  engine: EngineAPI = Depends(ready_engine)) -> Response:
+    check_model(engine, body.model)
     reject_unsupported_chat(body)
-    ids = apply_chat_template(engine.tokenizer, body.messages, body.chat_template_kwargs)
+    ids = await off_loop(apply_chat_template, engine.tokenizer, body.messages, body.chat_template_kwargs)
     max_new_tokens = chat_max_tokens(body, len(ids), engine.context_length)
     response_id = new_id("chatcmpl-")
     reqs: list[GenerateRequest] = []

@@ -10,32 +10,33 @@ from fastapi.responses import JSONResponse, Response
 
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
-from tierlm.server.deps import make_request, model_name, new_id, ready_engine, sub_rid
+from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
 from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
                                       unless_disconnected)
 from tierlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_usage
 from tierlm.server.sampling_mapping import completion_max_tokens, openai_sampling_params, reject_unsupported_completion
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
-from tierlm.server.tokenization import decode_ids, normalize_prompts
+from tierlm.server.tokenization import decode_ids, normalize_prompts, off_loop
 
 router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request, engine: EngineAPI = Depends(ready_engine)) -> Response:
+    check_model(engine, body.model)
     reject_unsupported_completion(body)
-    prompts = normalize_prompts(engine.tokenizer, body.prompt)
+    prompts = await off_loop(normalize_prompts, engine.tokenizer, body.prompt)
     max_new_tokens = completion_max_tokens(body)
     response_id = new_id("cmpl-")
     count = len(prompts) * body.n
     reqs: list[GenerateRequest] = []
-    echoes: list[str] = []
-    for ids, text in prompts:
-        echo = (text if text is not None else decode_ids(engine.tokenizer, ids)) if body.echo else ""
+    for p, (ids, _) in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
         for c in range(body.n):
             params = openai_sampling_params(body, max_new_tokens, choice_index=c)
-            reqs.append(make_request(engine, sub_rid(response_id, len(reqs), count), ids, params, body.stream))
-            echoes.append(echo)
+            reqs.append(make_request(engine, sub_rid(response_id, len(reqs), count), ids, params, body.stream, param))
+    # Echo only after every prompt passed validation: decoding ids outside the vocabulary would fail.
+    echoes = await off_loop(_echoes, engine, prompts, body) if body.echo else [""] * count
 
     if body.stream:
         return EventStreamResponse(_events(request, engine, reqs, body, response_id, echoes))
@@ -50,6 +51,12 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
         usage=make_usage(*summed_usage(finals, body.n)),  # type: ignore[arg-type]
     )
     return JSONResponse(response.model_dump())
+
+
+def _echoes(engine: EngineAPI, prompts: list[tuple[list[int], str | None]], body: CompletionRequest) -> list[str]:
+    """Each choice's echoed prompt: the prompt text as sent, or the decoded ids of an id prompt."""
+    texts = [text if text is not None else decode_ids(engine.tokenizer, ids) for ids, text in prompts]
+    return [t for t in texts for _ in range(body.n)]
 
 
 async def _events(request: Request, engine: EngineAPI, reqs: list[GenerateRequest], body: CompletionRequest,

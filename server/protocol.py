@@ -2,13 +2,38 @@
 
 Requests ignore fields we do not know (OpenAI clients send many optional ones); fields we know but
 cannot honour yet are rejected by the handlers with a 400 that says so. Responses follow OpenAI's shapes.
+
+These models are also the OpenAPI document (server/openapi_doc.py): every numeric range that SamplingParams
+checks is a Field constraint here, so the document states it and a bad value is a 400 naming the field. A field the
+handlers accept only in some forms (e.g. ``logprobs``, not supported yet) keeps its lax type, so the handler's
+400 still says "not supported yet", while its schema (``_accepts``) declares only the forms that are accepted.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler,
+                      WithJsonSchema, WrapValidator, model_serializer)
+
+INT32_MAX = 2**31 - 1  # top_k travels to the samplers as int32
+MAX_STOP_STRINGS = 16  # as SamplingParams.verify
+
+
+def _accepts(schema: dict[str, Any], note: str) -> Any:
+    """The OpenAPI schema of a field whose other forms the handler refuses with a 400 (it keeps a lax type)."""
+    return WithJsonSchema({**schema, "description": note})
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+# Lax type: SamplingParams counts the stop strings and its 400 says how many are allowed.
+StopField = Annotated[Union[str, list[str], None], _accepts(_nullable({"anyOf": [
+    {"type": "string"}, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string"}}]}),
+    f"a stop string or a list of at most {MAX_STOP_STRINGS}")]
+TokenId = Annotated[int, Field(ge=0)]
 
 # ---------------------------------------------------------------- requests
 
@@ -25,22 +50,23 @@ class _OpenAISamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: StopField = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, float] | None, _accepts(
+        _nullable({"type": "object", "maxProperties": 0}), "not supported yet: only null or {} is accepted")] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions (vLLM / SGLang names)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX, description="-1 or 0: off")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
@@ -49,21 +75,52 @@ class _OpenAISamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+_TOKEN_IDS = TypeAdapter(list[int])
+
+
+def _token_ids_first(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A list of ints skips the union: pydantic validates a value against every member of a union (and collects
+    an error per item for list[str]), which took 270 ms on the event loop for a 1M-id prompt; this takes 20 ms.
+    Anything else, and ids that do not validate, go through the union for its usual result and errors."""
+    if isinstance(value, list) and value and type(value[0]) is int:
+        try:
+            return _TOKEN_IDS.validate_python(value)
+        except ValidationError:
+            pass
+    return handler(value)
+
+
+PromptType = Annotated[Union[str, list[str], list[int], list[list[int]]], WrapValidator(_token_ids_first)]
+# Token ids must be in the model's vocabulary: the engine refuses others with a 400 that says which (its message is
+# better than a schema error, so validation stays lax and only the document states the rule).
+_IDS_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TEXT_SCHEMA = {"type": "string", "minLength": 1}  # "" has no tokens (unless the tokenizer adds BOS): a 400
+_PROMPT_NOTE = ("text, a list of texts (a batch), token ids, or a list of token id lists; token ids must be in the "
+                "model's vocabulary, and lists must not be empty")
 
 
 class CompletionRequest(_OpenAISamplingFields):
-    prompt: PromptType
+    prompt: Annotated[PromptType, _accepts({"anyOf": [
+        _TEXT_SCHEMA,
+        {"type": "array", "minItems": 1, "items": _TEXT_SCHEMA},
+        _IDS_SCHEMA,
+        {"type": "array", "minItems": 1, "items": _IDS_SCHEMA},
+    ]}, _PROMPT_NOTE)]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int | None, _accepts({"type": "null"}, "not supported yet: only null is accepted")] = None
+    suffix: Annotated[str | None, _accepts(
+        _nullable({"type": "string", "maxLength": 0}),
+        "insertion is not supported yet: only null or '' is accepted")] = None
+    # JSON Schema cannot say "equal to n"; the handler refuses any other value with a 400 naming best_of.
+    best_of: int | None = Field(default=None, ge=1, le=128,
+                                description="only best_of equal to n is supported (the n choices are the candidates)")
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    # The handler refuses a part that is not {"type": "text", "text": "..."}; the schema says so.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    type: Annotated[str, _accepts({"const": "text"}, "only text content parts are supported")]
+    text: Annotated[str | None, _accepts({"type": "string"}, "the text of the part")] = None
 
 
 class ChatMessage(BaseModel):
@@ -78,11 +135,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_OpenAISamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    logprobs: Annotated[bool, _accepts({"const": False}, "not supported yet: only false is accepted")] = False
+    top_logprobs: Annotated[int | None, _accepts(
+        _nullable({"const": 0}), "not supported yet: only null or 0 is accepted")] = None
+    tools: Annotated[list[dict[str, Any]] | None, _accepts(
+        _nullable({"type": "array", "maxItems": 0}),
+        "tool calling is not supported yet: only null or [] is accepted")] = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any] | None, _accepts(_nullable(
+        {"type": "object", "properties": {"type": {"const": "text"}}}),
+        "structured output is not supported yet: only {\"type\": \"text\"} is accepted")] = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang extension, e.g. {"enable_thinking": false}
 
 
@@ -90,29 +152,37 @@ class NativeSamplingParams(BaseModel):
     """SGLang /generate sampling_params; unknown names are an error so typos do not pass silently."""
 
     model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_new_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX, description="-1 or 0: off")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    stop: StopField = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     seed: int | None = None
 
 
 class NativeGenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    # The handler needs exactly one of text and input_ids (a 400 otherwise); the schema says so.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
+        {"required": ["text"], "properties": {"text": {"not": {"type": "null"}}, "input_ids": {"type": "null"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"not": {"type": "null"}}, "text": {"type": "null"}}},
+    ]})
+    text: Annotated[str | list[str] | None, _accepts(_nullable({"anyOf": [
+        _TEXT_SCHEMA, {"type": "array", "minItems": 1, "items": _TEXT_SCHEMA}]}),
+        "the prompt, or a list of prompts (a batch)")] = None
+    input_ids: Annotated[list[int] | list[list[int]] | None, WrapValidator(_token_ids_first), _accepts(_nullable({"anyOf": [
+        _IDS_SCHEMA, {"type": "array", "minItems": 1, "items": _IDS_SCHEMA}]}),
+        "token ids (one prompt) or lists of token ids (a batch), in the model's vocabulary")] = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool = False
+    return_logprob: Annotated[bool, _accepts({"const": False}, "not supported yet: only false is accepted")] = False
 
 
 # ---------------------------------------------------------------- responses
@@ -173,7 +243,10 @@ class ChatDelta(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: ChatDelta
+    delta: Annotated[ChatDelta, WithJsonSchema({
+        "type": "object", "additionalProperties": False,
+        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        "description": "only what changed: role and content first, then content, then nothing (with finish_reason)"})]
     logprobs: None = None
     finish_reason: str | None = None
 
@@ -217,6 +290,68 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, whatever its status: OpenAI's shape (server/http_errors.py)."""
+
+    error: ErrorDetail
+
+
+class StatusResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ModelInfo(BaseModel):
+    model_path: str | None
+    tokenizer_path: str | None
+    served_model_name: str
+    is_generation: bool
+
+
+class ServerInfo(BaseModel):
+    """Settings, backend, pool sizes per tier; the keys beyond these depend on the backend and the tiers."""
+
+    model_config = ConfigDict(extra="allow")
+    ready: bool
+    server_args: dict[str, Any]
+
+
+class FlushCacheResponse(BaseModel):
+    success: bool
+    message: str
+
+
+class NativeFinishReason(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    length: int | None = None
+    matched: str | int | None = None
+
+
+class NativeMetaInfo(BaseModel):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_details: CachedTokensDetails
+    finish_reason: NativeFinishReason | None
+    e2e_latency: float | None = None
+
+
+class NativeGenerateResponse(BaseModel):
+    """One prompt's result from /generate (and, streamed, the cumulative state in each event)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: NativeMetaInfo
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached: Any) -> Usage:

@@ -15,6 +15,9 @@ from tierlm.runtime.io_struct import CachedTokens, GenerateOutput, GenerateReque
 from tierlm.runtime.server_args import ServerArgs
 
 
+VOCAB_SIZE = 0x110000  # every Unicode code point is a token
+
+
 class FakeTokenizer:
     chat_template: str | None = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
@@ -58,6 +61,9 @@ class FakeEngine:
     def validate(self, req: GenerateRequest) -> None:
         if not req.input_ids:
             raise RequestError("the prompt is empty: send at least one token", param="prompt")
+        bad = [t for t in req.input_ids if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{VOCAB_SIZE - 1})", param="prompt")
         total = len(req.input_ids) + req.sampling_params.max_new_tokens
         if total > self.context_length:
             raise RequestError(f"maximum context length is {self.context_length} tokens, requested {total}",

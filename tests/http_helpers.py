@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# TestClient's default Host ("testserver") is not a name of this machine: the origin guard would refuse it.
+LOCAL = "http://localhost"
+
 
 def sse_events(resp: Any) -> list[Any]:
     """Parse an SSE body into JSON payloads, with the '[DONE]' terminator kept as the string."""

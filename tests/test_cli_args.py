@@ -33,6 +33,14 @@ def test_every_flag_maps_to_its_field(tmp_path: Path) -> None:
     assert args.model_name == "qwen"
 
 
+def test_security_and_logging_flags() -> None:
+    args = parse_args(["--admin-api-key", "adm", "--allowed-origins", "http://localhost:3000", "tierlm.lan",
+                       "--max-request-bytes", "65536", "--log-requests", "--trust-unverified-architecture"])
+    assert (args.admin_api_key, args.allowed_origins) == ("adm", ["http://localhost:3000", "tierlm.lan"])
+    assert (args.max_request_bytes, args.log_requests, args.trust_unverified_architecture) == (65536, True, True)
+    assert args.to_dict()["admin_api_key"] == "***"  # /server_info and the startup log never show keys
+
+
 def test_model_alias() -> None:
     assert parse_args(["--model", "m"]).model_path == "m"
 
@@ -77,6 +85,7 @@ def test_extra_config_from_file(tmp_path: Path) -> None:
     (["--device", "tpu"], "invalid choice"),
     (["--hicache-write-policy", "sometimes"], "invalid choice"),
     (["--port", "eighty"], "invalid int value"),
+    (["--max-request-bytes", "100"], "--max-request-bytes must be at least 1024"),
 ])
 def test_bad_values_exit_2_with_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -268,3 +268,46 @@ def test_mlx_server_reads_pages_the_torch_server_stored(first_run: FirstRun, mlx
     assert tiers["storage"] > 0, tiers
     assert text == first_run.cold_a
     assert metric(mlx_server, "tierlm_hicache_storage_errors") == 0
+
+
+# ------------------------------------------------------------------ a misbehaving disk
+
+def test_fifos_in_place_of_page_files_never_hang_the_server(stories_dir: Path, tmp_path: Path) -> None:
+    """wait_complete + page files swapped for FIFOs (a read of one blocks forever): the request still completes
+    with the cold text, /health_generate answers, and SIGTERM stops the server in seconds."""
+    import os
+    import signal
+    import time
+
+    storage_dir = tmp_path / "l3"
+    server = hicache_server(stories_dir, storage_dir, tmp_path, "--hicache-storage-prefetch-policy", "wait_complete")
+    fifos: list[Path] = []
+    try:
+        cold, _ = complete(server, PROMPT_A)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/server_info").json()["tiers"]["storage"]["io"]["pending_writes"]:
+            assert time.monotonic() < deadline, "L3 writes did not finish"
+            time.sleep(0.1)
+        assert httpx.post(f"{server.url}/flush_cache", timeout=30).json()["success"] is True  # L1 + L2 only
+        for f in kv_files(storage_dir):
+            f.unlink()
+            os.mkfifo(f)
+            fifos.append(f)
+        assert fifos
+        text, tiers = complete(server, PROMPT_A)
+        assert text == cold and tiers["storage"] == 0
+        assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+        assert metric(server, "tierlm_hicache_storage_errors") >= 1
+        assert metric(server, "tierlm_hicache_storage_online") == 1  # damaged files, not a damaged disk
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        for f in fifos:  # unblock any reader stuck on a FIFO (only code without the fix opens them)
+            try:
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        server.stop()
+    assert "Traceback" not in server.log_text()

@@ -307,10 +307,10 @@ def test_api_key_required_on_api_routes(stories_dir: Path, tmp_path: Path) -> No
 
         with pytest.raises(openai.AuthenticationError) as e:
             wrong = openai.OpenAI(base_url=s.base_url, api_key="not-the-key", max_retries=0)
-            wrong.completions.create(model="m", prompt=STORIES_PROMPT, max_tokens=3)
+            wrong.completions.create(model="default", prompt=STORIES_PROMPT, max_tokens=3)
         assert_openai_error(e.value, 401)
 
         good = openai.OpenAI(base_url=s.base_url, api_key="secret", max_retries=0, timeout=60)
-        comp = good.completions.create(model="m", prompt=STORIES_PROMPT, max_tokens=40, temperature=0)
+        comp = good.completions.create(model="default", prompt=STORIES_PROMPT, max_tokens=40, temperature=0)
         assert comp.choices[0].text == STORIES_TEXT
         assert httpx.get(f"{s.url}/health").status_code == 200  # health checks stay open

@@ -1,6 +1,7 @@
 """L3 storage tier: page keys, namespaces, the verified file store and its background I/O, on real files."""
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from disk_faults import inject_disk_fault
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache import file_storage as fs_mod
 from tierlm.runtime.hicache.file_storage import (
@@ -482,3 +484,244 @@ def test_storage_io_close_without_flush_drops_queued_writes_and_cancels_prefetch
     assert not closer.is_alive() and first.done
     st = io.stats()
     assert st["pending_writes"] == 0 and st["backups_dropped"] >= 1 and st["backups_done"] <= 1
+
+
+# --- a misbehaving disk: special files, hung calls, deleted folder, full or read-only disk ---
+def _replace_with_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _unblock_fifo(path: Path) -> None:
+    """Let a reader stuck opening ``path`` (code without the fix) return, so a failing test cannot hang."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _in_thread(fn, timeout: float = 10.0):
+    """fn() on a daemon thread; (finished within timeout, result)."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive(), (out[0] if out else None)
+
+
+def test_fifo_in_place_of_a_page_file_is_a_miss_not_a_hang(store):
+    keys = keys_for(3)
+    for k in keys:
+        assert store.set(k, payload_for(k))
+    fifo = store._path(keys[1])
+    _replace_with_fifo(fifo)
+    io = StorageIO(store)
+    try:
+        finished, page = _in_thread(lambda: store.get(keys[1]))
+        assert finished and page is None
+        h = io.prefetch(keys)
+        assert h.wait(timeout=10) and h.result() == [payload_for(keys[0])]
+        assert store.stats()["errors"] >= 1 and store.health()["state"] == "online"  # a bad file, not a bad disk
+        assert store.exists([keys[1]]) == [False]
+        assert store.set(keys[1], payload_for(keys[1]))  # the page is written again over whatever was there
+        assert store.get(keys[1]) == payload_for(keys[1])
+    finally:
+        for k in keys:
+            _unblock_fifo(store._path(k))
+        io.close(timeout=5)
+
+
+def test_a_fifo_is_never_adopted_or_taken_for_a_stored_page(store):
+    key = keys_for(1)[0]
+    os.mkfifo(store._path(key))
+    try:
+        assert store.exists([key]) == [False] and store.stats()["files"] == 0
+        assert store.set(key, payload_for(key))  # replaces the FIFO with the page file
+        assert store.get(key) == payload_for(key)
+    finally:
+        _unblock_fifo(store._path(key))
+
+
+class HangingStorage(GatedStorage):
+    """In-memory storage whose get/set of the keys in ``hang`` block until ``release`` is set: a hung disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang: set[str] = set()
+        self.release = threading.Event()
+
+    def get(self, key):
+        if key in self.hang:
+            self.release.wait()
+        return self.data.get(key)
+
+    def set(self, key, payload):
+        if key in self.hang:
+            self.release.wait()
+        self.data[key] = bytes(payload)
+        return True
+
+
+def _eventually(cond, timeout: float = 10.0) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return True
+        threading.Event().wait(0.01)
+    return cond()
+
+
+def test_a_hung_read_or_write_is_abandoned_and_later_io_still_runs():
+    storage = HangingStorage()
+    keys = keys_for(4)
+    for k in keys[:3]:
+        storage.data[k] = payload_for(k)
+    storage.hang = {keys[1], keys[3]}
+    io = StorageIO(storage, io_timeout_s=0.3)
+    try:
+        h = io.prefetch(keys[:3])
+        assert h.wait(timeout=10) and h.result() == [payload_for(keys[0])]  # the stuck page counts as a miss
+        again = io.prefetch([keys[0], keys[2]])  # served by the replacement thread
+        assert again.wait(timeout=10) and again.complete
+        assert io.backup(keys[3], payload_for(keys[3]))  # this write hangs ...
+        assert io.backup(keys[2], payload_for(keys[2]))  # ... and this one is still written after it
+        assert io.flush(timeout=10)
+        st = io.stats()
+        assert st["io_timeouts"] == 2 and st["stuck_threads"] == 2 and st["backups_failed"] == 1
+        assert st["backups_done"] == 1 and st["prefetches_partial"] == 1
+        health = io.health()
+        assert health["state"] == "degraded" and "did not finish within 0.3 s" in health["last_error"]
+        assert io.stalled
+        storage.release.set()  # the disk answers again: the stuck threads return and their results are dropped
+        assert _eventually(lambda: io.stats()["stuck_threads"] == 0)
+        assert io.prefetch([keys[0]]).wait(timeout=10)
+        assert io.health()["state"] == "online" and not io.stalled
+        assert h.result() == [payload_for(keys[0])]  # the late page was not added to the finished prefetch
+    finally:
+        storage.release.set()
+        io.close(timeout=5)
+
+
+def test_when_every_thread_is_stuck_l3_is_bypassed(monkeypatch):
+    from tierlm.runtime.hicache import storage_io as sio_mod
+
+    monkeypatch.setattr(sio_mod, "MAX_STUCK_THREADS", 1)
+    storage = HangingStorage()
+    keys = keys_for(3)
+    storage.hang = set(keys)
+    io = StorageIO(storage, io_timeout_s=0.2)
+    try:
+        for k in keys[:2]:  # the first stuck thread is replaced, the second is not
+            assert io.prefetch([k]).wait(timeout=10)
+        bypassed = io.prefetch([keys[2]])
+        assert bypassed.done and bypassed.result() == []  # a miss at once instead of a queue nobody serves
+        assert io.backup(keys[2], payload_for(keys[2])) is True  # the backup thread is fine
+        st = io.stats()
+        assert st["prefetches_bypassed"] == 1 and st["stuck_threads"] == 2
+        storage.release.set()
+        assert _eventually(lambda: io.stats()["stuck_threads"] == 0)
+        assert io.prefetch([keys[0]]).wait(timeout=10)  # a returning thread rejoined the pool
+    finally:
+        storage.release.set()
+        io.close(timeout=5)
+
+
+def test_close_returns_within_seconds_while_workers_are_stuck():
+    from tierlm.runtime.hicache.controller import CLOSE_TIMEOUT_S
+
+    storage = HangingStorage()
+    keys = keys_for(3)
+    storage.data[keys[0]] = payload_for(keys[0])
+    storage.hang = set(keys)
+    io = StorageIO(storage)  # the default time limit (10 s) is far away: the threads are simply busy
+    try:
+        io.backup(keys[1], payload_for(keys[1]))
+        io.backup(keys[2], payload_for(keys[2]))
+        h = io.prefetch(keys)
+        assert _eventually(lambda: io.stats()["pending_writes"] == 2)
+        finished, _ = _in_thread(lambda: io.close(flush=True, timeout=CLOSE_TIMEOUT_S), timeout=CLOSE_TIMEOUT_S + 2)
+        assert finished and CLOSE_TIMEOUT_S <= 5
+        assert h.done
+    finally:
+        storage.release.set()
+
+
+def test_storage_io_bounds_the_write_backlog_by_default():
+    from tierlm.runtime.hicache.storage_io import DEFAULT_MAX_PENDING_WRITE_BYTES
+
+    io = StorageIO(GatedStorage())
+    assert io.max_pending_write_bytes == DEFAULT_MAX_PENDING_WRITE_BYTES
+    io.close()
+
+
+def _disk_totals(s: FileKVStorage) -> tuple[int, int]:
+    files = [p for p in s.dir.iterdir() if p.name.endswith(".kv")]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def test_folder_deleted_while_serving_is_recreated_and_counters_match_the_disk(store):
+    import shutil
+
+    keys = keys_for(5)
+    for k in keys[:3]:
+        assert store.set(k, payload_for(k))
+    shutil.rmtree(store.dir)
+    assert store.get(keys[0]) is None  # a read finds the folder gone: forgets what it held
+    assert store.exists(keys[:3]) == [False] * 3
+    assert (store.stats()["files"], store.stats()["bytes"]) == (0, 0)
+    shutil.rmtree(store.dir)  # and a write that finds it gone recreates it
+    assert store.set(keys[3], payload_for(keys[3])) and store.set(keys[4], payload_for(keys[4]))
+    assert json.loads((store.dir / NAMESPACE_FILE).read_text())["id"] == store.namespace.id
+    st = store.stats()
+    assert (st["files"], st["bytes"]) == _disk_totals(store) == (2, 2 * store.file_bytes)
+    assert store.get(keys[4]) == payload_for(keys[4]) and store.health()["state"] == "online"
+    shutil.rmtree(store.dir)
+    assert store.clear() == 0 and store.dir.is_dir() and store.stats()["files"] == 0
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
+def test_full_or_read_only_disk_leaves_nothing_behind_and_recovers(store, monkeypatch, err):
+    keys = keys_for(3)
+    assert store.set(keys[0], payload_for(keys[0]))
+    inject_disk_fault(monkeypatch, err)
+    assert store.set(keys[1], payload_for(keys[1])) is False
+    assert store.set(keys[2], payload_for(keys[2])) is False
+    assert sorted(p.name for p in store.dir.iterdir()) == sorted([NAMESPACE_FILE, f"{keys[0]}.kv"])  # no temp file
+    st, health = store.stats(), store.health()
+    assert st["errors"] == 2 and st["files"] == 1 and store.exists(keys[1:]) == [False, False]
+    assert health["state"] == "degraded" and os.strerror(err) in health["last_error"]
+    assert store.get(keys[0]) == payload_for(keys[0])  # what is stored is still served
+    monkeypatch.undo()  # the disk has room / is writable again
+    assert store.set(keys[1], payload_for(keys[1])) and store.get(keys[1]) == payload_for(keys[1])
+    assert store.health() == {"state": "online", "last_error": health["last_error"]}
+
+
+# --- the default size bound ---
+def _free_space(monkeypatch, free: int) -> None:
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * free + 1, 9 * free, free))
+
+
+def test_default_bound_is_a_share_of_free_space_plus_what_is_stored(tmp_path, monkeypatch, caplog):
+    _free_space(monkeypatch, 40 * 10**9)
+    with caplog.at_level("INFO", logger=fs_mod.__name__):
+        s = FileKVStorage.from_extra_config(make_ns(), PAGE_BYTES, {}, root_dir=tmp_path)
+    assert s.max_size_bytes == 10 * 10**9  # a quarter of 40 GB
+    assert "default rule" in caplog.text and "max_size_gb" in caplog.text
+    keys = keys_for(3)
+    for k in keys:
+        s.set(k, payload_for(k))
+    s.close()
+    stored = 3 * s.file_bytes
+    _free_space(monkeypatch, 0)  # a full disk evicts nothing that is already stored
+    again = FileKVStorage.from_extra_config(make_ns(), PAGE_BYTES, {}, root_dir=tmp_path)
+    assert again.max_size_bytes == stored and again.exists(keys) == [True] * 3
+    _free_space(monkeypatch, 10**15)  # a huge shared filesystem: capped
+    assert FileKVStorage.from_extra_config(make_ns(), PAGE_BYTES, {}, root_dir=tmp_path).max_size_bytes == 100 * 10**9
+    explicit = FileKVStorage.from_extra_config(make_ns(), PAGE_BYTES, {"max_size_gb": 0.001}, root_dir=tmp_path)
+    assert explicit.max_size_bytes == 1_000_000  # max_size_gb still overrides the rule
+    _free_space(monkeypatch, 0)
+    empty = FileKVStorage.from_extra_config(make_ns(model="other"), PAGE_BYTES, {}, root_dir=tmp_path)
+    assert empty.max_size_bytes == empty.file_bytes  # never below one page

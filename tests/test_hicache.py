@@ -228,3 +228,189 @@ def test_storage_pages_park_in_host_when_device_is_full(tiny_llama, store, backe
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
+
+
+# ------------------------------------------------------------ a misbehaving L3 disk never hangs or changes output
+def _run_within(engine, prompt, n: int, timeout: float = 120.0, on_hang=lambda: None):
+    """run() on a daemon thread; fails (after ``on_hang`` unblocks what it can) if it does not finish in time."""
+    import threading
+
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(run(engine, [prompt], greedy(n))[0]), daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        on_hang()
+        pytest.fail(f"the request did not finish within {timeout:.0f} s")
+    return out[0]
+
+
+def _unblock_fifo(path: Path) -> None:
+    import os
+
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _drop_memory_tiers(engine) -> None:
+    import asyncio
+
+    assert engine.parts.cache.storage_io.flush(timeout=30)  # every page is in L3 first
+    assert asyncio.run(engine.flush_cache())
+
+
+def test_wait_complete_with_a_fifo_in_place_of_a_page_file_serves_the_cold_output(tiny_llama, store, backend_name):
+    import os
+
+    from tierlm.runtime.hicache.page_keys import page_keys
+
+    prompt = doc(9) + [6]
+    engine = hicache_engine(backend_name, tiny_llama)  # wait_complete
+    fifo = None
+    try:
+        cold, = run(engine, [prompt], greedy(8))
+        _drop_memory_tiers(engine)
+        fifo = engine.parts.cache.storage._path(page_keys(prompt[:60], PS)[4])
+        fifo.unlink()
+        os.mkfifo(fifo)  # a reader that opens it blocks until a writer appears: never, here
+        hot = _run_within(engine, prompt, 8, on_hang=lambda: _unblock_fifo(fifo))
+        assert hot.token_ids == cold.token_ids
+        assert hot.last.cached.storage == 4 * PS  # the pages before the FIFO; the rest was prefilled
+        st = engine.parts.cache.tiers_info()["storage"]
+        assert st["errors"] >= 1 and st["state"] == "online"  # a bad file, not a bad disk
+        assert pool_is_clean(engine)
+    finally:
+        if fifo is not None:
+            _unblock_fifo(fifo)
+        engine.shutdown()
+
+
+def test_wait_complete_with_a_hung_read_serves_the_cold_output(tiny_llama, store, backend_name):
+    import threading
+
+    from tierlm.runtime.hicache.page_keys import page_keys
+
+    prompt = doc(10) + [6]
+    engine = hicache_engine(backend_name, tiny_llama,
+                            hicache_storage_backend_extra_config=json.dumps({"io_timeout": 0.5}))
+    release = threading.Event()
+    try:
+        cold, = run(engine, [prompt], greedy(8))
+        _drop_memory_tiers(engine)
+        storage = engine.parts.cache.storage
+        stuck_key, real_get = page_keys(prompt[:60], PS)[6], storage.get
+
+        def hung_get(key):  # a network filesystem that stops answering for this page
+            if key == stuck_key:
+                release.wait()
+            return real_get(key)
+
+        storage.get = hung_get
+        hot = _run_within(engine, prompt, 8, on_hang=release.set)
+        assert hot.token_ids == cold.token_ids and hot.last.cached.storage == 6 * PS
+        info = engine.parts.cache.tiers_info()["storage"]
+        assert info["io"]["io_timeouts"] == 1 and info["state"] == "degraded"
+        assert "did not finish within 0.5 s" in info["last_error"]
+        assert _gauge(engine, "tierlm_hicache_storage_online") == 0
+        assert _gauge(engine, "tierlm_hicache_storage_io_timeouts") == 1
+        again = _run_within(engine, doc(11) + [1], 4, on_hang=release.set)  # the scheduler keeps serving
+        assert again.token_ids == reference_greedy(tiny_llama, doc(11) + [1], 4)
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_shutdown_is_quick_while_l3_writes_hang(tiny_llama, store, backend_name):
+    import threading
+    import time
+
+    engine = hicache_engine(backend_name, tiny_llama)
+    release = threading.Event()
+    try:
+        cache = engine.parts.cache
+        assert cache.storage_io.max_pending_write_bytes is not None  # a hung disk cannot grow the backlog forever
+
+        def hung_set(key, payload):
+            release.wait()
+            return False
+
+        cache.storage.set = hung_set
+        run(engine, [doc(12) + [2]], greedy(4))
+        assert cache.storage_io.stats()["pending_writes"] > 0
+        t0 = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - t0 < 8.0  # CLOSE_TIMEOUT_S (3 s) plus a generous margin
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def _gauge(engine, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(engine.metrics_text().decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"no metric {name}")
+
+
+def _kv_on_disk(storage) -> tuple[int, int]:
+    files = list(storage.dir.glob("*.kv"))
+    return len(files), sum(f.stat().st_size for f in files)
+
+
+def test_storage_folder_deleted_while_serving_is_recreated(tiny_llama, store, backend_name):
+    import shutil
+
+    engine = hicache_engine(backend_name, tiny_llama)
+    try:
+        cache = engine.parts.cache
+        run(engine, [doc(13) + [1]], greedy(4))
+        assert cache.storage_io.flush(timeout=30) and cache.storage.stats()["files"] >= 15
+        shutil.rmtree(cache.storage.dir)
+        prompt = doc(14) + [1]
+        res, = run(engine, [prompt], greedy(4))
+        assert res.token_ids == reference_greedy(tiny_llama, prompt, 4)
+        assert cache.storage_io.flush(timeout=30)
+        info = cache.tiers_info()["storage"]
+        assert (info["files"], info["bytes"]) == _kv_on_disk(cache.storage) and info["files"] >= 15
+        assert info["state"] == "online" and cache.storage_io.stats()["backups_failed"] == 0
+        assert (cache.storage.dir / "namespace.json").is_file()
+        assert _gauge(engine, "tierlm_hicache_storage_files") == info["files"]
+        assert _gauge(engine, "tierlm_hicache_storage_online") == 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("err", ["ENOSPC", "EROFS"])
+def test_full_or_read_only_disk_keeps_serving_and_recovers(tiny_llama, store, backend_name, monkeypatch, err):
+    import errno
+
+    from disk_faults import inject_disk_fault
+
+    engine = hicache_engine(backend_name, tiny_llama)
+    try:
+        cache = engine.parts.cache
+        inject_disk_fault(monkeypatch, getattr(errno, err))
+        prompt = doc(15) + [3]
+        res, = run(engine, [prompt], greedy(6))
+        assert res.token_ids == reference_greedy(tiny_llama, prompt, 6)
+        assert cache.storage_io.flush(timeout=30)
+        info = cache.tiers_info()["storage"]
+        assert info["state"] == "degraded" and info["errors"] >= 15 and info["files"] == 0
+        assert _kv_on_disk(cache.storage) == (0, 0) and list(store.rglob(".tmp-*")) == []
+        assert _gauge(engine, "tierlm_hicache_storage_online") == 0
+        again, = run(engine, [prompt], greedy(6))  # L1 still serves it
+        assert again.token_ids == res.token_ids and again.last.cached.device == 60
+        monkeypatch.undo()  # room again / writable again
+        other = doc(16) + [3]
+        run(engine, [other], greedy(4))
+        assert cache.storage_io.flush(timeout=30)
+        info = cache.tiers_info()["storage"]
+        assert info["state"] == "online" and info["files"] >= 15
+        assert (info["files"], info["bytes"]) == _kv_on_disk(cache.storage)
+    finally:
+        engine.shutdown()

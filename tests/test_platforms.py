@@ -521,8 +521,8 @@ def test_doctor_text_on_a_recorded_dgx_spark(monkeypatch, capsys):
 
 
 def test_doctor_sizes_tiers_in_tokens_for_a_local_model(tmp_path, monkeypatch, capsys):
-    config = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
-                  torch_dtype="bfloat16")
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, hidden_size=256, torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))
     from safetensors.numpy import save_file
 
@@ -534,6 +534,7 @@ def test_doctor_sizes_tiers_in_tokens_for_a_local_model(tmp_path, monkeypatch, c
     report = json.loads(capsys.readouterr().out)
     assert report["model"]["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 2 and report["model"]["weight_bytes"] == 2048
     assert report["memory"]["device_kv_tokens"] == 4096 and report["memory"]["kv_bytes_per_token"] == 1024
+    assert report["architecture"] == {"architecture": "LlamaForCausalLM", "model_type": "llama", "verified": True}
 
 
 def test_tierlm_cli_dispatches_doctor(capsys, monkeypatch):

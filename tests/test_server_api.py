@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fake_engine import FakeEngine
-from http_helpers import assert_error, sse_events
+from http_helpers import LOCAL, assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.app import create_app
 
@@ -19,14 +19,14 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def client(engine: FakeEngine) -> TestClient:
-    return TestClient(create_app(engine))
+    return TestClient(create_app(engine), base_url=LOCAL)
 
 
 # ------------------------------------------------------------------ completions
 
 
 def test_completion_response_shape_text_and_usage(client: TestClient) -> None:
-    r = client.post("/v1/completions", json={"model": "x", "prompt": "abc", "max_tokens": 5})
+    r = client.post("/v1/completions", json={"model": "default", "prompt": "abc", "max_tokens": 5})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("cmpl-")
@@ -127,7 +127,7 @@ def test_completion_stream_include_usage(client: TestClient) -> None:
 
 
 def chat(client: TestClient, **fields: Any) -> Any:
-    payload = {"model": "x", "messages": [{"role": "user", "content": "hey"}], **fields}
+    payload = {"model": "default", "messages": [{"role": "user", "content": "hey"}], **fields}
     return client.post("/v1/chat/completions", json=payload)
 
 
@@ -147,7 +147,7 @@ def test_chat_response_shape(client: TestClient, engine: FakeEngine) -> None:
 
 def test_chat_max_tokens_default_and_precedence(engine: FakeEngine) -> None:
     engine.context_length = 40
-    client = TestClient(create_app(engine))
+    client = TestClient(create_app(engine), base_url=LOCAL)
     prompt_len = len("<user>hey<assistant>")
     chat(client)
     assert engine.received[-1].sampling_params.max_new_tokens == 40 - prompt_len  # what fits
@@ -219,7 +219,7 @@ def test_bad_sampling_value_names_param(client: TestClient) -> None:
 
 
 def test_validation_errors_are_400_naming_the_field(client: TestClient) -> None:
-    assert_error(client.post("/v1/chat/completions", json={"model": "x"}), 400, param="messages", contains="messages")
+    assert_error(client.post("/v1/chat/completions", json={"model": "default"}), 400, param="messages", contains="messages")
     assert_error(client.post("/v1/completions", json={"prompt": "a", "max_tokens": "many"}), 400, param="max_tokens")
     assert_error(chat(client, messages=[{"role": "wizard", "content": "x"}]), 400, param="messages[0].role")
     assert_error(chat(client, n=0), 400, param="n")
@@ -252,7 +252,7 @@ def test_unknown_route_and_wrong_method(client: TestClient) -> None:
 
 def test_not_ready_is_503(engine: FakeEngine) -> None:
     engine.ready = False
-    client = TestClient(create_app(engine))
+    client = TestClient(create_app(engine), base_url=LOCAL)
     assert client.get("/health").status_code == 503
     assert_error(client.post("/v1/completions", json={"prompt": "a"}), 503, contains="loading")
     assert_error(chat(client), 503)
@@ -303,7 +303,7 @@ def test_unexpected_exception_is_500_json_and_server_survives(client: TestClient
 
 def test_api_key_required_on_api_routes_but_not_health() -> None:
     engine = FakeEngine(ServerArgs(model_path="fake/model", api_key="sekrit"))
-    client = TestClient(create_app(engine))
+    client = TestClient(create_app(engine), base_url=LOCAL)
     body = {"prompt": "a", "max_tokens": 1}
     err = assert_error(client.post("/v1/completions", json=body), 401, contains="api key")
     assert err["type"] == "authentication_error"
@@ -320,18 +320,18 @@ def test_api_key_required_on_api_routes_but_not_health() -> None:
 
 def test_official_openai_client_parses_responses(engine: FakeEngine) -> None:
     openai = pytest.importorskip("openai")
-    http = TestClient(create_app(engine))
-    oc = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
-    resp = oc.chat.completions.create(model="x", messages=[{"role": "user", "content": "hey"}], max_tokens=3)
+    http = TestClient(create_app(engine), base_url=LOCAL)
+    oc = openai.OpenAI(base_url=f"{LOCAL}/v1", api_key="none", http_client=http)
+    resp = oc.chat.completions.create(model="default", messages=[{"role": "user", "content": "hey"}], max_tokens=3)
     assert resp.choices[0].message.content == "<us"
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
-    stream = oc.chat.completions.create(model="x", messages=[{"role": "user", "content": "hey"}], max_tokens=3,
+    stream = oc.chat.completions.create(model="default", messages=[{"role": "user", "content": "hey"}], max_tokens=3,
                                         stream=True, stream_options={"include_usage": True})
     parts = [c for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == "<us"
     assert parts[-1].usage.completion_tokens == 3
-    comp = oc.completions.create(model="x", prompt="abc", max_tokens=2)
+    comp = oc.completions.create(model="default", prompt="abc", max_tokens=2)
     assert comp.choices[0].text == "ab"
     with pytest.raises(openai.BadRequestError) as exc:
-        oc.completions.create(model="x", prompt="abc", top_p=0)
+        oc.completions.create(model="default", prompt="abc", top_p=0)
     assert exc.value.body["param"] == "top_p"  # type: ignore[index]

@@ -22,7 +22,7 @@ class AsgiCall:
         self.scope = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+            "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
             "client": ("127.0.0.1", 5000), "server": ("test", 80),
         }
         self.body = json.dumps(body).encode()

@@ -5,7 +5,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fake_engine import FakeEngine
-from http_helpers import assert_error, sse_events
+from http_helpers import LOCAL, assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.app import create_app
 
@@ -17,7 +17,7 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def client(engine: FakeEngine) -> TestClient:
-    return TestClient(create_app(engine))
+    return TestClient(create_app(engine), base_url=LOCAL)
 
 
 def test_generate_text(client: TestClient, engine: FakeEngine) -> None:
@@ -69,7 +69,8 @@ def test_generate_request_errors(client: TestClient) -> None:
     assert_error(client.post("/generate", json={"text": "a", "input_ids": [1]}), 400, contains="exactly one")
     assert_error(client.post("/generate", json={}), 400, contains="exactly one")
     assert_error(client.post("/generate", json={"text": ["a", "b"], "stream": True}), 400, param="stream")
-    assert_error(client.post("/generate", json={"text": "a", "sampling_params": {"top_k": -5}}), 400, param="top_k")
+    assert_error(client.post("/generate", json={"text": "a", "sampling_params": {"top_k": -5}}), 400,
+                 param="sampling_params.top_k")
     assert_error(client.post("/generate", json={"text": ""}), 400, contains="empty")
     assert_error(client.post("/generate", json={"text": "a", "return_logprob": True}), 400, param="return_logprob")
 
@@ -83,7 +84,7 @@ def test_models_list_and_retrieve(client: TestClient) -> None:
 
 
 def test_served_model_name_is_used_everywhere() -> None:
-    client = TestClient(create_app(FakeEngine(ServerArgs(model_path="/m", served_model_name="mine"))))
+    client = TestClient(create_app(FakeEngine(ServerArgs(model_path="/m", served_model_name="mine"))), base_url=LOCAL)
     assert client.get("/v1/models").json()["data"][0]["id"] == "mine"
     assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).json()["model"] == "mine"
     assert client.get("/get_model_info").json()["model_path"] == "/m"

@@ -15,6 +15,7 @@ from tierlm.backends.mlx.paged_attention import StepContext, StepPlan, install_p
 from tierlm.backends.mlx.sampler import sample
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
+from tierlm.backends.verified_architectures import check_architecture
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +26,15 @@ class MLXBackend(ModelBackend):
     name = "mlx"
     page_layout = SHARED_PAGE_LAYOUT
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0, device: str | None = None
-                 ) -> None:
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0, device: str | None = None,
+                 trust_unverified_architecture: bool = False) -> None:
         """``device``: "cpu" pins MLX to the CPU (e.g. SGLANG_USE_MLX=1 --device cpu on a Mac); None keeps
-        MLX's default (the Metal GPU where there is one)."""
+        MLX's default (the Metal GPU where there is one). ``trust_unverified_architecture``: load an architecture
+        outside backends/verified_architectures.py anyway (with a warning) instead of refusing it."""
+        # Before mlx-lm sees the folder: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
+        self.architecture_check = check_architecture(model_dir, self.name, trust_unverified_architecture)
+        if self.architecture_check.warning:
+            log.warning(self.architecture_check.warning)
         if device == "cpu":
             mx.set_default_device(mx.cpu)
         self.model_dir = Path(model_dir)

@@ -13,6 +13,7 @@ from tierlm.backends.model_source.folder_facts import read_generation_eos
 from tierlm.backends.torch import paged_attention
 from tierlm.backends.torch.kv_pool import TorchKVPool
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
+from tierlm.backends.verified_architectures import check_architecture
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +23,14 @@ class TorchBackend(ModelBackend):
     page_layout = SHARED_PAGE_LAYOUT
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-                 trust_remote_code: bool = False, seed: int = 0) -> None:
+                 trust_remote_code: bool = False, seed: int = 0, trust_unverified_architecture: bool = False
+                 ) -> None:
         self.model_dir = Path(model_dir)
+        # Before any weights load: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
+        self.architecture_check = check_architecture(self.model_dir, self.name, trust_unverified_architecture,
+                                                     trust_remote_code)
+        if self.architecture_check.warning:
+            log.warning(self.architecture_check.warning)
         self.torch_device = torch.device(device)
         self.device = self.torch_device.type
         self.dtype = resolve_dtype(dtype, self.torch_device)

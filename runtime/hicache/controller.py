@@ -21,7 +21,7 @@ from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
 from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_io import StorageIO
+from tierlm.runtime.hicache.storage_io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, StorageIO
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.kv_cache_manager import KVCacheManager
@@ -39,6 +39,10 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # Keys of --hicache-storage-backend-extra-config read here (the rest goes to the storage backend).
 PREFETCH_TIMEOUT_BASE_S = 0.5
 PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
+# wait_complete waits at most one I/O time limit plus 50 ms a page (25x the timeout policy's 2 ms): every stuck
+# read is abandoned after the limit, so this only cuts off a disk slower than 20 pages/s.
+WAIT_COMPLETE_PER_PAGE_S = 0.05
+CLOSE_TIMEOUT_S = 3.0  # shutdown: flush queued L3 writes and stop the I/O threads within this, whatever the disk
 
 
 class HiCacheManager(KVCacheManager):
@@ -88,8 +92,9 @@ class HiCacheManager(KVCacheManager):
                  host_pages, ps, host_pages * ps, mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy)
         if storage is not None:
             st = storage.stats()
-            log.info("HiCache storage (L3): file backend at %s, %d pages already stored (%.1f MiB), prefetch policy %s",
-                     storage.dir, st["files"], st["bytes"] / 2**20, args.hicache_storage_prefetch_policy)
+            log.info("HiCache storage (L3): file backend at %s, %d pages already stored (%.1f MiB), "
+                     "prefetch policy %s, I/O time limit %g s", storage.dir, st["files"], st["bytes"] / 2**20,
+                     args.hicache_storage_prefetch_policy, storage_io.io_timeout_s)
         return mgr
 
     # ------------------------------------------------------------ write policies
@@ -111,7 +116,7 @@ class HiCacheManager(KVCacheManager):
         return True
 
     def _backup_to_storage(self, node: TreeNode) -> None:
-        if self.storage_io is None:
+        if self.storage_io is None or self.storage_io.stalled:
             return
         n = len(node.host_pages)
         keys = page_keys(self.tree.path_tokens(node), self.page_size)[-n:]
@@ -132,17 +137,26 @@ class HiCacheManager(KVCacheManager):
         if have >= max_pages:
             return
         keys = page_keys(tokens[:max_pages * self.page_size], self.page_size)[have:]
+        if self.storage_io.stalled:
+            return  # the disk hangs: looking up files on this thread could hang the scheduler too
         hits = self.storage.batch_exists_prefix(keys)
         if hits:
             req.prefetch = PendingPrefetch(have, self.storage_io.prefetch(keys[:hits]), time.perf_counter())
 
     def ready_to_admit(self, req: Req) -> bool:
-        """False while a timeout-policy prefetch is still loading within its time budget."""
+        """False while a timeout or wait_complete prefetch is still loading within its time budget."""
         pf = req.prefetch
-        if pf is None or self.prefetch_policy != "timeout":
+        if pf is None or self.prefetch_policy == "best_effort":
             return True
+        return pf.handle.done or time.perf_counter() - pf.started_at >= self._prefetch_budget(pf)
+
+    def _prefetch_budget(self, pf: PendingPrefetch) -> float:
+        """Seconds a request waits for its L3 pages; bounded under every policy, so no request waits forever."""
+        pages = len(pf.handle.keys)
+        if self.prefetch_policy == "wait_complete":
+            return self.storage_io.io_timeout_s + WAIT_COMPLETE_PER_PAGE_S * pages
         base, per_page = self.prefetch_timeout
-        return pf.handle.done or time.perf_counter() - pf.started_at >= base + per_page * len(pf.handle.keys)
+        return base + per_page * pages
 
     def _extend_match(self, req: Req, tokens: list[int], m: MatchResult
                       ) -> tuple[TreeNode, list[int], CachedTokens]:
@@ -187,10 +201,8 @@ class HiCacheManager(KVCacheManager):
                            ) -> tuple[TreeNode, list[int], int]:
         start, handle = pf.start_page, pf.handle
         if self.prefetch_policy == "wait_complete":
-            handle.wait()
-            payloads = handle.result()
-        else:
-            payloads = handle.cancel()  # best_effort / timeout: what has arrived by now
+            handle.wait(max(0.0, pf.started_at + self._prefetch_budget(pf) - time.perf_counter()))
+        payloads = handle.cancel()  # all of it when done; else what has arrived within the budget
         have = len(pages)
         skip = have - start  # pages that meanwhile became available in a faster tier
         payloads = payloads[skip:] if skip >= 0 else []
@@ -239,7 +251,7 @@ class HiCacheManager(KVCacheManager):
 
     def close(self) -> None:
         if self.storage_io is not None:
-            self.storage_io.close(flush=True, timeout=30)
+            self.storage_io.close(flush=True, timeout=CLOSE_TIMEOUT_S)
         if self.storage is not None:
             self.storage.close()
 
@@ -254,9 +266,17 @@ class HiCacheManager(KVCacheManager):
                      "write_policy": self.write_policy},
         }
         if self.storage is not None:
-            info["storage"] = {"backend": "file", "dir": str(self.storage.dir), **self.storage.stats(),
-                               "prefetch_policy": self.prefetch_policy, "io": self.storage_io.stats()}
+            info["storage"] = {"backend": "file", "dir": str(self.storage.dir), **self.storage_health(),
+                               **self.storage.stats(), "prefetch_policy": self.prefetch_policy,
+                               "io_timeout_s": self.storage_io.io_timeout_s, "io": self.storage_io.stats()}
         return info
+
+    def storage_health(self) -> dict[str, Any]:
+        """"online", or "degraded" while writes fail or a storage call hangs; the latest error either way."""
+        disk, io = self.storage.health(), self.storage_io.health()
+        bad = [h for h in (io, disk) if h["state"] != "online"]
+        last = (bad[0] if bad else disk if disk["last_error"] else io)["last_error"]
+        return {"state": "degraded" if bad else "online", "last_error": last}
 
     def accounting(self) -> dict[str, int]:
         acc = super().accounting()
@@ -282,6 +302,13 @@ class HiCacheManager(KVCacheManager):
             for stat in ("files", "bytes", "bytes_read", "bytes_written", "misses", "errors", "evictions"):
                 m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
                         lambda stat=stat: self.storage.stats()[stat])
+            m.gauge("tierlm_hicache_storage_online", "1 while L3 storage works, 0 while writes fail or a "
+                    "storage call hangs (see tiers.storage.last_error in /server_info)",
+                    lambda: float(self.storage_health()["state"] == "online"))
+            for stat, doc in (("io_timeouts", "L3 reads/writes abandoned after the I/O time limit"),
+                              ("stuck_threads", "L3 I/O threads stuck in a storage call right now"),
+                              ("backups_dropped", "L3 page writes dropped (backlog full, hung disk, shutdown)")):
+                m.gauge(f"tierlm_hicache_storage_{stat}", doc, lambda stat=stat: self.storage_io.stats()[stat])
 
     def eviction_counters(self) -> dict[str, Callable[[], float]]:
         counters = {**super().eviction_counters(), "host": lambda: self.tree.evicted_host_pages}
@@ -318,7 +345,13 @@ def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int
         raise StartupError(f"--hicache-storage-backend-extra-config: {e}") from e
     timeout = (float(cfg.pop("prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S)),
                float(cfg.pop("prefetch_timeout_per_page", PREFETCH_TIMEOUT_PER_PAGE_S)))
+    io_timeout = cfg.pop("io_timeout", DEFAULT_IO_TIMEOUT_S)
+    if isinstance(io_timeout, bool) or not isinstance(io_timeout, (int, float)) or not io_timeout > 0:
+        raise StartupError("--hicache-storage-backend-extra-config: io_timeout (time limit of one L3 read or write) "
+                           f"must be a positive number of seconds, got {io_timeout!r}")
     # Host pages are always written to files in page-first byte order, whatever the host layout.
     ns = StorageNamespace.from_fields({**backend.kv_namespace(), "page_size": args.page_size, "layout": "page_first"})
     storage = FileKVStorage.from_extra_config(ns, page_bytes, cfg)
-    return storage, StorageIO(storage, num_threads=1), timeout
+    # The write backlog holds page copies: 256 MiB, or 16 pages where pages are larger than 16 MiB.
+    backlog = max(DEFAULT_MAX_PENDING_WRITE_BYTES, 16 * page_bytes)
+    return storage, StorageIO(storage, num_threads=1, max_pending_write_bytes=backlog, io_timeout_s=io_timeout), timeout

@@ -8,21 +8,29 @@ any process) sees either no file or a complete one under the final name. A read 
 version, namespace, key, length or checksum is a miss: logged, counted in ``errors`` and the file removed.
 An in-memory LRU index (rebuilt from the folder on start, ordered by file mtime, which reads refresh) keeps
 the folder under ``max_size_bytes``. Several processes may share a folder; each bounds what it knows of.
+
+A bad disk never hangs or breaks the caller: only regular files are opened (non-blocking, so a FIFO in place
+of a page cannot block a read), a folder deleted while serving is recreated by the next write (its pages are
+forgotten, so files/bytes match the disk), and a failed write (full disk, read-only folder) leaves no temp
+file, is counted and turns ``health()`` "degraded" until a write succeeds again.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import secrets
+import shutil
+import stat
 import struct
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache.page_keys import is_page_key
@@ -42,6 +50,21 @@ TEMP_PREFIX = ".tmp-"
 NAMESPACE_FILE = "namespace.json"
 _KV_NAME_RE = re.compile(r"[0-9a-f]{64}\.kv")
 KNOWN_EXTRA_CONFIG_KEYS = ("max_size_gb",)
+# Default L3 bound without max_size_gb: what this namespace already stores plus a quarter of the free space of
+# the folder's filesystem at startup, at most 100 GB. Keeping what is stored means a restart evicts nothing;
+# a quarter of the free space leaves the rest to the machine (and to other servers sharing the disk, each of
+# which takes a quarter of what is left); the cap stops a huge shared filesystem from becoming one cache.
+AUTO_BOUND = "auto"
+DEFAULT_BOUND_FREE_SHARE = 0.25
+DEFAULT_BOUND_MAX_BYTES = 100 * 10**9
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def default_max_size_bytes(free_bytes: int, stored_bytes: int, min_bytes: int = 1) -> int:
+    """The bound used when extra-config has no max_size_gb (see DEFAULT_BOUND_* for the rule)."""
+    share = stored_bytes + int(free_bytes * DEFAULT_BOUND_FREE_SHARE)
+    return max(min_bytes, min(DEFAULT_BOUND_MAX_BYTES, share))
 
 
 def default_storage_dir() -> Path:
@@ -96,14 +119,14 @@ class FileKVStorage(KVStorage):
         root_dir: str | os.PathLike[str] | None,
         namespace: StorageNamespace,
         page_bytes: int,
-        max_size_bytes: int | None = None,
+        max_size_bytes: int | None | Literal["auto"] = None,
         *,
         fsync: bool = True,
         stale_temp_seconds: float = 600.0,
     ) -> None:
         if not isinstance(page_bytes, int) or page_bytes < 1:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
-        if max_size_bytes is not None and max_size_bytes < HEADER_SIZE + page_bytes:
+        if isinstance(max_size_bytes, int) and max_size_bytes < HEADER_SIZE + page_bytes:
             raise ValueError(
                 f"max_size_bytes={max_size_bytes} cannot hold even one page ({HEADER_SIZE + page_bytes} bytes); "
                 "raise max_size_gb or leave it unset"
@@ -112,7 +135,8 @@ class FileKVStorage(KVStorage):
         self.namespace = namespace
         self.page_bytes = page_bytes
         self.file_bytes = HEADER_SIZE + page_bytes
-        self.max_size_bytes = max_size_bytes
+        self.max_size_bytes: int | None = None if max_size_bytes == AUTO_BOUND else max_size_bytes
+        self._auto_bound = max_size_bytes == AUTO_BOUND
         self.dir = self.root_dir / namespace.folder_name
         self._fsync = fsync
         self._ns_raw = namespace.id_bytes
@@ -121,6 +145,8 @@ class FileKVStorage(KVStorage):
         self._total = 0
         self._closed = False
         self._counts = dict(reads=0, writes=0, bytes_read=0, bytes_written=0, misses=0, errors=0, evictions=0)
+        self._degraded: str | None = None  # why writes fail right now; None while online
+        self._last_error: str | None = None
         self._open_namespace_dir()
         self._rebuild_index(stale_temp_seconds)
 
@@ -132,13 +158,15 @@ class FileKVStorage(KVStorage):
         extra_config: Mapping[str, Any] | None = None,
         root_dir: str | os.PathLike[str] | None = None,
     ) -> "FileKVStorage":
-        """Build from parsed extra-config (max_size_gb) and the default folder unless root_dir is given."""
+        """Build from parsed extra-config and the default folder unless root_dir is given. Without max_size_gb the
+        bound is default_max_size_bytes() of the folder's free space at startup."""
         cfg = dict(extra_config or {})
         unknown = sorted(set(cfg) - set(KNOWN_EXTRA_CONFIG_KEYS))
         if unknown:
             logger.warning("file storage ignores extra-config keys %s (it knows %s)",
                            unknown, list(KNOWN_EXTRA_CONFIG_KEYS))
-        return cls(root_dir, namespace, page_bytes, max_size_bytes_from_config(cfg))
+        bound = max_size_bytes_from_config(cfg)
+        return cls(root_dir, namespace, page_bytes, AUTO_BOUND if bound is None else bound)
 
     # --- KVStorage ---
     def exists(self, keys) -> list[bool]:
@@ -164,20 +192,33 @@ class FileKVStorage(KVStorage):
         self._check_key(key)
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            # Only a regular file is opened, and without blocking: a FIFO or device in its place must not
+            # hang the reader. fstat after open closes the window where the name is swapped meanwhile.
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                self._discard(key, path, st, "not a regular file")
+                self._count(misses=1)
+                return None
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
-                header = f.read(HEADER_SIZE)
-                payload = f.read(self.page_bytes)
-                trailing = f.read(1)
+                if not stat.S_ISREG(st.st_mode):
+                    header = payload = trailing = b""
+                else:
+                    header = f.read(HEADER_SIZE)
+                    payload = f.read(self.page_bytes)
+                    trailing = f.read(1)
         except FileNotFoundError:
             self._forget(key)
             self._count(misses=1)
+            if not self.dir.is_dir():
+                self._folder_lost()
             return None
         except OSError as e:
-            logger.warning("L3 read of %s failed (%s); treating it as a miss", path, e)
-            self._count(misses=1, errors=1)
+            self._failed(f"read of {path} failed: {e}", e)
+            self._count(misses=1)
             return None
-        problem = self._verify(key, header, payload, trailing)
+        problem = "not a regular file" if not stat.S_ISREG(st.st_mode) else self._verify(key, header, payload, trailing)
         if problem is not None:
             self._discard(key, path, st, problem)
             self._count(misses=1)
@@ -196,7 +237,7 @@ class FileKVStorage(KVStorage):
         if view.nbytes != self.page_bytes:
             raise ValueError(f"payload for {key[:12]}.. has {view.nbytes} bytes, this storage stores {self.page_bytes}")
         path = self._path(key)
-        if path.exists():  # written before, here or by another process sharing the folder
+        if self._is_page_file(path):  # written before, here or by another process sharing the folder
             self._note_present(key, self.file_bytes)
             self._touch(path)
             return True
@@ -207,18 +248,18 @@ class FileKVStorage(KVStorage):
         header += digest.digest()
         tmp = self.dir / f"{TEMP_PREFIX}{key}-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
         try:
-            with open(tmp, "xb") as f:
-                f.write(header)
-                f.write(view)
-                f.flush()
-                if self._fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                self._write_file(tmp, path, header, view)
+            except FileNotFoundError:
+                if self.dir.is_dir():
+                    raise
+                self._folder_lost()  # deleted while serving: recreate it and write again
+                self._write_file(tmp, path, header, view)
         except OSError as e:
-            logger.warning("L3 write of %s failed (%s); the page stays uncached in storage", path, e)
             _unlink_quietly(tmp)
-            self._count(errors=1)
+            self._failed(f"write of {path} failed: {e}", e)
             return False
+        self._recovered()
         with self._lock:
             self._record_locked(key, self.file_bytes)
             self._counts["writes"] += 1
@@ -236,10 +277,13 @@ class FileKVStorage(KVStorage):
     def clear(self) -> int:
         self._check_open()
         removed = 0
-        with os.scandir(self.dir) as it:
-            for entry in it:
-                if _KV_NAME_RE.fullmatch(entry.name) and _unlink_quietly(Path(entry.path)):
-                    removed += 1
+        try:
+            with os.scandir(self.dir) as it:
+                for entry in it:
+                    if _KV_NAME_RE.fullmatch(entry.name) and _unlink_quietly(Path(entry.path)):
+                        removed += 1
+        except FileNotFoundError:
+            self._folder_lost()
         with self._lock:
             self._index.clear()
             self._total = 0
@@ -253,12 +297,65 @@ class FileKVStorage(KVStorage):
         out["max_bytes"] = self.max_size_bytes
         return out
 
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return {"state": "online" if self._degraded is None else "degraded", "last_error": self._last_error}
+
     def close(self) -> None:
         self._closed = True
 
     # --- internals ---
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}{FILE_SUFFIX}"
+
+    def _is_page_file(self, path: Path) -> bool:
+        """A regular file of the right size under ``path`` (a FIFO, folder or stub there is not a page)."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes
+
+    def _write_file(self, tmp: Path, path: Path, header: bytes, view: memoryview) -> None:
+        with open(tmp, "xb") as f:
+            f.write(header)
+            f.write(view)
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)  # also replaces a FIFO or other non-page file squatting on the name
+
+    def _failed(self, what: str, e: OSError) -> None:
+        """Count a failed read or write and mark the tier degraded; warn once per episode, with the fix."""
+        if e.errno in _NO_ROOM:
+            fix = "free space on that disk or lower max_size_gb in --hicache-storage-backend-extra-config"
+        elif e.errno in _NOT_WRITABLE:
+            fix = f"make {self.root_dir} writable or point {STORAGE_DIR_ENV} at a writable folder"
+        else:
+            fix = "check that disk or mount"
+        with self._lock:
+            self._counts["errors"] += 1
+            first = self._degraded is None
+            self._degraded = self._last_error = what
+        logger.log(logging.WARNING if first else logging.DEBUG,
+                   "L3 storage degraded: %s; pages stay uncached in storage (serving is unaffected) until a "
+                   "write succeeds again: %s", what, fix)
+
+    def _recovered(self) -> None:
+        with self._lock:
+            was, self._degraded = self._degraded, None
+        if was is not None:
+            logger.info("L3 storage %s is back online: a write succeeded again (last error: %s)", self.dir, was)
+
+    def _folder_lost(self) -> None:
+        """The namespace folder vanished (deleted while serving): forget its pages and recreate it."""
+        with self._lock:
+            pages, size = len(self._index), self._total
+            self._index.clear()
+            self._total = 0
+        logger.warning("L3 folder %s disappeared while serving (deleted?): forgot its %d pages (%d bytes) and "
+                       "recreated it; pages are stored again as they are used", self.dir, pages, size)
+        self._make_namespace_dir()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -299,7 +396,7 @@ class FileKVStorage(KVStorage):
         self._forget(key)
         self._count(errors=1)
         try:
-            now = os.stat(path)
+            now = os.lstat(path)
             # Only remove the file we read: another process may have just renamed a good one into place.
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.unlink(path)
@@ -310,11 +407,9 @@ class FileKVStorage(KVStorage):
 
     def _adopt(self, key: str) -> bool:
         """A key absent from the index may have been written by another process sharing the folder."""
-        try:
-            size = os.stat(self._path(key)).st_size
-        except OSError:
+        if not self._is_page_file(self._path(key)):
             return False
-        self._note_present(key, size)
+        self._note_present(key, self.file_bytes)
         return True
 
     def _note_present(self, key: str, size: int) -> None:
@@ -371,27 +466,35 @@ class FileKVStorage(KVStorage):
             for name, d in deltas.items():
                 self._counts[name] += d
 
-    def _open_namespace_dir(self) -> None:
+    def _make_namespace_dir(self) -> None:
+        """Create the folder and its namespace.json (OSError when the disk refuses)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta_path = self.dir / NAMESPACE_FILE
+        expected = self.namespace.describe()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            meta_path = self.dir / NAMESPACE_FILE
-            expected = self.namespace.describe()
+            found = json.loads(meta_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            found = None
+        except (ValueError, UnicodeDecodeError):
+            logger.warning("%s is unreadable; rewriting it", meta_path)
+            found = None
+        if isinstance(found, dict) and found.get("id") not in (None, expected["id"]):
+            raise StartupError(
+                f"L3 storage folder {self.dir} belongs to namespace {found.get('id')}, not {expected['id']} "
+                f"(id prefix collision or a hand-edited folder); move it away or use another storage dir"
+            )
+        if found != expected:
+            tmp = self.dir / f"{TEMP_PREFIX}{NAMESPACE_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
             try:
-                found = json.loads(meta_path.read_text(encoding="utf-8"))
-            except FileNotFoundError:
-                found = None
-            except (ValueError, UnicodeDecodeError):
-                logger.warning("%s is unreadable; rewriting it", meta_path)
-                found = None
-            if isinstance(found, dict) and found.get("id") not in (None, expected["id"]):
-                raise StartupError(
-                    f"L3 storage folder {self.dir} belongs to namespace {found.get('id')}, not {expected['id']} "
-                    f"(id prefix collision or a hand-edited folder); move it away or use another storage dir"
-                )
-            if found != expected:
-                tmp = self.dir / f"{TEMP_PREFIX}{NAMESPACE_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
                 tmp.write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n", encoding="utf-8")
                 os.replace(tmp, meta_path)
+            except OSError:
+                _unlink_quietly(tmp)
+                raise
+
+    def _open_namespace_dir(self) -> None:
+        try:
+            self._make_namespace_dir()
         except OSError as e:
             raise StartupError(
                 f"cannot use L3 storage folder {self.dir}: {e.strerror or e}; "
@@ -422,18 +525,37 @@ class FileKVStorage(KVStorage):
                         continue
                     found.append((st.st_mtime, name[: -len(FILE_SUFFIX)], st.st_size))
         found.sort()
+        free = self._free_bytes() if self._auto_bound else None
         with self._lock:
             for _, key, size in found:  # oldest first, so the LRU order follows the mtimes
                 self._record_locked(key, size)
             self._counts["errors"] += damaged
+            if self._auto_bound:
+                self.max_size_bytes = default_max_size_bytes(free, self._total, self.file_bytes)
             victims = self._pick_victims_locked(keep=None)
         self._remove_victims(victims)
+        if self._auto_bound:
+            logger.info(
+                "L3 size bound %.2f GB (default rule: what this namespace stores, %.2f GB, + %d%% of the %.2f GB "
+                "free on %s's filesystem at startup, at most %.0f GB); set max_size_gb in "
+                "--hicache-storage-backend-extra-config to choose another",
+                self.max_size_bytes / 1e9, sum(f[2] for f in found) / 1e9, DEFAULT_BOUND_FREE_SHARE * 100,
+                free / 1e9, self.root_dir, DEFAULT_BOUND_MAX_BYTES / 1e9,
+            )
         bound = "unbounded" if self.max_size_bytes is None else f"bound {self.max_size_bytes} bytes"
         logger.info(
             "L3 file storage %s (namespace %s): found %d pages, %d bytes, %s; evicted %d to fit, "
             "removed %d stale temp files and %d damaged files",
             self.dir, self.namespace.folder_name, len(found), self._total, bound, len(victims), stale_temps, damaged,
         )
+
+
+    def _free_bytes(self) -> int:
+        try:
+            return shutil.disk_usage(self.dir).free
+        except OSError as e:
+            logger.warning("cannot read the free space of %s (%s); the default L3 bound uses its cap", self.dir, e)
+            return int(DEFAULT_BOUND_MAX_BYTES / DEFAULT_BOUND_FREE_SHARE)
 
 
 def _unlink_quietly(path: Path) -> bool:

@@ -68,6 +68,10 @@ class KVStorage(ABC):
     def stats(self) -> dict[str, Any]:
         """A snapshot with at least the STAT_FIELDS keys."""
 
+    def health(self) -> dict[str, Any]:
+        """{"state": "online" | "degraded", "last_error": str | None}; degraded while writes fail."""
+        return {"state": "online", "last_error": None}
+
     @abstractmethod
     def close(self) -> None:
         """Release resources; idempotent. Later calls other than stats() raise RuntimeError."""

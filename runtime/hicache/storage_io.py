@@ -6,13 +6,21 @@ without the earlier ones). The controller builds SGLang's prefetch policies from
   best_effort:   when the request is scheduled, ``handle.cancel()`` and use the pages it returns;
   wait_complete: ``handle.wait()`` then ``handle.result()``;
   timeout:       ``handle.wait(t)`` then ``handle.cancel()`` (the pages loaded within t).
+
+Every storage call has a time limit (``io_timeout_s``). A watchdog thread abandons a call stuck past it (a hung
+network filesystem, a device that never answers): the prefetch finishes with the pages loaded before it (the
+stuck page is a miss), the backup counts as failed, and a fresh thread takes over the queue, so later I/O
+still runs. The stuck thread is a daemon: it exits when its call returns (or rejoins the pool if one is
+missing) and never keeps the process alive. At most ``MAX_STUCK_THREADS`` are left behind; past that L3 is
+bypassed (prefetches miss, backups are dropped) until one returns.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from typing import Callable, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 from tierlm.runtime.hicache.storage_base import KVStorage
 
@@ -20,6 +28,29 @@ logger = logging.getLogger(__name__)
 
 BackupCallback = Callable[[str, bool], None]  # (key, stored) on the backup thread
 PrefetchCallback = Callable[[list[bytes]], None]  # pages loaded, in key order, on the prefetch thread
+
+# A page is KBs to a few MB: a healthy local or network disk reads or writes it in milliseconds. 10 s leaves
+# room for a slow network filesystem while still freeing a request stuck behind a hung one.
+DEFAULT_IO_TIMEOUT_S = 10.0
+# Queued backups hold copies of pages; a hung disk must not let them grow without limit.
+DEFAULT_MAX_PENDING_WRITE_BYTES = 256 * 2**20
+MAX_STUCK_THREADS = 8  # abandoned threads still inside a storage call; past this L3 is bypassed
+
+
+class _Worker:
+    """One I/O thread and the storage call it is inside (guarded by StorageIO._cond)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "backup" | "prefetch"
+        self.thread: threading.Thread | None = None
+        self.job: Any = None  # the queue item being worked on
+        self.busy_since: float | None = None  # monotonic start of the storage call in progress
+        self.what = ""  # the call, for logs
+        self.abandoned = False
+
+
+class _Abandoned(Exception):
+    """The watchdog gave up on this thread's call and already settled its job."""
 
 
 class PrefetchHandle:
@@ -91,13 +122,23 @@ class PrefetchHandle:
 
 
 class StorageIO:
-    """Runs ``storage`` writes and prefetch reads on ``num_threads`` backup and ``num_threads`` prefetch threads."""
+    """Runs ``storage`` writes and prefetch reads on ``num_threads`` backup and ``num_threads`` prefetch threads.
 
-    def __init__(self, storage: KVStorage, num_threads: int = 1, max_pending_write_bytes: int | None = None) -> None:
+    ``max_pending_write_bytes`` bounds the queued backups (None: unbounded); ``io_timeout_s`` is the time limit of
+    one storage call.
+    """
+
+    def __init__(self, storage: KVStorage, num_threads: int = 1,
+                 max_pending_write_bytes: int | None = DEFAULT_MAX_PENDING_WRITE_BYTES,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if not io_timeout_s > 0:
+            raise ValueError(f"io_timeout_s must be > 0, got {io_timeout_s!r}")
         self.storage = storage
         self.max_pending_write_bytes = max_pending_write_bytes
+        self.io_timeout_s = float(io_timeout_s)
+        self._num_threads = num_threads
         self._write_q: queue.Queue = queue.Queue()
         self._prefetch_q: queue.Queue = queue.Queue()
         self._cond = threading.Condition()  # guards everything below and signals flush()
@@ -108,15 +149,20 @@ class StorageIO:
         self._counts = dict(
             backups_queued=0, backups_done=0, backups_failed=0, backups_dropped=0,
             prefetches=0, prefetches_complete=0, prefetches_partial=0, prefetches_cancelled=0,
-            prefetch_pages_loaded=0, prefetch_errors=0,
+            prefetch_pages_loaded=0, prefetch_errors=0, prefetches_bypassed=0, io_timeouts=0,
         )
-        self._threads = [
-            threading.Thread(target=loop, name=f"tierlm-l3-{kind}-{i}", daemon=True)
-            for i in range(num_threads)
-            for kind, loop in (("backup", self._backup_loop), ("prefetch", self._prefetch_loop))
-        ]
-        for t in self._threads:
-            t.start()
+        self._workers: list[_Worker] = []  # serving the queues
+        self._stuck: list[_Worker] = []  # abandoned by the watchdog, still inside a storage call
+        self._thread_seq = 0
+        self._hung = False  # a call timed out and none has completed since
+        self._last_error: str | None = None
+        self._stop = threading.Event()
+        with self._cond:
+            for _ in range(num_threads):
+                self._spawn_locked("backup")
+                self._spawn_locked("prefetch")
+        self._watchdog = threading.Thread(target=self._watch, name="tierlm-l3-watchdog", daemon=True)
+        self._watchdog.start()
 
     # --- producer side (scheduler thread) ---
     def backup(self, key: str, payload: bytes, on_done: BackupCallback | None = None) -> bool:
@@ -129,10 +175,16 @@ class StorageIO:
         with self._cond:
             self._check_open()
             limit = self.max_pending_write_bytes
-            if limit is not None and self._pending_writes and self._pending_write_bytes + len(payload) > limit:
+            over = limit is not None and self._pending_writes and self._pending_write_bytes + len(payload) > limit
+            if over or not self._has_worker_locked("backup"):
                 self._counts["backups_dropped"] += 1
-                logger.debug("L3 backup of %s.. dropped: %d bytes already queued (limit %d)",
-                             key[:12], self._pending_write_bytes, limit)
+                dropped = self._counts["backups_dropped"]
+                why = (f"{self._pending_write_bytes} bytes already queued (limit {limit})" if over
+                       else "every backup thread is stuck in a storage call")
+                # The first drop and every 1000th are worth a warning; the rest would flood the log.
+                logger.log(logging.WARNING if dropped % 1000 == 1 else logging.DEBUG,
+                           "L3 backup of %s.. dropped (%d so far): %s; the disk is slower than the traffic "
+                           "or hung, see tiers.storage in /server_info", key[:12], dropped, why)
                 return False
             self._pending_writes += 1
             self._pending_write_bytes += len(payload)
@@ -156,7 +208,16 @@ class StorageIO:
         with self._cond:
             self._check_open()
             self._counts["prefetches"] += 1
-            self._active.add(handle)
+            bypass = not self._has_worker_locked("prefetch")
+            if bypass:
+                self._counts["prefetches_bypassed"] += 1
+            else:
+                self._active.add(handle)
+        if bypass:  # every prefetch thread is stuck: a miss now beats a request waiting on a hung disk
+            pages = handle._finish()
+            if on_done is not None and pages is not None:
+                on_done(pages)
+            return handle
         self._prefetch_q.put(handle)
         return handle
 
@@ -170,14 +231,32 @@ class StorageIO:
             out = dict(self._counts)
             out["pending_writes"] = self._pending_writes
             out["pending_write_bytes"] = self._pending_write_bytes
+            out["stuck_threads"] = len(self._stuck)
         return out
 
+    @property
+    def stalled(self) -> bool:
+        """A storage call is stuck past the time limit right now (the disk or network filesystem hangs)."""
+        with self._cond:
+            return bool(self._stuck)
+
+    def health(self) -> dict[str, Any]:
+        """"degraded" from a timed-out call until a later call completes; the last timeout's message."""
+        with self._cond:
+            hung = self._hung or bool(self._stuck)
+            return {"state": "degraded" if hung else "online", "last_error": self._last_error}
+
     def close(self, flush: bool = True, timeout: float | None = 30.0) -> None:
-        """Stop the threads: finish queued backups first when ``flush`` (else drop them); cancel every prefetch."""
+        """Stop the threads: finish queued backups first when ``flush`` (else drop them); cancel every prefetch.
+
+        ``timeout`` bounds the whole call (flush and joins). Threads stuck in a storage call are left behind:
+        they are daemons, so the process can still exit.
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         if flush and not self.flush(timeout):
             logger.warning("L3 backups still pending after %ss at shutdown; dropping them", timeout)
         self._drain_writes()
@@ -195,10 +274,18 @@ class StorageIO:
             loading = list(self._active)
         for handle in loading:  # the thread loading it stops at its next page and counts it
             handle.cancel()
-        for t in self._threads:
-            (self._write_q if "backup" in t.name else self._prefetch_q).put(None)
-        for t in self._threads:
-            t.join(timeout)
+        self._stop.set()
+        with self._cond:
+            workers = list(self._workers)
+        for w in workers:
+            (self._write_q if w.kind == "backup" else self._prefetch_q).put(None)
+        for w in workers:
+            w.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            busy = sum(w.thread.is_alive() for w in workers) + len(self._stuck)
+        if busy:
+            logger.warning("%d L3 I/O threads are still inside storage calls at shutdown (hung disk or network "
+                           "filesystem?); leaving them behind, they do not keep the process alive", busy)
 
     # --- worker side ---
     def _check_open(self) -> None:
@@ -214,14 +301,94 @@ class StorageIO:
             if item is not None:
                 self._write_finished(item[0], item[1], None, ok=None)
 
-    def _backup_loop(self) -> None:
+    def _has_worker_locked(self, kind: str) -> bool:
+        return any(w.kind == kind for w in self._workers)
+
+    def _spawn_locked(self, kind: str) -> None:
+        w = _Worker(kind)
+        self._thread_seq += 1
+        w.thread = threading.Thread(target=self._run_worker, args=(w,), name=f"tierlm-l3-{kind}-{self._thread_seq}",
+                                    daemon=True)
+        self._workers.append(w)
+        w.thread.start()
+
+    def _run_worker(self, w: _Worker) -> None:
+        loop = self._backup_loop if w.kind == "backup" else self._prefetch_loop
+        while True:
+            try:
+                loop(w)
+                return
+            except _Abandoned:
+                if w.abandoned:
+                    return  # replaced meanwhile: this thread is surplus
+                # else it rejoined the pool (a replacement was missing): serve the queue again
+
+    def _call(self, w: _Worker, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` under the watchdog; raises _Abandoned when the watchdog settled the job meanwhile."""
+        with self._cond:
+            w.busy_since, w.what = time.monotonic(), what
+        try:
+            return fn(*args)
+        finally:
+            with self._cond:
+                w.busy_since = None
+                abandoned = w.abandoned
+                if not abandoned:
+                    self._hung = False
+                else:
+                    self._stuck.remove(w)
+                    missing = sum(x.kind == w.kind for x in self._workers) < self._num_threads
+                    if missing and not self._closed:
+                        w.abandoned = False
+                        self._workers.append(w)
+            if abandoned:
+                logger.info("an abandoned L3 %s returned after all; its result was discarded", what)
+                raise _Abandoned()  # the watchdog settled the job already: drop fn's outcome
+
+    def _watch(self) -> None:
+        period = min(0.5, self.io_timeout_s / 4)
+        while not self._stop.wait(period):
+            self._abandon_stuck()
+
+    def _abandon_stuck(self) -> None:
+        now = time.monotonic()
+        settle: list[tuple[_Worker, Any, str]] = []
+        with self._cond:
+            for w in list(self._workers):
+                if w.busy_since is None or now - w.busy_since <= self.io_timeout_s:
+                    continue
+                w.abandoned = True
+                self._workers.remove(w)
+                self._stuck.append(w)
+                self._counts["io_timeouts"] += 1
+                self._hung = True
+                self._last_error = (f"L3 {w.what} did not finish within {self.io_timeout_s:g} s "
+                                    f"(hung disk or network filesystem?); abandoned it")
+                if len(self._stuck) <= MAX_STUCK_THREADS and not self._closed:
+                    self._spawn_locked(w.kind)
+                    then = "a fresh thread serves the queue"
+                else:
+                    then = f"{len(self._stuck)} threads are stuck, so L3 {w.kind}s are bypassed until one returns"
+                settle.append((w, w.job, f"{self._last_error}; {then}"))
+        for w, job, message in settle:
+            logger.warning("%s. Check the storage folder's disk or mount.", message)
+            if w.kind == "backup":
+                key, payload, on_done = job
+                self._write_finished(key, payload, on_done, ok=False)
+            else:
+                self._prefetch_finished(job, job.num_loaded, errors=0)
+
+    def _backup_loop(self, w: _Worker) -> None:
         while True:
             item = self._write_q.get()
             if item is None:
                 return
             key, payload, on_done = item
+            w.job = item
             try:
-                ok = bool(self.storage.set(key, payload))
+                ok = bool(self._call(w, f"write of {key[:12]}..", self.storage.set, key, payload))
+            except _Abandoned:
+                raise
             except Exception:
                 logger.exception("L3 backup of %s.. raised; the page stays uncached in storage", key[:12])
                 ok = False
@@ -240,36 +407,42 @@ class StorageIO:
             self._counts[name] += 1
             self._cond.notify_all()
 
-    def _prefetch_loop(self) -> None:
+    def _prefetch_loop(self, w: _Worker) -> None:
         while True:
             handle = self._prefetch_q.get()
             if handle is None:
                 return
+            w.job = handle
             loaded = errors = 0
             for key in handle.keys:
                 if handle.done:
                     break
                 try:
-                    page = self.storage.get(key)
+                    page = self._call(w, f"read of {key[:12]}..", self.storage.get, key)
+                except _Abandoned:
+                    raise
                 except Exception:
                     logger.exception("L3 prefetch of %s.. raised; stopping this prefetch there", key[:12])
                     page, errors = None, errors + 1
                 if page is None or not handle._append(page):
                     break
                 loaded += 1
-            pages = handle._finish()
-            with self._cond:
-                self._active.discard(handle)
-                self._counts["prefetch_pages_loaded"] += loaded
-                self._counts["prefetch_errors"] += errors
-                if handle.cancelled:
-                    self._counts["prefetches_cancelled"] += 1
-                elif loaded == len(handle.keys):
-                    self._counts["prefetches_complete"] += 1
-                else:
-                    self._counts["prefetches_partial"] += 1
-            if pages is not None and handle._on_done is not None:
-                try:
-                    handle._on_done(pages)
-                except Exception:
-                    logger.exception("L3 prefetch callback raised")
+            self._prefetch_finished(handle, loaded, errors)
+
+    def _prefetch_finished(self, handle: PrefetchHandle, loaded: int, errors: int) -> None:
+        pages = handle._finish()
+        with self._cond:
+            self._active.discard(handle)
+            self._counts["prefetch_pages_loaded"] += loaded
+            self._counts["prefetch_errors"] += errors
+            if handle.cancelled:
+                self._counts["prefetches_cancelled"] += 1
+            elif loaded == len(handle.keys):
+                self._counts["prefetches_complete"] += 1
+            else:
+                self._counts["prefetches_partial"] += 1
+        if pages is not None and handle._on_done is not None:
+            try:
+                handle._on_done(pages)
+            except Exception:
+                logger.exception("L3 prefetch callback raised")

@@ -23,7 +23,7 @@ class PendingPrefetch:
     start_page: int
     handle: PrefetchHandle
     started_at: float
-
+    known_pages: int  # how many of its pages the storage's index knows; the rest are probed
 
 @dataclass(eq=False)
 class Req:

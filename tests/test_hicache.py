@@ -414,3 +414,39 @@ def test_full_or_read_only_disk_keeps_serving_and_recovers(tiny_llama, store, ba
         assert (info["files"], info["bytes"]) == _kv_on_disk(cache.storage)
     finally:
         engine.shutdown()
+
+
+def test_the_scheduler_never_touches_the_disk_and_still_finds_pages_another_server_stored(tiny_llama, store,
+                                                                                          backend_name):
+    """File lookups happen on the I/O threads only (a hung mount must not stall the scheduler); pages that
+    another server sharing the folder stored after this one started are still found, by the prefetch probe."""
+    import threading
+
+    from tierlm.runtime.hicache.file_storage import FileKVStorage
+
+    prompt = doc(12) + [3]
+    writer = hicache_engine(backend_name, tiny_llama)
+    reader = hicache_engine(backend_name, tiny_llama)  # started first: its index does not know the pages
+    try:
+        cold, = run(writer, [prompt], greedy(8))
+        assert writer.parts.cache.storage_io.flush(timeout=30)
+        storage = reader.parts.cache.storage
+        scheduler_thread = reader._thread
+        for name in ("exists", "batch_exists_prefix", "_adopt", "_is_page_file"):
+            real = getattr(storage, name)
+
+            def on_io_threads_only(*args, _real=real, _name=name):
+                assert threading.current_thread() is not scheduler_thread, f"{_name} ran on the scheduler thread"
+                return _real(*args)
+
+            setattr(storage, name, on_io_threads_only)
+        hot = _run_within(reader, prompt, 8)
+        assert hot.token_ids == cold.token_ids
+        assert hot.last.cached.storage == 60  # every page, found by the probe past what the index knew
+        assert storage.stats()["misses"] == 0  # probing stopped at the prompt's end, not at a missing file
+        miss = _run_within(reader, doc(13) + [3], 4)  # a cold prompt: the probe finds nothing, quickly
+        assert miss.last.cached.total == 0 and storage.stats()["misses"] == 0
+        assert isinstance(storage, FileKVStorage) and pool_is_clean(reader)
+    finally:
+        writer.shutdown()
+        reader.shutdown()

@@ -10,6 +10,7 @@ Backend-neutral: tensors only move through the backend's page-copy calls; L3 see
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any, Callable
@@ -17,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tierlm.backends.base import HostKVPool, ModelBackend
-from tierlm.runtime.errors import StartupError
+from tierlm.runtime.errors import RequestError, StartupError
 from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
 from tierlm.runtime.hicache.page_keys import page_keys
@@ -42,6 +43,8 @@ PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
 # wait_complete waits at most one I/O time limit plus 50 ms a page (25x the timeout policy's 2 ms): every stuck
 # read is abandoned after the limit, so this only cuts off a disk slower than 20 pages/s.
 WAIT_COMPLETE_PER_PAGE_S = 0.05
+# A request whose pages the index does not know waits this long for the probe (one stat when nothing is there).
+PROBE_WAIT_S = 0.05
 CLOSE_TIMEOUT_S = 3.0  # shutdown: flush queued L3 writes and stop the I/O threads within this, whatever the disk
 
 
@@ -120,7 +123,7 @@ class HiCacheManager(KVCacheManager):
             return
         n = len(node.host_pages)
         keys = page_keys(self.tree.path_tokens(node), self.page_size)[-n:]
-        stored = self.storage.exists(keys)
+        stored = self.storage.known(keys)  # no file I/O here: the backup thread skips files already present
         for key, hp, present in zip(keys, node.host_pages, stored):
             if not present:
                 self.storage_io.backup(key, self.host.page_to_bytes(hp))
@@ -138,10 +141,12 @@ class HiCacheManager(KVCacheManager):
             return
         keys = page_keys(tokens[:max_pages * self.page_size], self.page_size)[have:]
         if self.storage_io.stalled:
-            return  # the disk hangs: looking up files on this thread could hang the scheduler too
-        hits = self.storage.batch_exists_prefix(keys)
-        if hits:
-            req.prefetch = PendingPrefetch(have, self.storage_io.prefetch(keys[:hits]), time.perf_counter())
+            return  # the disk hangs: a miss now beats a request waiting on it
+        # Only the storage's in-memory index is consulted on this thread (a hung disk must never stall the
+        # scheduler). Pages past what it knows may have been stored by another server sharing the folder: the
+        # prefetch thread probes for them and stops at the first absent one.
+        known = sum(1 for _ in itertools.takewhile(bool, self.storage.known(keys)))
+        req.prefetch = PendingPrefetch(have, self.storage_io.prefetch(keys, known=known), time.perf_counter(), known)
 
     def ready_to_admit(self, req: Req) -> bool:
         """False while a timeout or wait_complete prefetch is still loading within its time budget."""
@@ -152,7 +157,9 @@ class HiCacheManager(KVCacheManager):
 
     def _prefetch_budget(self, pf: PendingPrefetch) -> float:
         """Seconds a request waits for its L3 pages; bounded under every policy, so no request waits forever."""
-        pages = len(pf.handle.keys)
+        pages = pf.known_pages
+        if pages == 0:
+            return PROBE_WAIT_S  # only a probe for pages another server may have stored: a cold request
         if self.prefetch_policy == "wait_complete":
             return self.storage_io.io_timeout_s + WAIT_COMPLETE_PER_PAGE_S * pages
         base, per_page = self.prefetch_timeout
@@ -245,7 +252,11 @@ class HiCacheManager(KVCacheManager):
     def flush(self, storage: bool = False) -> None:
         self.tree.reset()
         if storage and self.storage is not None:
-            self.storage_io.flush(timeout=30)
+            if self.storage_io.stalled:  # clearing the folder from this thread would hang the scheduler
+                raise RequestError("the L3 storage is not responding (see tiers.storage.last_error in /server_info): "
+                                   "the memory tiers were flushed, the storage files were not; retry once it is "
+                                   "back online", 503, code="storage_unavailable", type="service_unavailable_error")
+            self.storage_io.flush(timeout=self.storage_io.io_timeout_s)
             removed = self.storage.clear()
             log.info("flushed L3 storage: %d pages removed", removed)
 

@@ -187,7 +187,17 @@ class FileKVStorage(KVStorage):
             n += 1
         return n
 
+    def known(self, keys) -> list[bool]:
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def probe(self, key: str) -> bytes | None:
+        return self._read(key, absent_is_miss=False)
+
     def get(self, key: str) -> bytes | None:
+        return self._read(key, absent_is_miss=True)
+
+    def _read(self, key: str, absent_is_miss: bool) -> bytes | None:
         self._check_open()
         self._check_key(key)
         path = self._path(key)
@@ -210,7 +220,7 @@ class FileKVStorage(KVStorage):
                     trailing = f.read(1)
         except FileNotFoundError:
             self._forget(key)
-            self._count(misses=1)
+            self._count(misses=int(absent_is_miss))
             if not self.dir.is_dir():
                 self._folder_lost()
             return None

@@ -44,6 +44,16 @@ class KVStorage(ABC):
     def get(self, key: str) -> bytes | None:
         """The payload stored under key, verified; None on a miss or a damaged entry."""
 
+    def known(self, keys: Sequence[str]) -> list[bool]:
+        """Like exists(), but from what this object already knows, without I/O: the scheduler thread asks this,
+        and must never wait on a disk. Backends with no in-memory index answer with exists()."""
+        return self.exists(keys)
+
+    def probe(self, key: str) -> bytes | None:
+        """get() for a key this object does not know of (another process may have stored it): an absent entry
+        is an expected answer, not a miss."""
+        return self.get(key)
+
     @abstractmethod
     def set(self, key: str, payload: bytes | bytearray | memoryview) -> bool:
         """Store payload under key (a no-op returning True when it is already stored). False when not stored."""

@@ -56,8 +56,11 @@ class _Abandoned(Exception):
 class PrefetchHandle:
     """One prefetch: ``keys`` in order; the pages loaded so far are always a prefix of them."""
 
-    def __init__(self, keys: Sequence[str], on_done: PrefetchCallback | None) -> None:
+    def __init__(self, keys: Sequence[str], on_done: PrefetchCallback | None, known: int | None = None) -> None:
         self.keys = list(keys)
+        # Keys past ``known`` are ones the storage had no record of: they are probed (another process may have
+        # stored them), and an absent one ends the prefetch without counting as a miss.
+        self.known = len(self.keys) if known is None else known
         self._on_done = on_done
         self._pages: list[bytes] = []
         self._lock = threading.Lock()
@@ -201,10 +204,11 @@ class StorageIO:
                 return n
         return len(keys)
 
-    def prefetch(self, keys: Sequence[str], on_done: PrefetchCallback | None = None) -> PrefetchHandle:
+    def prefetch(self, keys: Sequence[str], on_done: PrefetchCallback | None = None, known: int | None = None
+                 ) -> PrefetchHandle:
         """Queue a load of ``keys`` in order, stopping at the first miss; on_done(pages) runs when it finishes
-        without being cancelled."""
-        handle = PrefetchHandle(keys, on_done)
+        without being cancelled. Keys from index ``known`` on are probed rather than expected (KVStorage.probe)."""
+        handle = PrefetchHandle(keys, on_done, known)
         with self._cond:
             self._check_open()
             self._counts["prefetches"] += 1
@@ -414,11 +418,12 @@ class StorageIO:
                 return
             w.job = handle
             loaded = errors = 0
-            for key in handle.keys:
+            for i, key in enumerate(handle.keys):
                 if handle.done:
                     break
+                read = self.storage.get if i < handle.known else self.storage.probe
                 try:
-                    page = self._call(w, f"read of {key[:12]}..", self.storage.get, key)
+                    page = self._call(w, f"read of {key[:12]}..", read, key)
                 except _Abandoned:
                     raise
                 except Exception:

@@ -50,6 +50,10 @@ class SamplingBatch:
     prompt_ids: list[Sequence[int]]  # prompt tokens (repetition penalty counts prompt + output, as HF does)
     all_greedy: bool
     any_penalty: bool
+    # Structured output: xgrammar's packed allowed-token bitmask, int32 [S, ceil(V / 32)] (bit j of word w allows
+    # token 32 * w + j), or None when no row is constrained; an unconstrained row is all ones (-1). The samplers
+    # mask the logits with it before penalties, temperature, top-k/p and min-p, and before the greedy argmax.
+    token_bitmask: np.ndarray | None = None
 
     @classmethod
     def greedy(cls, n: int) -> "SamplingBatch":
@@ -93,6 +97,33 @@ class ForwardBatch:
     sample_indices: np.ndarray  # int64 [S]: rows of the flattened tokens whose logits are sampled
     sampling: SamplingBatch
     page_size: int
+    # Log-probabilities (docs/logprobs.md). The defaults ask for none, and then a backend computes none.
+    sample_logprobs: bool = False  # return the logprobs of the S sampled rows (ForwardOutput.logprobs, top_*)
+    logprob_top_k: int = 0  # K: top entries per scored row (the step's largest request, 0..MAX_TOP_LOGPROBS)
+    logprob_indices: np.ndarray | None = None  # int64 [P]: extra rows (prompt positions) scored, never sampled
+    logprob_targets: np.ndarray | None = None  # int64 [P]: the token each of those rows is scored on
+
+    @property
+    def num_logprob_rows(self) -> int:
+        return 0 if self.logprob_indices is None else len(self.logprob_indices)
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; the same for every endpoint
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward returns. Logprobs are the model's log-softmax of the raw logits in float32, before any
+    sampling transform (penalties, temperature, top-k/p, min-p, grammar masks): the same numbers on every
+    backend. Top lists are sorted by logprob, descending."""
+
+    next_token_ids: np.ndarray  # int64 [S]
+    logprobs: np.ndarray | None = None  # float32 [S]: the sampled token's logprob (when batch.sample_logprobs)
+    top_ids: np.ndarray | None = None  # int64 [S, K]
+    top_logprobs: np.ndarray | None = None  # float32 [S, K]
+    prompt_logprobs: np.ndarray | None = None  # float32 [P]: logprob of logprob_targets at logprob_indices
+    prompt_top_ids: np.ndarray | None = None  # int64 [P, K]
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [P, K]
 
 
 class KVPoolGeometry:
@@ -190,8 +221,9 @@ class ModelBackend(ABC):
         """Allocate the device KV pool: ``num_pages`` pages of ``page_size`` tokens, every layer."""
 
     @abstractmethod
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
-        """Run one batched forward over ``batch``; return the sampled token ids, int64 [S]."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one batched forward over ``batch``: the sampled token ids, int64 [S], and the logprobs it asks
+        for (``ForwardBatch.sample_logprobs``, ``logprob_indices``)."""
 
     # --- tier copies (HiCache). Pages are whole pages, all layers, K and V. ---
     @abstractmethod
@@ -218,3 +250,43 @@ class ModelBackend(ABC):
         """Names the byte order of a page; only equal strings share L3 pages. A backend shares the torch/MLX
         pages by setting ``page_layout = SHARED_PAGE_LAYOUT``; any other keeps a name of its own."""
         return self.page_layout or f"{self.name}:private"
+
+
+# ---------------------------------------------------------------- structured output (grammar-constrained decoding)
+class GrammarCompileError(ValueError):
+    """A grammar (JSON schema, regex, EBNF) the compiler refuses; the message is the compiler's."""
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar: which tokens may come next, and the tokens it accepted."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, packed as SamplingBatch.token_bitmask)."""
+
+    @abstractmethod
+    def accept_token(self, token: int) -> bool:
+        """Advance by ``token``; False when the grammar does not allow it (the caller ends the request)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: nothing may follow."""
+
+
+class GrammarBackend(ABC):
+    """Compiles grammars for one tokenizer and vocabulary (thread-safe: compiles run on a pool) and makes
+    per-request matchers. ``kind`` is "json_schema" | "regex" | "ebnf"."""
+
+    name: str = "abstract"
+    vocab_size: int  # columns of the logits the bitmask covers
+
+    @abstractmethod
+    def compile(self, kind: str, text: str) -> Any:
+        """A compiled grammar, or GrammarCompileError with the compiler's message."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+    def allocate_bitmask(self, rows: int) -> np.ndarray:
+        """An all-allowed bitmask for ``rows`` rows."""
+        return np.full((rows, (self.vocab_size + 31) // 32), -1, np.int32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tierlm.backends.base import ForwardBatch, SamplingBatch
+from tierlm.runtime.logprobs import samples
 from tierlm.runtime.request import Req
 
 
@@ -24,8 +25,10 @@ def build_forward_batch(items: list[tuple[Req, int]], page_size: int) -> tuple[F
     page_table = np.zeros((R, max_pages), np.int32)
     for i, (r, _) in enumerate(items):
         page_table[i, :len(r.pages)] = r.pages
-    sampling_reqs = [r for (r, n), kl in zip(items, kv_lens) if kl == r.seq_len]
-    sample_rows = np.asarray([e - 1 for (r, n), e, kl in zip(items, ends, kv_lens) if kl == r.seq_len], np.int64)
+    # A request samples when this step reaches its last token (not one that only wants prompt logprobs).
+    sampling_reqs = [r for (r, n), kl in zip(items, kv_lens) if kl == r.seq_len and samples(r)]
+    sample_rows = np.asarray([e - 1 for (r, n), e, kl in zip(items, ends, kv_lens) if kl == r.seq_len and samples(r)],
+                             np.int64)
     batch = ForwardBatch(input_ids=input_ids, positions=positions, q_lens=q_lens, kv_lens=kv_lens,
                          page_table=page_table, sample_indices=sample_rows,
                          sampling=sampling_batch(sampling_reqs), page_size=page_size)

@@ -17,8 +17,11 @@ from typing import Any, AsyncIterator, Callable, Union
 from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
 from tierlm.runtime.errors import RequestError
+from tierlm.runtime.grammar.manager import GrammarError
+from tierlm.runtime.grammar.spec import grammar_spec
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.request import Req
+from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -146,6 +149,18 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(AbortRequest(rid))
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) on the engine's grammar pool, without blocking the event loop;
+        RequestError (400, param: the field it came from) with the compiler's message when it does not compile.
+        The result lands in the engine's grammar cache, so the scheduler admits the request without waiting."""
+        spec = grammar_spec(params)
+        if spec is None:
+            return
+        try:
+            await asyncio.wrap_future(self.parts.grammar.compile(spec))
+        except GrammarError as e:
+            raise RequestError(e.for_request(spec), 400, param=spec.param, code="invalid_grammar") from None
 
     async def flush_cache(self, storage: bool = False) -> bool:
         return await self._call(lambda: self.parts.scheduler.flush_cache(storage=storage))

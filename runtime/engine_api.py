@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
+from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.server_args import ServerArgs
 
 
@@ -36,6 +37,10 @@ class EngineAPI(Protocol):
         """Output increments until one with finished=True; closing the iterator early aborts the request."""
 
     def abort(self, rid: str) -> None: ...
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Raise RequestError (400, param naming the field) when the request's grammar (json_schema, regex,
+        ebnf) does not compile or structured output is off; a no-op for an unconstrained request."""
 
     async def flush_cache(self, storage: bool = False) -> bool:
         """False when requests are still running (nothing was flushed)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tierlm.backends.base import ModelBackend, ModelInfo
+from tierlm.backends.base import GrammarBackend, ModelBackend, ModelInfo
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
 from tierlm.backends.model_source.tokenizer import load_tokenizer
@@ -27,6 +27,7 @@ from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanErr
                               plan_memory_for_args)
 from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import StartupError
+from tierlm.runtime.grammar.manager import GrammarManager
 from tierlm.runtime.hicache.controller import HiCacheManager
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.kv_cache_manager import KVCacheManager
@@ -63,6 +64,10 @@ class EngineParts:
     warnings: list[str] = field(default_factory=list)  # shown in /server_info (and logged at startup)
 
     @property
+    def grammar(self) -> GrammarManager:
+        return self.scheduler.grammar
+
+    @property
     def model_info(self) -> ModelInfo:
         return self.backend.info
 
@@ -87,10 +92,12 @@ class EngineParts:
             "max_running_requests": self.scheduler.max_running,
             "chunked_prefill_size": self.scheduler.chunk,
             "radix_cache": self.cache.tree is not None,
+            "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
         }
 
     def close(self) -> None:
         self.cache.close()
+        self.grammar.close()
 
 
 def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
@@ -116,8 +123,10 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     cache = make_cache_manager(args, backend, tiers)
     cache.register_gauges(metrics)
     outputs = OutputProcessor(tokenizer, stop_token_ids(info, tokenizer), metrics)
+    grammar = GrammarManager(make_grammar_backend(args, tokenizer, info))
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
-                          chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit)
+                          chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
+                          grammar=grammar)
     scheduler.register_gauges(metrics)
     parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [])
@@ -218,6 +227,22 @@ def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
     return KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
+
+
+def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo) -> GrammarBackend | None:
+    """xgrammar over the model's tokenizer and the logits' width (ModelInfo.vocab_size); None for
+    --grammar-backend none (every grammar is then refused with a 400)."""
+    if args.grammar_backend == "none":
+        log.info("structured output: off (--grammar-backend none)")
+        return None
+    try:
+        from tierlm.backends.grammar.xgrammar_backend import XGrammarBackend
+    except ImportError as e:
+        raise StartupError(f"--grammar-backend xgrammar needs the xgrammar package ({e}); install it with "
+                           "`pip install xgrammar`, or start with --grammar-backend none") from e
+    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_token_ids(info, tokenizer))
+    log.info("structured output: xgrammar (%d-token vocabulary)", info.vocab_size)
+    return backend
 
 
 def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierlm.runtime.logprobs import LogprobOutput
 from tierlm.runtime.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class GenerateOutput:
     cached: CachedTokens = field(default_factory=CachedTokens)
     error: str | None = None  # set when the request failed inside the engine
     e2e_latency: float = 0.0
+    logprobs: LogprobOutput | None = None  # the increment's logprobs, when the request asked (runtime/logprobs.py)
 
     def meta_info(self) -> dict[str, Any]:
         """SGLang's /generate meta_info."""

@@ -9,6 +9,7 @@ import logging
 from typing import Any, Callable
 
 from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.logprobs import cacheable_prefix_len
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.page_allocator import PageAllocator
 from tierlm.runtime.radix_cache import MatchResult, RadixCache, TreeNode
@@ -38,7 +39,8 @@ class KVCacheManager:
         if req.pages or self.tree is None:
             return
         tokens = req.tokens(0, req.seq_len)
-        m = self.tree.match_prefix(tokens, (len(tokens) - 1) // self.page_size)
+        # all but the last token, and no prompt position whose logprob row is still to be scored
+        m = self.tree.match_prefix(tokens, cacheable_prefix_len(req) // self.page_size)
         node, pages, cached = self._extend_match(req, tokens, m)
         self.tree.lock(node)
         req.last_node = node

@@ -6,6 +6,7 @@ import time
 from tierlm.runtime.detokenizer import IncrementalDetokenizer
 from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.io_struct import GenerateOutput
+from tierlm.runtime.logprobs import take_logprobs
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.request import Req
 from tierlm.runtime.stop_checker import StopChecker
@@ -49,11 +50,18 @@ class OutputProcessor:
         if reason is not None:
             req.finish_reason, req.matched_stop = reason, matched
 
+    def end(self, req: Req, reason: str) -> None:
+        """End ``req`` after its last token for a reason outside the stop rules (a complete grammar): the text the
+        stop rules held back is released."""
+        req.pending_text += req.stop_checker.finish(req.detokenizer.flush())
+        req.finish_reason = reason
+
     def delta(self, req: Req) -> GenerateOutput:
         out = GenerateOutput(rid=req.rid, text=req.pending_text, token_ids=req.pending_ids,
                              prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                              cached=req.cached)
         req.pending_text, req.pending_ids = "", []
+        out.logprobs = take_logprobs(req, everything=False)
         return out
 
     def final(self, req: Req) -> GenerateOutput:
@@ -64,6 +72,7 @@ class OutputProcessor:
             out = GenerateOutput(rid=req.rid, text=req.pending_text, token_ids=list(req.output_ids),
                                  prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                                  cached=req.cached)
+            out.logprobs = take_logprobs(req, everything=True)
         out.finished = True
         out.finish_reason = req.finish_reason
         out.matched_stop = req.matched_stop

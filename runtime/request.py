@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierlm.runtime.detokenizer import IncrementalDetokenizer
 from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.logprobs import LogprobState
 from tierlm.runtime.radix_cache import TreeNode
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.stop_checker import StopChecker
@@ -41,6 +42,8 @@ class Req:
     cached: CachedTokens = field(default_factory=CachedTokens)
     admitted_once: bool = False
     prefetch: PendingPrefetch | None = None  # HiCache: set while its L3 pages are read in the background
+    grammar: Any = None  # runtime/grammar/manager.RequestGrammar of a structured-output request
+    logprobs: LogprobState | None = None  # set by runtime/logprobs.init_logprobs when the request asks for any
     # output
     detokenizer: IncrementalDetokenizer | None = None  # set by OutputProcessor.init_request
     stop_checker: StopChecker | None = None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierlm.backends.base import MAX_TOP_LOGPROBS
+
 
 class SamplingParamsError(ValueError):
     """A sampling setting is out of range; ``param`` names the offending field for the 400 response."""
@@ -27,6 +29,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # structured output (SGLang's names; docs/api.md): at most one grammar per request
+    json_schema: str | None = None  # a JSON schema (as JSON text)
+    regex: str | None = None
+    ebnf: str | None = None  # an EBNF grammar (GBNF style, start rule "root")
+    grammar_param: str | None = None  # the request field the grammar came from (named by its 400); None: the kind
+    # log-probabilities (SGLang's names; docs/logprobs.md)
+    return_logprob: bool = False  # logprobs of the output tokens (and of the prompt from logprob_start_len)
+    top_logprobs_num: int = 0  # alternatives per position, 0..MAX_TOP_LOGPROBS
+    logprob_start_len: int = -1  # prompt logprobs from this prompt position on; -1: none
 
     @property
     def is_greedy(self) -> bool:
@@ -68,3 +79,22 @@ class SamplingParams:
             raise SamplingParamsError(f"at most 16 stop strings are allowed, got {len(self.stop)}", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        self._verify_grammar()
+        self._verify_logprobs()
+
+    def _verify_logprobs(self) -> None:
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                      f"{self.top_logprobs_num}", "top_logprobs_num")
+        if self.logprob_start_len < -1:
+            raise SamplingParamsError(f"logprob_start_len must be -1 (none) or a prompt position, got "
+                                      f"{self.logprob_start_len}", "logprob_start_len")
+
+    def _verify_grammar(self) -> None:
+        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise SamplingParamsError(f"send at most one of json_schema, regex and ebnf (their aliases included); "
+                                      f"got {', '.join(given)}", self.grammar_param or given[1])
+        for k in given:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise SamplingParamsError(f"{k} must be a non-empty string", self.grammar_param or k)

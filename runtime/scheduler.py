@@ -12,8 +12,10 @@ from typing import Callable
 
 from tierlm.backends.base import ModelBackend
 from tierlm.runtime.batch_builder import build_forward_batch
+from tierlm.runtime.grammar.manager import GrammarManager
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.logprobs import add_logprob_rows, init_logprobs, record_logprobs, samples
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, backend: ModelBackend, cache: KVCacheManager, *, max_running_requests: int,
                  chunked_prefill_size: int, metrics: EngineMetrics, outputs: OutputProcessor,
-                 emit: Callable[[Req, GenerateOutput], None]) -> None:
+                 emit: Callable[[Req, GenerateOutput], None], grammar: GrammarManager | None = None) -> None:
         self.backend = backend
         self.cache = cache
         self.page_size = cache.page_size
@@ -36,14 +38,17 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.steps = 0
+        self.grammar = grammar or GrammarManager(None)  # structured output (None: every grammar is refused)
 
     # ------------------------------------------------------------ queue control
     def add(self, req: Req) -> None:
         self.outputs.init_request(req)
+        init_logprobs(req)  # max_tokens=0 with prompt logprobs still prefills (prefill_only)
         if req.finished:  # e.g. max_tokens=0: nothing to compute
             self._finish(req, req.finish_reason)
             return
         self.cache.on_request_added(req)
+        self.grammar.attach(req)  # starts compiling its grammar (if any) off this thread
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
@@ -68,7 +73,11 @@ class Scheduler:
         if not items:
             return False
         batch, sampling_reqs = build_forward_batch(items, self.page_size)
-        tokens = self.backend.forward(batch)
+        batch.sampling.token_bitmask = self.grammar.fill_bitmask(sampling_reqs)  # None: no constrained row
+        scored = add_logprob_rows(batch, items, sampling_reqs)
+        result = self.backend.forward(batch)
+        tokens = result.next_token_ids
+        record_logprobs(result, sampling_reqs, scored)
         now = time.perf_counter()
         for req, n in items:
             req.kv_len += n
@@ -77,12 +86,21 @@ class Scheduler:
         self.steps += 1
         for req, tok in zip(sampling_reqs, tokens.tolist()):
             self.outputs.on_token(req, tok, now)
+            self._grammar_token(req, tok)
             if req.finished:
                 self.running.remove(req)
                 self._finish(req, req.finish_reason)
             elif req.stream:
                 self.emit(req, self.outputs.delta(req))
+        self._finish_prefill_only(items)
         return True
+
+    def _finish_prefill_only(self, items: list[tuple[Req, int]]) -> None:
+        """Requests that only wanted prompt logprobs (max_tokens=0) end when their prefill is done."""
+        for req, _ in items:
+            if req.kv_len == req.seq_len and not samples(req) and req in self.running:
+                self.running.remove(req)
+                self._finish(req, "length")
 
     def _schedule(self) -> list[tuple[Req, int]]:
         items: dict[Req, int] = {}
@@ -108,7 +126,9 @@ class Scheduler:
                     items[req] = n
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+            req = self._next_admissible()
+            if req is None:
+                break  # every waiting request's grammar is still compiling
             if not self.cache.ready_to_admit(req):
                 break  # its storage pages are still arriving (prefetch policy "timeout")
             self.cache.match(req)
@@ -116,12 +136,50 @@ class Scheduler:
             if n == 0:
                 self.cache.release(req, cache_kv=False)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             self.metrics.record_prefill(req.remaining_prefill)
             items[req] = n
             budget -= n
         return list(items.items())
+
+    # ------------------------------------------------------------ structured output
+    def _next_admissible(self) -> Req | None:
+        """The first waiting request whose grammar is compiled (or that has none). A request whose grammar still
+        compiles stays queued without holding up the ones behind it; one whose grammar failed ends with the
+        compiler's message."""
+        found, failed = None, []
+        for req in self.waiting:  # almost always the head: no copy of the queue per admission
+            if not self.grammar.ready(req):
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                failed.append(req)
+                continue
+            found = req
+            break
+        for req in failed:
+            self.waiting.remove(req)
+            self._fail(req, req.grammar.error)
+        return found
+
+    def _grammar_token(self, req: Req, token: int) -> None:
+        """Advance a constrained request's matcher; a complete grammar ends the request with "stop"."""
+        if req.grammar is None or req.finished:
+            return
+        verdict = self.grammar.accept(req, token)
+        if verdict == "stop":
+            self.outputs.end(req, "stop")
+        elif verdict == "rejected":  # the bitmask allows only what the matcher accepts: a bug, never silent
+            log.error("request %s: the grammar rejected sampled token %d; ending the request", req.rid, token)
+            self.outputs.end(req, "abort")
+
+    def _fail(self, req: Req, message: str) -> None:
+        """End a waiting request with an error (GenerateOutput.error) and nothing computed."""
+        req.finish_reason = "abort"
+        self.cache.release(req, cache_kv=False)
+        out = self.outputs.final(req)
+        out.error = message
+        self.emit(req, out)
 
     def _prefill_chunk(self, req: Req, budget: int) -> int:
         """Reserve pages for the next prefill chunk of ``req``; returns its token count (0: no pages)."""

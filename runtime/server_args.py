@@ -49,6 +49,7 @@ class ServerArgs:
     hicache_storage_backend_extra_config: str | None = None
     # misc
     random_seed: int = 0
+    grammar_backend: str = "xgrammar"  # structured output: xgrammar | none (every grammar is refused)
     warmup: bool = True
 
     @property
@@ -75,6 +76,8 @@ class ServerArgs:
             raise ValueError(
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size ({self.page_size})"
             )
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.enable_hierarchical_cache and self.disable_radix_cache:

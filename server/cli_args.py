@@ -53,6 +53,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                        help="share of free device memory for weights + KV pool")
     sched.add_argument("--disable-radix-cache", action="store_true")
     sched.add_argument("--random-seed", type=int, default=_DEFAULTS.random_seed)
+    sched.add_argument("--grammar-backend", choices=["xgrammar", "none"], default=_DEFAULTS.grammar_backend,
+                       help="structured output (json_schema, regex, ebnf, response_format): xgrammar, or none to "
+                            "refuse every grammar with a 400")
     sched.add_argument("--skip-warmup", action="store_true", help="do not run a warmup request at startup")
 
     hc = p.add_argument_group("hierarchical cache (HiCache)")

@@ -18,9 +18,11 @@ from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import make_request, ready_engine
 from tierlm.server.generation import ChoiceResult, collect_outputs, stream_choices, unless_disconnected
+from tierlm.server.logprob_format import NativeLogprobs
 from tierlm.server.protocol import NativeGenerateRequest
-from tierlm.server.sampling_mapping import native_sampling_params
+from tierlm.server.sampling_mapping import native_sampling_params, with_native_logprobs
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
+from tierlm.server.structured_output import check_grammars
 from tierlm.server.tokenization import encode_text, off_loop
 
 router = APIRouter()
@@ -51,9 +53,6 @@ def _rids(body: NativeGenerateRequest, count: int) -> list[str]:
 
 @router.post("/generate", response_model=None)
 async def generate(body: NativeGenerateRequest, request: Request, engine: EngineAPI = Depends(ready_engine)) -> Response:
-    if body.return_logprob:
-        raise RequestError("return_logprob is not supported yet; remove it from the request", 400,
-                           param="return_logprob", code="unsupported_parameter")
     prompts, batch = await off_loop(_prompts, engine, body)
     if batch and body.stream:
         raise RequestError("streaming a batch is not supported; send one prompt per streaming request", 400,
@@ -61,31 +60,54 @@ async def generate(body: NativeGenerateRequest, request: Request, engine: Engine
     if batch and not prompts:
         raise RequestError("the prompt batch is empty", 400, param="text" if body.text is not None else "input_ids")
     param = "text" if body.text is not None else "input_ids"
-    reqs = [make_request(engine, rid, ids, native_sampling_params(body.sampling_params), body.stream,
-                         param if not batch else f"{param}[{i}]")
+    reqs = [make_request(engine, rid, ids, with_native_logprobs(native_sampling_params(body.sampling_params), body),
+                         body.stream, param if not batch else f"{param}[{i}]")
             for i, (rid, ids) in enumerate(zip(_rids(body, len(prompts)), prompts))]
+    await check_grammars(engine, reqs)  # a grammar that does not compile: 400 before anything is queued
 
     if body.stream:
-        return EventStreamResponse(_events(request, engine, reqs[0]))
+        return EventStreamResponse(_events(request, engine, reqs[0], body))
     results = await unless_disconnected(request, lambda: collect_outputs(engine, reqs))
-    outputs = [_result_dict(r) for r in results]
+    outputs = [_result_dict(r, _native_logprobs(engine, body, r.final)) for r in results]
     return JSONResponse(outputs if batch else outputs[0])
 
 
-def _result_dict(r: ChoiceResult) -> dict[str, Any]:
+def _native_logprobs(engine: EngineAPI, body: NativeGenerateRequest, out: GenerateOutput | None = None
+                     ) -> NativeLogprobs | None:
+    if not body.return_logprob:
+        return None
+    lp = NativeLogprobs(engine.tokenizer, body.return_text_in_logprobs, body.top_logprobs_num)
+    if out is not None:
+        lp.add(out.logprobs)
+    return lp
+
+
+def _meta_info(out: GenerateOutput, logprobs: NativeLogprobs | None) -> dict[str, Any]:
+    info = out.meta_info()
+    if logprobs is not None:
+        info.update(logprobs.meta_info())
+    return info
+
+
+def _result_dict(r: ChoiceResult, logprobs: NativeLogprobs | None) -> dict[str, Any]:
     assert r.final is not None
-    return {"text": r.text, "output_ids": r.token_ids, "meta_info": r.final.meta_info()}
+    return {"text": r.text, "output_ids": r.token_ids, "meta_info": _meta_info(r.final, logprobs)}
 
 
-async def _events(request: Request, engine: EngineAPI, req: GenerateRequest) -> AsyncIterator[bytes]:
-    """SGLang's stream: each event carries the whole text and ids so far, then [DONE]."""
+async def _events(request: Request, engine: EngineAPI, req: GenerateRequest, body: NativeGenerateRequest
+                  ) -> AsyncIterator[bytes]:
+    """SGLang's stream: each event carries the whole text and ids (and logprobs) so far, then [DONE]."""
     acc = ChoiceResult()
+    logprobs = _native_logprobs(engine, body)
     finals: list[GenerateOutput | None] = [None]
     async with aclosing(stream_choices(request, engine, [req], finals)) as choices:
         async for _, out in choices:
             acc.add(out)
+            if logprobs is not None:
+                logprobs.add(out.logprobs)
             if out.text or out.token_ids or out.finished:
-                yield sse_data({"text": acc.text, "output_ids": acc.token_ids, "meta_info": out.meta_info()})
+                yield sse_data({"text": acc.text, "output_ids": acc.token_ids,
+                                "meta_info": _meta_info(out, logprobs)})
     if finals[0] is None:
         return  # the client is gone
     yield DONE

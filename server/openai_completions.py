@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -13,9 +14,11 @@ from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
 from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
                                       unless_disconnected)
+from tierlm.server.logprob_format import CompletionLogprobBuilder
 from tierlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_usage
 from tierlm.server.sampling_mapping import completion_max_tokens, openai_sampling_params, reject_unsupported_completion
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
+from tierlm.server.structured_output import check_grammars
 from tierlm.server.tokenization import decode_ids, normalize_prompts, off_loop
 
 router = APIRouter()
@@ -35,6 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
         for c in range(body.n):
             params = openai_sampling_params(body, max_new_tokens, choice_index=c)
             reqs.append(make_request(engine, sub_rid(response_id, len(reqs), count), ids, params, body.stream, param))
+    await check_grammars(engine, reqs)  # a grammar that does not compile: 400 before anything is queued
     # Echo only after every prompt passed validation: decoding ids outside the vocabulary would fail.
     echoes = await off_loop(_echoes, engine, prompts, body) if body.echo else [""] * count
 
@@ -43,14 +47,24 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
 
     results = await unless_disconnected(request, lambda: collect_outputs(engine, reqs))
     finals = [r.final for r in results]
+    logprobs = [_logprobs(engine, body, r.final, echoes[i]) for i, r in enumerate(results)]
     response = CompletionResponse(
         id=response_id,
         model=model_name(engine),
-        choices=[CompletionChoice(index=i, text=echoes[i] + r.text, finish_reason=finish_reason_of(r.final))
+        choices=[CompletionChoice(index=i, text=echoes[i] + r.text, logprobs=logprobs[i],
+                                  finish_reason=finish_reason_of(r.final))
                  for i, r in enumerate(results)],
         usage=make_usage(*summed_usage(finals, body.n)),  # type: ignore[arg-type]
     )
     return JSONResponse(response.model_dump())
+
+
+def _logprobs(engine: EngineAPI, body: CompletionRequest, final: GenerateOutput | None, echo: str
+              ) -> dict[str, Any] | None:
+    """A whole choice's ``logprobs`` (prompt tokens first with echo), offsets into echo + text."""
+    if body.logprobs is None or final is None:
+        return None
+    return CompletionLogprobBuilder(engine.tokenizer).build(final.logprobs, body.echo, len(echo) if body.echo else 0)
 
 
 def _echoes(engine: EngineAPI, prompts: list[tuple[list[int], str | None]], body: CompletionRequest) -> list[str]:
@@ -65,19 +79,31 @@ async def _events(request: Request, engine: EngineAPI, reqs: list[GenerateReques
     name = model_name(engine)
     exclude = None if body.include_usage else {"usage"}
 
-    def chunk(index: int, text: str, finish_reason: str | None = None) -> bytes:
+    def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
         c = CompletionResponse(id=response_id, created=created, model=name,
-                               choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
+                               choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                         finish_reason=finish_reason)])
         return sse_data(c.model_dump(exclude=exclude))
 
+    with_logprobs = body.logprobs is not None
+    builders = [CompletionLogprobBuilder(engine.tokenizer) for _ in reqs] if with_logprobs else []
+    echo_pending = [bool(e) and with_logprobs for e in echoes]  # echoed with the prompt logprobs, which come later
     for i, echo in enumerate(echoes):
-        if echo:
+        if echo and not with_logprobs:
             yield chunk(i, echo)
     finals: list[GenerateOutput | None] = [None] * len(reqs)
     # aclosing: a client that goes away mid-stream aborts the unfinished requests at once
     async with aclosing(stream_choices(request, engine, reqs, finals)) as choices:
         async for i, out in choices:
-            if out.text:
+            if with_logprobs:
+                if echo_pending[i] and out.logprobs is not None:  # the echo carries the prompt's logprobs
+                    echo_pending[i] = False
+                    yield chunk(i, echoes[i], logprobs=builders[i].inputs(out.logprobs))
+                    builders[i].offset = len(echoes[i])
+                lp = builders[i].outputs(out.logprobs) if out.logprobs is not None else None
+                if out.text or (lp and lp["tokens"]):
+                    yield chunk(i, out.text, logprobs=lp)
+            elif out.text:
                 yield chunk(i, out.text)
             if out.finished:
                 yield chunk(i, "", finish_reason_of(out))

@@ -16,8 +16,11 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler,
                       WithJsonSchema, WrapValidator, model_serializer)
 
+from tierlm.server.structured_protocol import NativeGrammarFields, OpenAIGrammarFields
+
 INT32_MAX = 2**31 - 1  # top_k travels to the samplers as int32
 MAX_STOP_STRINGS = 16  # as SamplingParams.verify
+MAX_TOP_LOGPROBS = 20  # as SamplingParams.verify (backends/base.py)
 
 
 def _accepts(schema: dict[str, Any], note: str) -> Any:
@@ -43,7 +46,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAISamplingFields(BaseModel):
+class _OpenAISamplingFields(OpenAIGrammarFields):
     """Sampling fields shared by /v1/completions and /v1/chat/completions, plus vLLM/SGLang extensions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -107,7 +110,9 @@ class CompletionRequest(_OpenAISamplingFields):
         {"type": "array", "minItems": 1, "items": _IDS_SCHEMA},
     ]}, _PROMPT_NOTE)]
     echo: bool = False
-    logprobs: Annotated[int | None, _accepts({"type": "null"}, "not supported yet: only null is accepted")] = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="log-probabilities of each returned token and this many top alternatives "
+                                             "(with echo, of the prompt tokens too; docs/logprobs.md)")
     suffix: Annotated[str | None, _accepts(
         _nullable({"type": "string", "maxLength": 0}),
         "insertion is not supported yet: only null or '' is accepted")] = None
@@ -135,20 +140,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_OpenAISamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: Annotated[bool, _accepts({"const": False}, "not supported yet: only false is accepted")] = False
-    top_logprobs: Annotated[int | None, _accepts(
-        _nullable({"const": 0}), "not supported yet: only null or 0 is accepted")] = None
+    logprobs: bool = Field(default=False, description="log-probabilities of the output tokens (docs/logprobs.md)")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="top alternatives per output token; needs logprobs: true")
     tools: Annotated[list[dict[str, Any]] | None, _accepts(
         _nullable({"type": "array", "maxItems": 0}),
         "tool calling is not supported yet: only null or [] is accepted")] = None
     tool_choice: Any = None
-    response_format: Annotated[dict[str, Any] | None, _accepts(_nullable(
-        {"type": "object", "properties": {"type": {"const": "text"}}}),
-        "structured output is not supported yet: only {\"type\": \"text\"} is accepted")] = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang extension, e.g. {"enable_thinking": false}
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(NativeGrammarFields):
     """SGLang /generate sampling_params; unknown names are an error so typos do not pass silently."""
 
     model_config = ConfigDict(extra="forbid")
@@ -182,7 +184,11 @@ class NativeGenerateRequest(BaseModel):
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: Annotated[bool, _accepts({"const": False}, "not supported yet: only false is accepted")] = False
+    # SGLang's logprob fields (docs/logprobs.md)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: int = Field(default=-1, ge=-1, description="prompt logprobs from this position on; -1: none")
+    return_text_in_logprobs: bool = False
 
 
 # ---------------------------------------------------------------- responses
@@ -215,10 +221,36 @@ class ChatMessageOut(BaseModel):
     content: str = ""
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape; with echo the prompt tokens come first, the first one with null logprobs."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -247,7 +279,7 @@ class ChatChunkChoice(BaseModel):
         "type": "object", "additionalProperties": False,
         "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
         "description": "only what changed: role and content first, then content, then nothing (with finish_reason)"})]
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -263,7 +295,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -336,6 +368,9 @@ class NativeFinishReason(BaseModel):
     matched: str | int | None = None
 
 
+LogprobEntry = tuple[float | None, int, str | None]
+
+
 class NativeMetaInfo(BaseModel):
     id: str
     prompt_tokens: int
@@ -344,6 +379,11 @@ class NativeMetaInfo(BaseModel):
     cached_tokens_details: CachedTokensDetails
     finish_reason: NativeFinishReason | None
     e2e_latency: float | None = None
+    # with return_logprob (docs/logprobs.md): (logprob or null, token id, text or null) per token
+    input_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs: list[LogprobEntry] | None = None
+    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    output_top_logprobs: list[list[LogprobEntry] | None] | None = None
 
 
 class NativeGenerateResponse(BaseModel):

@@ -8,9 +8,11 @@ from tierlm.runtime.sampling_params import SamplingParams, SamplingParamsError
 from tierlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    NativeGenerateRequest,
     NativeSamplingParams,
     _OpenAISamplingFields,
 )
+from tierlm.server.structured_output import native_grammar_param, openai_grammar_fields
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 2048  # chat has no fixed OpenAI default; cap what the remaining context allows
@@ -22,8 +24,6 @@ def _not_supported(what: str, param: str) -> RequestError:
 
 
 def reject_unsupported_completion(req: CompletionRequest) -> None:
-    if req.logprobs is not None:
-        raise _not_supported("logprobs", "logprobs")
     if req.suffix:
         raise _not_supported("suffix (insertion)", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -33,12 +33,10 @@ def reject_unsupported_completion(req: CompletionRequest) -> None:
 
 
 def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
-    if req.logprobs or req.top_logprobs:
-        raise _not_supported("logprobs", "logprobs" if req.logprobs else "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
     if req.tools:
         raise _not_supported("tool calling", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _not_supported("structured output (response_format other than text)", "response_format")
     if req.logit_bias:
         raise _not_supported("logit_bias", "logit_bias")
 
@@ -62,11 +60,37 @@ def openai_sampling_params(req: _OpenAISamplingFields, max_new_tokens: int, choi
             fields[name] = value
     if req.seed is not None:
         fields["seed"] = req.seed + choice_index
+    fields.update(openai_logprob_fields(req))
+    fields.update(openai_grammar_fields(req))  # structured output (server/structured_output.py)
     return build_sampling_params(**fields)
 
 
+def openai_logprob_fields(req: _OpenAISamplingFields) -> dict[str, Any]:
+    """completions ``logprobs: k`` (with echo: the prompt's too, from position 0), chat ``logprobs`` +
+    ``top_logprobs`` -> SamplingParams' SGLang-named logprob fields (docs/logprobs.md)."""
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        return {"return_logprob": True, "top_logprobs_num": req.logprobs, "logprob_start_len": 0 if req.echo else -1}
+    if isinstance(req, ChatCompletionRequest) and req.logprobs:
+        return {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0}
+    return {}
+
+
+def with_native_logprobs(params: SamplingParams, body: NativeGenerateRequest) -> SamplingParams:
+    """SGLang's /generate top-level logprob fields onto checked SamplingParams."""
+    if body.return_logprob:
+        params.return_logprob = True
+        params.top_logprobs_num = body.top_logprobs_num
+        params.logprob_start_len = body.logprob_start_len
+        try:
+            params.verify()
+        except SamplingParamsError as e:
+            raise RequestError(str(e), 400, param=e.param) from None
+    return params
+
+
 def native_sampling_params(sp: NativeSamplingParams) -> SamplingParams:
-    return build_sampling_params(**sp.model_dump(exclude_none=True))
+    fields = sp.model_dump(exclude_none=True)
+    return build_sampling_params(**fields, **native_grammar_param(fields))
 
 
 def completion_max_tokens(req: CompletionRequest) -> int:

@@ -92,7 +92,7 @@ class GreedyDriver:
             sampling=sampling_batch([active[i] for i in samples]),
             page_size=self.page_size,
         )
-        tokens = self.backend.forward(batch)
+        tokens = self.backend.forward(batch).next_token_ids
         assert tokens.shape == (len(samples),), f"backend returned {tokens.shape} for {len(samples)} samples"
         self.batch_shapes.append(tuple(int(q) for q in q_lens))
         for r, k in zip(active, kv_lens):

@@ -113,6 +113,15 @@ class FakeEngine:
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
+    async def compile_grammar(self, params) -> None:
+        """No grammar compiler here: the fake engine refuses every grammar as --grammar-backend none does."""
+        from tierlm.runtime.grammar.spec import grammar_spec
+
+        spec = grammar_spec(params)
+        if spec is not None:
+            raise RequestError(f"structured output is turned off on this server; remove '{spec.param}'", 400,
+                               param=spec.param, code="invalid_grammar")
+
     async def flush_cache(self, storage: bool = False) -> bool:
         self.flushed.append(storage)
         if self.flush_result:

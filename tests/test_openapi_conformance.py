@@ -78,9 +78,14 @@ ALLOWED_REFUSALS = [
     (r"max_tokens$", r"context length|KV pool"),
     (r"messages", r"chat template"),
     (r"best_of$", r"best_of different from n"),  # JSON Schema cannot say "equal to n"
+    (r"top_logprobs$", r"needs logprobs"),  # chat: top_logprobs only with logprobs: true (as OpenAI)
     (r"stream$", r"streaming a batch"),
     (r"rid$", r"ids for \d+ prompts|already in use"),
     (r"(text|input_ids)$", r"batch is empty"),
+    # Structured output: JSON Schema cannot say "at most one of these fields", and a schema-valid grammar (any
+    # string, any schema object) may not compile: both are 400s naming the field (docs/api.md).
+    (r"(response_format|json_schema|regex|ebnf|guided_(json|regex|choice|grammar)|sampling_params\.(json_schema|regex|ebnf))$",
+     r"at most one|invalid (json_schema|regex|ebnf) in|the compiler failed"),
 ]
 
 

@@ -72,7 +72,10 @@ def test_generate_request_errors(client: TestClient) -> None:
     assert_error(client.post("/generate", json={"text": "a", "sampling_params": {"top_k": -5}}), 400,
                  param="sampling_params.top_k")
     assert_error(client.post("/generate", json={"text": ""}), 400, contains="empty")
-    assert_error(client.post("/generate", json={"text": "a", "return_logprob": True}), 400, param="return_logprob")
+    assert_error(client.post("/generate", json={"text": "a", "return_logprob": True, "top_logprobs_num": 21}), 400,
+                 param="top_logprobs_num")
+    assert_error(client.post("/generate", json={"text": "a", "return_logprob": True, "logprob_start_len": -2}), 400,
+                 param="logprob_start_len")
 
 
 def test_models_list_and_retrieve(client: TestClient) -> None:

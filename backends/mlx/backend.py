@@ -8,8 +8,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.mlx.grammar_mask import apply_token_bitmask
 from tierlm.backends.mlx.kv_pool import MLXKVPool
+from tierlm.backends.mlx.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.mlx.model_loader import load_mlx_model
 from tierlm.backends.mlx.paged_attention import StepContext, StepPlan, install_paged_attention, sliding_windows
 from tierlm.backends.mlx.sampler import sample
@@ -81,17 +83,23 @@ class MLXBackend(ModelBackend):
         self._ctx.pool = self.pool
 
     # --- execution ---
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         logits = self.forward_logits(batch)
         if logits is None:
             mx.eval(self.pool.arrays())
-            return np.zeros(0, np.int64)
-        tokens = self.sample(logits, batch)
+            return ForwardOutput(next_token_ids=np.zeros(0, np.int64))
+        S = len(batch.sample_indices)
+        lp = raw_logprobs(logits, batch)  # before sampling: no sampling transform reaches the logprobs
+        tokens = self.sample(logits[:S], batch) if S else mx.zeros((0,), mx.int64)
         mx.eval(tokens, self.pool.arrays())
-        return np.array(tokens).astype(np.int64)
+        out = ForwardOutput(next_token_ids=np.array(tokens).astype(np.int64))
+        if lp is not None:
+            fill_logprobs(out, lp, tokens, batch)
+        return out
 
     def forward_logits(self, batch: ForwardBatch) -> mx.array | None:
-        """Run the model over the step (lazily); float32 logits [S, V] of batch.sample_indices, None if S == 0."""
+        """Run the model over the step (lazily); float32 logits [S + P, V] of batch.sample_indices then
+        batch.logprob_indices (prompt rows scored for logprobs), None if S + P == 0."""
         if self.pool is None:
             raise RuntimeError("call init_kv_pool(num_pages, page_size) before forward()")
         if batch.page_size != self.pool.page_size:
@@ -102,9 +110,12 @@ class MLXBackend(ModelBackend):
             hidden = self.model.model(mx.array(np.asarray(batch.input_ids, np.int32))[None])[0]
         finally:
             self._ctx.plan = None  # the lazy graph already holds every index array it needs
-        if len(batch.sample_indices) == 0:
+        rows = np.asarray(batch.sample_indices, np.int32)
+        if batch.num_logprob_rows:
+            rows = np.concatenate([rows, np.asarray(batch.logprob_indices, np.int32)])
+        if len(rows) == 0:
             return None
-        hidden = hidden[mx.array(np.asarray(batch.sample_indices, np.int32))]
+        hidden = hidden[mx.array(rows)]
         if hasattr(self.model, "lm_head"):
             logits = self.model.lm_head(hidden)
         else:  # tied embeddings
@@ -113,6 +124,7 @@ class MLXBackend(ModelBackend):
 
     def sample(self, logits: mx.array, batch: ForwardBatch) -> mx.array:
         s = batch.sampling
+        logits = apply_token_bitmask(logits, s.token_bitmask)  # structured output: before every sampling step
         if s.all_greedy and not s.any_penalty:
             return mx.argmax(logits, axis=-1)
         self._key, step_key = mx.random.split(self._key)

@@ -7,11 +7,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, ModelBackend, ModelInfo
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
 from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.grammar_mask import apply_token_bitmask
 from tierlm.backends.torch.kv_pool import TorchKVPool
+from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
 from tierlm.backends.verified_architectures import check_architecture
 
@@ -66,20 +68,30 @@ class TorchBackend(ModelBackend):
 
     # --- execution ---
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         logits = self.forward_logits(batch)
-        return self.sample(logits, batch).cpu().numpy()
+        S = len(batch.sample_indices)
+        lp = raw_logprobs(logits, batch)  # before sampling: no sampling transform reaches the logprobs
+        tokens = self.sample(logits[:S], batch)
+        out = ForwardOutput(next_token_ids=tokens.cpu().numpy().astype(np.int64))
+        if lp is not None:
+            fill_logprobs(out, lp, tokens, batch)
+        return out
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model over the step; logits [S, V] float32 for batch.sample_indices."""
+        """Run the model over the step; logits [S + P, V] float32 for batch.sample_indices, then
+        batch.logprob_indices (the prompt rows scored for logprobs, when any)."""
         assert self.pool is not None, "init_kv_pool() first"
         dev = self.torch_device
         meta = paged_attention.StepMeta(batch.q_lens, batch.kv_lens, batch.positions, batch.page_table,
                                         batch.page_size, dev)
         input_ids = torch.from_numpy(batch.input_ids).to(dev)[None]
         positions = torch.from_numpy(batch.positions).to(dev)[None]
-        keep = torch.from_numpy(batch.sample_indices).to(dev)
+        rows = np.asarray(batch.sample_indices, np.int64)
+        if batch.num_logprob_rows:
+            rows = np.concatenate([rows, np.asarray(batch.logprob_indices, np.int64)])
+        keep = torch.from_numpy(rows).to(dev)
         paged_attention.CURRENT.meta, paged_attention.CURRENT.pool = meta, self.pool
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
@@ -89,6 +101,7 @@ class TorchBackend(ModelBackend):
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = batch.sampling
+        logits = apply_token_bitmask(logits, s.token_bitmask)  # structured output: before every sampling step
         if s.all_greedy and not s.any_penalty:
             return logits.argmax(dim=-1)
         from tierlm.backends.torch.sampler import sample

@@ -26,6 +26,7 @@ from tierlm.runtime.hicache.storage_io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.logprobs import cacheable_prefix_len
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.page_allocator import PageAllocator
 from tierlm.runtime.radix_cache import MatchResult, TreeNode
@@ -134,7 +135,7 @@ class HiCacheManager(KVCacheManager):
         if self.storage_io is None:
             return
         tokens = req.input_ids
-        max_pages = (len(tokens) - 1) // self.page_size
+        max_pages = cacheable_prefix_len(req) // self.page_size  # respects a prompt-logprob start
         m = self.tree.match_prefix(tokens, max_pages)
         have = len(m.device_pages) + len(m.host_pages)
         if have >= max_pages:

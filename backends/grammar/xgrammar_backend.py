@@ -1,0 +1,90 @@
+"""The xgrammar grammar backend: compiles JSON schemas, regexes and EBNF grammars for the model's tokenizer and
+fills the per-step allowed-token bitmask of each constrained request.
+
+JSON is compiled without free whitespace (``any_whitespace=False``: one separator form, as ``json.dumps`` writes
+it), so a constrained model cannot wander into endless whitespace: the grammar itself moves it towards the end.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Sequence
+
+import numpy as np
+import xgrammar as xgr
+
+from tierlm.backends.base import GrammarBackend, GrammarCompileError, GrammarMatcher
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def compiler_message(e: BaseException) -> str:
+    """xgrammar's error without its C++ log prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
+    return _LOG_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+
+
+# xgrammar 0.2.9's JSON string characters let through what is not JSON text: a string with minLength/maxLength
+# takes raw control characters (U+0000..U+001F; json.loads refuses them), and every string takes UTF-8-encoded
+# surrogates (ED A0..BF xx: invalid UTF-8, decoded as three U+FFFD, which breaks maxLength). Both classes are
+# replaced by one that excludes them.
+_STRING_CHAR_CLASSES = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+
+
+def json_schema_grammar(schema: str) -> "xgr.Grammar":
+    """The grammar of a JSON schema: compact separators, no free whitespace; strict (no properties or items the
+    schema does not name) except for the bare {"type": "object"} of response_format json_object, which allows any
+    object."""
+    try:
+        any_object = json.loads(schema) == {"type": "object"}
+    except ValueError:
+        any_object = False  # the compiler's message says what is wrong with it
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=not any_object)
+    ebnf = str(grammar)
+    fixed = ebnf
+    for char_class in _STRING_CHAR_CLASSES:
+        fixed = fixed.replace(char_class, _JSON_STRING_CHAR)
+    return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: "xgr.GrammarMatcher") -> None:
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self._m.accept_token(int(token)))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2) -> None:
+        """``tokenizer``: the model's transformers tokenizer; ``vocab_size``: the logits' width (ModelInfo.vocab_size,
+        may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the ids that end a
+        request (the grammar allows them only where the document is complete)."""
+        self.vocab_size = int(vocab_size)
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=list(stop_token_ids) or None)
+        # xgrammar's own cache stays off: runtime/grammar keeps one keyed by the grammar text.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, kind: str, text: str) -> Any:
+        try:
+            if kind == "json_schema":
+                return self._compiler.compile_grammar(json_schema_grammar(text))
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self._compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarCompileError(compiler_message(e)) from None
+        raise GrammarCompileError(f"unknown grammar kind {kind!r}")
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled))

@@ -20,7 +20,9 @@ from typing import Any, Callable
 
 from tierlm.backends.base import GrammarBackend, ModelBackend, ModelInfo
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
+from tierlm.backends.model_source.chat_templates import resolve_chat_template
 from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
+from tierlm.backends.model_source.folder_facts import read_json
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
@@ -62,6 +64,9 @@ class EngineParts:
     decision: Decision
     architecture_verified: bool = True  # False: loaded only because of --trust-unverified-architecture
     warnings: list[str] = field(default_factory=list)  # shown in /server_info (and logged at startup)
+    chat_template_source: str | None = None  # where the chat template came from; None: the model has none
+    reasoning_parser_source: str = ""  # why args.reasoning_parser is what it is
+    tool_call_parser_source: str = ""  # why args.tool_call_parser is what it is
 
     @property
     def grammar(self) -> GrammarManager:
@@ -93,6 +98,9 @@ class EngineParts:
             "chunked_prefill_size": self.scheduler.chunk,
             "radix_cache": self.cache.tree is not None,
             "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
+            "chat_template": self.chat_template_source,
+            "reasoning_parser": {"name": self.args.reasoning_parser, "chosen_by": self.reasoning_parser_source},
+            "tool_call_parser": {"name": self.args.tool_call_parser, "chosen_by": self.tool_call_parser_source},
         }
 
     def close(self) -> None:
@@ -107,7 +115,9 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     decision = decide_backend(args, facts)
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
     arch = check_model_architecture(decision, model_dir, args)  # fail fast: before the tokenizer and weights
-    tokenizer = tokenizer_for(args, model_dir)
+    tokenizer, template_source = tokenizer_for(args, model_dir)
+    parser_source = choose_reasoning_parser(args, model_dir, tokenizer)
+    tool_parser_source = choose_tool_call_parser(args, model_dir, tokenizer)
     backend = load_backend(decision, model_dir, args)
     info = backend.info
     log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
@@ -122,14 +132,16 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     metrics = EngineMetrics(args.model_name)
     cache = make_cache_manager(args, backend, tiers)
     cache.register_gauges(metrics)
-    outputs = OutputProcessor(tokenizer, stop_token_ids(info, tokenizer), metrics)
+    outputs = OutputProcessor(tokenizer, stop_token_ids(info, tokenizer, args.reasoning_parser), metrics)
     grammar = GrammarManager(make_grammar_backend(args, tokenizer, info))
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
                           grammar=grammar)
     scheduler.register_gauges(metrics)
     parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
-                        architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [])
+                        architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
+                        chat_template_source=template_source, reasoning_parser_source=parser_source,
+                        tool_call_parser_source=tool_parser_source)
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
     return parts
@@ -145,11 +157,68 @@ def resolve_model(args: ServerArgs) -> Path:
     return model_dir
 
 
-def tokenizer_for(args: ServerArgs, model_dir: Path) -> Tokenizer:
+def tokenizer_for(args: ServerArgs, model_dir: Path) -> tuple[Tokenizer, str | None]:
+    """The tokenizer, with --chat-template (checked first: a missing file or a jinja syntax error stops startup
+    with the reason) replacing the model's template; and where the template comes from (None: nowhere)."""
     try:
-        return load_tokenizer(Path(args.tokenizer_path) if args.tokenizer_path else model_dir, args.trust_remote_code)
+        template, source = resolve_chat_template(args.chat_template) if args.chat_template else (None, None)
+        tokenizer = load_tokenizer(Path(args.tokenizer_path) if args.tokenizer_path else model_dir,
+                                   args.trust_remote_code, chat_template=template)
     except ModelSourceError as e:
         raise StartupError(str(e)) from e
+    if source is not None:
+        log.info("chat template: %s (--chat-template)", source)
+    elif getattr(tokenizer, "chat_template", None):
+        source = "the model's tokenizer"
+    else:
+        log.info("chat template: none (the model has none; /v1/chat/completions needs --chat-template)")
+    return tokenizer, source
+
+
+def choose_reasoning_parser(args: ServerArgs, model_dir: Path, tokenizer: Tokenizer) -> str:
+    """--reasoning-parser, or the one the model unambiguously needs (gpt_oss -> gpt-oss; qwen3 with <think> in
+    its chat template -> qwen3); sets args.reasoning_parser and returns why (shown in /server_info)."""
+    if args.reasoning_parser:
+        why = "--reasoning-parser"
+    else:
+        model_type = read_json(model_dir / "config.json").get("model_type")
+        template = str(getattr(tokenizer, "chat_template", None) or "")
+        if model_type == "gpt_oss":
+            args.reasoning_parser, why = "gpt-oss", "the model (model_type gpt_oss: harmony channels)"
+        elif model_type in ("qwen3", "qwen3_moe") and "<think>" in template:
+            args.reasoning_parser, why = "qwen3", f"the model (model_type {model_type}, <think> in its chat template)"
+        else:
+            why = "none: the model needs none that is known; set --reasoning-parser to choose one"
+    log.info("reasoning parser: %s (%s)", args.reasoning_parser or "none", why)
+    return why
+
+
+def choose_tool_call_parser(args: ServerArgs, model_dir: Path, tokenizer: Tokenizer) -> str:
+    """--tool-call-parser, or the format the model unambiguously uses (server/chat_parsing/tool_registry.py has the
+    parsers); sets args.tool_call_parser and returns why (shown in /server_info)."""
+    if args.tool_call_parser:
+        why = "--tool-call-parser"
+    else:
+        model_type = str(read_json(model_dir / "config.json").get("model_type") or "")
+        args.tool_call_parser, why = detect_tool_call_parser(
+            model_type, str(getattr(tokenizer, "chat_template", None) or ""))
+    log.info("tool-call parser: %s (%s)", args.tool_call_parser or "none", why)
+    return why
+
+
+def detect_tool_call_parser(model_type: str, template: str) -> tuple[str | None, str]:
+    """(parser name or None, why) from config.json's model_type and the chat template's text."""
+    if model_type == "gpt_oss":
+        return "gpt-oss", "the model (model_type gpt_oss: harmony commentary channel)"
+    if "<tool_call>" in template:
+        name = "qwen25" if model_type.startswith("qwen") else "hermes"
+        return name, f"the model (model_type {model_type}, <tool_call> in its chat template)"
+    if "<|python_tag|>" in template and model_type.startswith("llama"):
+        return "llama3", f"the model (model_type {model_type}, <|python_tag|> in its chat template)"
+    if "[TOOL_CALLS]" in template:
+        return "mistral", f"the model (model_type {model_type}, [TOOL_CALLS] in its chat template)"
+    return None, ("none: the chat template names no known tool-call format; tools still reach the template, calls "
+                  "are not parsed; set --tool-call-parser to choose one")
 
 
 def decide_backend(args: ServerArgs, facts: Facts) -> Decision:
@@ -240,16 +309,25 @@ def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo
     except ImportError as e:
         raise StartupError(f"--grammar-backend xgrammar needs the xgrammar package ({e}); install it with "
                            "`pip install xgrammar`, or start with --grammar-backend none") from e
-    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_token_ids(info, tokenizer))
+    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_token_ids(info, tokenizer, args.reasoning_parser))
     log.info("structured output: xgrammar (%d-token vocabulary)", info.vocab_size)
     return backend
 
 
-def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer) -> list[int]:
-    """The model's EOS ids (generation_config, config), plus the tokenizer's eos token when it names another."""
+HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")  # gpt-oss: the answer is done / a tool call waits for its result
+
+
+def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer, reasoning_parser: str | None = None) -> list[int]:
+    """The model's EOS ids (generation_config, config), plus the tokenizer's eos token when it names another;
+    with the gpt-oss (harmony) parser also <|return|> and <|call|> (the released generation_config lists them;
+    a copy that does not still stops there)."""
     eos = list(info.eos_token_ids)
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if tok_eos is not None and tok_eos not in eos:
-        eos.append(tok_eos)
+    extra = [getattr(tokenizer, "eos_token_id", None)]
+    if reasoning_parser == "gpt-oss":
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        extra += [vocab.get(t) for t in HARMONY_STOP_TOKENS]
+    for tok in extra:
+        if tok is not None and tok not in eos:
+            eos.append(tok)
     return eos
 

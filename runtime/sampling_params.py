@@ -33,6 +33,7 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema (as JSON text)
     regex: str | None = None
     ebnf: str | None = None  # an EBNF grammar (GBNF style, start rule "root")
+    structural_tag: str | None = None  # an xgrammar structural tag (JSON text); the chat route's forced tool calls
     grammar_param: str | None = None  # the request field the grammar came from (named by its 400); None: the kind
     # log-probabilities (SGLang's names; docs/logprobs.md)
     return_logprob: bool = False  # logprobs of the output tokens (and of the prompt from logprob_start_len)
@@ -91,7 +92,7 @@ class SamplingParams:
                                       f"{self.logprob_start_len}", "logprob_start_len")
 
     def _verify_grammar(self) -> None:
-        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        given = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, k) is not None]
         if len(given) > 1:
             raise SamplingParamsError(f"send at most one of json_schema, regex and ebnf (their aliases included); "
                                       f"got {', '.join(given)}", self.grammar_param or given[1])

@@ -21,6 +21,9 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda | mps (mps: MLX on Apple Silicon)
     trust_remote_code: bool = False
     trust_unverified_architecture: bool = False  # serve an architecture the reference tests do not cover
+    chat_template: str | None = None  # a jinja file, inline template or built-in name; None: the model's own
+    reasoning_parser: str | None = None  # None: chosen from the model when unambiguous (gpt-oss, qwen3)
+    tool_call_parser: str | None = None  # None: chosen from the model when unambiguous (qwen25, llama3, mistral, gpt-oss)
     # http
     host: str = "127.0.0.1"
     port: int = 30000

@@ -6,6 +6,8 @@ import json
 from typing import Sequence
 
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.server.chat_parsing.reasoning import REASONING_PARSER_NAMES
+from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs()
 
@@ -28,6 +30,16 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     model.add_argument("--trust-remote-code", action="store_true")
     model.add_argument("--trust-unverified-architecture", action="store_true",
                        help="serve an architecture whose output the reference tests do not verify (docs/models.md)")
+    model.add_argument("--chat-template", default=None,
+                       help="a jinja chat template file (or tokenizer_config.json-style .json), the template text, "
+                            "or a built-in name: chatml, chatml-tools (alias qwen2.5); overrides the model's own")
+    model.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSER_NAMES),
+                       help="split the thinking text into reasoning_content (docs/api.md); default: chosen from "
+                            "the model when unambiguous (gpt-oss; qwen3 with <think> in its chat template)")
+    model.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                       help="read tool calls out of the model's output (docs/api.md); default: chosen from the model "
+                            "when unambiguous (<tool_call> in the chat template -> qwen25/hermes, <|python_tag|> -> "
+                            "llama3, [TOOL_CALLS] -> mistral, gpt_oss -> gpt-oss)")
 
     http = p.add_argument_group("http")
     http.add_argument("--host", default=_DEFAULTS.host)

@@ -137,17 +137,51 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, description="the name the model calls the function by")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="a JSON schema of the arguments (a forced call's arguments follow it)")
+    strict: bool | None = Field(default=None, description="accepted; forced calls always follow the schema exactly")
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_OpenAISamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = Field(default=False, description="log-probabilities of the output tokens (docs/logprobs.md)")
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="top alternatives per output token; needs logprobs: true")
-    tools: Annotated[list[dict[str, Any]] | None, _accepts(
-        _nullable({"type": "array", "maxItems": 0}),
-        "tool calling is not supported yet: only null or [] is accepted")] = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = Field(
+        default=None, description="functions the model may call (the chat template gets them as tools)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="auto (default with tools), none, required, or one named function; needs tools")
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call (default true)")
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang extension, e.g. {"enable_thinking": false}
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="passed to the chat template as reasoning_effort (gpt-oss reads it)")
+    separate_reasoning: bool = Field(
+        default=True, description="SGLang: with a reasoning parser, the thinking text goes to reasoning_content; "
+                                  "false leaves it in content")
+    stream_reasoning: bool = Field(
+        default=True, description="SGLang: false sends the reasoning in one piece when it ends (streaming)")
 
 
 class NativeSamplingParams(NativeGrammarFields):
@@ -216,9 +250,23 @@ def _now() -> int:
     return int(time.time())
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""  # null when the message is only tool calls
+    reasoning_content: str | None = None  # the thinking text, with a reasoning parser (docs/api.md)
+    # left out without calls (as OpenAI), so answers without tools keep their shape
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatTopLogprob(BaseModel):
@@ -263,9 +311,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of one call: the first carries index, id, type and name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -277,7 +349,15 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: Annotated[ChatDelta, WithJsonSchema({
         "type": "object", "additionalProperties": False,
-        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"},
+                       "reasoning_content": {"type": "string"},
+                       "tool_calls": {"type": "array", "items": {
+                           "type": "object", "required": ["index"], "additionalProperties": False,
+                           "properties": {"index": {"type": "integer"}, "id": {"type": "string"},
+                                          "type": {"const": "function"},
+                                          "function": {"type": "object", "additionalProperties": False,
+                                                       "properties": {"name": {"type": "string"},
+                                                                      "arguments": {"type": "string"}}}}}}},
         "description": "only what changed: role and content first, then content, then nothing (with finish_reason)"})]
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None

@@ -5,13 +5,8 @@ from typing import Any
 
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.sampling_params import SamplingParams, SamplingParamsError
-from tierlm.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    NativeGenerateRequest,
-    NativeSamplingParams,
-    _OpenAISamplingFields,
-)
+from tierlm.server.protocol import (ChatCompletionRequest, CompletionRequest, NativeGenerateRequest,
+                                    NativeSamplingParams, _OpenAISamplingFields)
 from tierlm.server.structured_output import native_grammar_param, openai_grammar_fields
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -35,8 +30,6 @@ def reject_unsupported_completion(req: CompletionRequest) -> None:
 def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
-    if req.tools:
-        raise _not_supported("tool calling", "tools")
     if req.logit_bias:
         raise _not_supported("logit_bias", "logit_bias")
 

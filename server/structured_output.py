@@ -73,7 +73,7 @@ async def check_grammars(engine: EngineAPI, reqs: list[GenerateRequest]) -> None
     seen: set[tuple[Any, ...]] = set()
     for r in reqs:
         p = r.sampling_params
-        key = (p.json_schema, p.regex, p.ebnf)
-        if key != (None, None, None) and key not in seen:
+        key = (p.json_schema, p.regex, p.ebnf, p.structural_tag)
+        if key != (None, None, None, None) and key not in seen:
             seen.add(key)
             await engine.compile_grammar(p)

@@ -16,7 +16,6 @@ from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import RequestError
 from tierlm.server.protocol import ChatMessage
 
-
 T = TypeVar("T")
 _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1) + 1, thread_name_prefix="tierlm-tokenize")
 
@@ -92,8 +91,9 @@ def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage], templ
     """Render messages with the model's chat template and tokenize, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(
-            "this model's tokenizer has no chat template, so /v1/chat/completions cannot build a prompt; "
-            "use /v1/completions with a plain prompt instead", 400, param="messages", code="no_chat_template")
+            "this model's tokenizer has no chat template, so /v1/chat/completions cannot build a prompt; start the "
+            "server with --chat-template (a jinja file, or a built-in name such as chatml), or use /v1/completions "
+            "with a plain prompt instead", 400, param="messages", code="no_chat_template")
     conversation = [_message_to_template_dict(i, m) for i, m in enumerate(messages)]
     _check_strings(conversation, "messages")
     try:

@@ -56,6 +56,7 @@ class FakeEngine:
         self.raise_in_generate: Exception | None = None
         self.fail_rid_suffix = ""  # with error_after_tokens: only requests whose rid ends with this fail
         self.flush_result = True
+        self.script: str | None = None  # the model's output text instead of the echo; then it stops (EOS)
 
     # -- Engine API --------------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> None:
@@ -87,12 +88,15 @@ class FakeEngine:
                 return
             if self.hang_after_tokens is not None and step == self.hang_after_tokens:
                 await asyncio.Event().wait()  # forever, until the HTTP layer cancels us
+            if self.script is not None and step == len(self.script) and step < sp.max_new_tokens:
+                yield self._final(req, "stop", None, len(prompt), produced, cached)
+                return
             if step == sp.max_new_tokens:
                 yield self._final(req, "length", None, len(prompt), produced, cached)
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            token = prompt[step % len(prompt)]
+            token = ord(self.script[step]) if self.script is not None else prompt[step % len(prompt)]
             produced.append(token)
             if token in sp.stop_token_ids:
                 yield self._final(req, "stop", token, len(prompt), produced, cached)

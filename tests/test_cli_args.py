@@ -41,6 +41,16 @@ def test_security_and_logging_flags() -> None:
     assert args.to_dict()["admin_api_key"] == "***"  # /server_info and the startup log never show keys
 
 
+def test_chat_template_and_reasoning_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["--chat-template", "chatml", "--reasoning-parser", "deepseek-r1"])
+    assert (args.chat_template, args.reasoning_parser) == ("chatml", "deepseek-r1")
+    for name in ("qwen3", "gpt-oss"):
+        assert parse_args(["--reasoning-parser", name]).reasoning_parser == name
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--reasoning-parser", "nope"])
+    assert e.value.code == 2 and "deepseek-r1" in capsys.readouterr().err
+
+
 def test_model_alias() -> None:
     assert parse_args(["--model", "m"]).model_path == "m"
 

@@ -44,6 +44,8 @@ def _cap(obj: dict[str, Any], key: str, limit: int) -> None:
     value = obj.get(key)
     if isinstance(value, int) and not isinstance(value, bool) and value > limit:
         obj[key] = limit
+    elif isinstance(value, float) and value.is_integer() and value > limit:  # 69.0 is a valid n (pydantic: 69)
+        obj[key] = float(limit)
 
 
 def short_generations(ctx: schemathesis.HookContext, body: Any) -> Any:
@@ -86,6 +88,10 @@ ALLOWED_REFUSALS = [
     # string, any schema object) may not compile: both are 400s naming the field (docs/api.md).
     (r"(response_format|json_schema|regex|ebnf|guided_(json|regex|choice|grammar)|sampling_params\.(json_schema|regex|ebnf))$",
      r"at most one|invalid (json_schema|regex|ebnf) in|the compiler failed"),
+    # Tool calling: tool_choice needs tools and names one of them; a forced call's grammar is built from each
+    # function's parameters schema, which may not compile, and cannot be combined with another constraint.
+    (r"tool_choice$", r"only allowed when tools|not in tools|cannot be combined"),
+    (r"tools$", r"invalid structural_tag in"),
 ]
 
 

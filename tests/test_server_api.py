@@ -139,7 +139,7 @@ def test_chat_response_shape(client: TestClient, engine: FakeEngine) -> None:
     assert body["object"] == "chat.completion"
     prompt = "<user>hey<assistant>"
     assert engine.received[0].input_ids == [ord(c) for c in prompt]
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "<us"},
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "<us", "reasoning_content": None},
                                 "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

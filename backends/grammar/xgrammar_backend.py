@@ -47,6 +47,28 @@ def json_schema_grammar(schema: str) -> "xgr.Grammar":
     return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
 
 
+def structural_tag_grammar(text: str) -> "xgr.Grammar":
+    """The grammar of an xgrammar structural tag (JSON text): its JSON-schema parts are generated as
+    json_schema_grammar generates JSON (compact, strict, valid strings), not with xgrammar's free whitespace."""
+    try:
+        tag = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"the structural tag is not JSON: {e}") from None
+
+    def compact(node: Any) -> Any:
+        if isinstance(node, list):
+            return [compact(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+            schema = node.get("json_schema")
+            schema = {"type": "object"} if schema is True else schema
+            return {"type": "grammar", "grammar": str(json_schema_grammar(json.dumps(schema)))}
+        return {k: compact(v) for k, v in node.items()}
+
+    return xgr.Grammar.from_structural_tag(json.dumps(compact(tag)))
+
+
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: "xgr.GrammarMatcher") -> None:
         self._m = matcher
@@ -82,6 +104,8 @@ class XGrammarBackend(GrammarBackend):
                 return self._compiler.compile_regex(text)
             if kind == "ebnf":
                 return self._compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                return self._compiler.compile_grammar(structural_tag_grammar(text))
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarCompileError(compiler_message(e)) from None
         raise GrammarCompileError(f"unknown grammar kind {kind!r}")

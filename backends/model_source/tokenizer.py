@@ -26,15 +26,19 @@ CHATML_TEMPLATE = (
 )
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
-    """The transformers tokenizer of a model folder (or of --tokenizer-path)."""
+def load_tokenizer(path: Path, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
+    """The transformers tokenizer of a model folder (or of --tokenizer-path); ``chat_template``: the template text
+    that replaces the model's own (--chat-template, resolved by chat_templates.resolve_chat_template)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise ModelSourceError(f"could not load a tokenizer from {path}: {e}. Pass --tokenizer-path to a folder "
                                "with tokenizer.json / tokenizer_config.json.") from e
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def build_byte_tokenizer():

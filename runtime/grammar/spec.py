@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # SamplingParams fields, SGLang's names
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SamplingParams fields, SGLang's names
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what response_format {"type": "json_object"} becomes (as in SGLang)
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "json_schema" | "regex" | "ebnf"
+    kind: str  # "json_schema" | "regex" | "ebnf" | "structural_tag"
     text: str
     param: str  # the request field it came from, named by the 400 when it does not compile
 

@@ -94,8 +94,8 @@ def tool_plan(engine: EngineAPI, body: ChatCompletionRequest) -> ToolPlan:
     fmt = tool_format(getattr(engine.args, "tool_call_parser", None))
     if choice == "auto":
         return ToolPlan(parse=fmt is not None, fmt=fmt, parallel=parallel)
-    if fmt == HARMONY:  # read, not enforced (docs/api.md)
-        return ToolPlan(parse=True, fmt=fmt, parallel=parallel)
+    if fmt == HARMONY:
+        parallel = False  # one commentary message per call; <|call|> ends the generation
     functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice.function.name]

@@ -183,3 +183,19 @@ def test_gpt_oss_commentary_to_a_function_is_a_tool_call(gpt_oss_server: ServerP
             arguments += call.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert (reasoning, name, arguments, finish) == (ANALYSIS, "get_weather", ARGS, "tool_calls")
+
+
+def test_gpt_oss_forced_call_is_a_valid_harmony_call(gpt_oss_server: ServerProcess) -> None:
+    """tool_choice "required" / named on gpt-oss: a grammar makes even the random tiny model write a harmony
+    commentary call whose arguments follow the function's schema."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+    client = client_of(gpt_oss_server)
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=200, temperature=0,
+                                           tools=[tool], tool_choice=tool_choice)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")

@@ -12,6 +12,7 @@ from tierlm.server.chat_parsing.base import ParsedDelta
 from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls
 from tierlm.server.chat_parsing.tool_parsers import (HermesToolParser, JsonListToolParser, Llama3ToolParser,
                                                      MistralToolParser)
+from tierlm.server.chat_parsing.harmony import HarmonyParser
 from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS, forced_call_grammar, tool_parser_for
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -128,6 +129,8 @@ def test_registry_names():
     ("llama3", Llama3ToolParser, '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("mistral", MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     (None, JsonListToolParser, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'),
+    ("harmony", HarmonyParser,
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'),
 ])
 def test_forced_call_grammar_accepts_what_the_parser_reads(fmt, parser, sample):
     xgr = pytest.importorskip("xgrammar")

@@ -41,7 +41,9 @@ def _call_format(fmt: str | None, name: str, parameters: dict[str, Any] | None) 
     """One call as an xgrammar structural-tag format: the model's call syntax around the arguments' schema."""
     n = json.dumps(name, ensure_ascii=False)
     schema = {"type": "json_schema", "json_schema": parameters if parameters else {"type": "object"}}
-    if fmt == "hermes":
+    if fmt == HARMONY:  # the harmony spec's call: a commentary message to the function, JSON arguments
+        begin, end = f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", "<|call|>"
+    elif fmt == "hermes":
         begin, end = f'<tool_call>\n{{"name": {n}, "arguments": ', "}\n</tool_call>"
     elif fmt == "mistral":
         begin, end = f'{{"name": {n}, "arguments": ', "}"
@@ -62,7 +64,7 @@ def forced_call_grammar(fmt: str | None, functions: list[dict[str, Any]], parall
     calls = [_call_format(fmt, f["name"], f.get("parameters")) for f in functions]
     one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
     body = one
-    if parallel:
+    if parallel and fmt != HARMONY:  # a harmony message holds one call, and <|call|> ends the generation
         more = {"type": "sequence", "elements": [{"type": "const_string", "value": _SEPARATORS[fmt]}, one]}
         body = {"type": "sequence", "elements": [one, {"type": "star", "content": more}]}
     if fmt in _AROUND:

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable, Sequence, Union
 
 from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
@@ -67,6 +67,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.started_at = time.time()
+        self.unhealthy: str | None = None  # set by the watchdog: why requests now get 503
+        self._step_started: float | None = None  # monotonic start of the model step in progress (None: between steps)
+        self._watchdog: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -76,6 +79,8 @@ class Engine:
         self.context_length = self.parts.context_length
         self._thread = threading.Thread(target=self._loop, name="tierlm-scheduler", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="tierlm-watchdog", daemon=True)
+        self._watchdog.start()
         self.ready = True
 
     def shutdown(self) -> None:
@@ -107,10 +112,7 @@ class Engine:
             raise RequestError(
                 f"This model's maximum context length is {self.context_length} tokens, but the prompt has {n} "
                 f"tokens. Shorten the prompt.", param="prompt", code="context_length_exceeded")
-        vocab = self.parts.model_info.vocab_size
-        if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:  # C-speed scans; the message needs the first
-            bad = next(t for t in req.input_ids if not 0 <= t < vocab)
-            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        self.check_token_ids(req.input_ids, "prompt")
         if n + max_new > self.context_length:
             raise RequestError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
@@ -130,7 +132,10 @@ class Engine:
         """Yield output increments until one with finished=True. Closing the iterator early aborts the request."""
         if not self.ready:
             raise RequestError("the model is still loading; retry shortly", status=503, type="server_error")
+        if self.unhealthy is not None:
+            raise RequestError(self.unhealthy, status=503, type="server_error", code="unhealthy")
         self.validate(req)
+        self.check_queue()
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[req.rid] = (loop, sink)
@@ -146,6 +151,17 @@ class Engine:
             if not finished:
                 self.abort(req.rid)
             self._sinks.pop(req.rid, None)
+
+    def check_queue(self) -> None:
+        """--max-queued-requests: refuse (503) a request when that many already wait for a running slot. Waiting
+        counts every request this engine holds that is not running (also those still in the inbox)."""
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return
+        waiting = len(self._sinks) - len(self.parts.scheduler.running)
+        if waiting >= limit:
+            raise RequestError(f"the server already has {waiting} requests waiting (--max-queued-requests {limit}); "
+                               "retry later", status=503, type="server_error", code="queue_full")
 
     def abort(self, rid: str) -> None:
         self._inbox.put(AbortRequest(rid))
@@ -164,6 +180,24 @@ class Engine:
 
     async def flush_cache(self, storage: bool = False) -> bool:
         return await self._call(lambda: self.parts.scheduler.flush_cache(storage=storage))
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """The vocabulary rule: 400 for an id outside the model's vocabulary."""
+        vocab = self.parts.model_info.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans; the message needs the first
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+
+    async def get_load(self) -> dict[str, int]:
+        """Requests and tokens on this engine (SGLang's /get_load of one data-parallel rank), read on the
+        scheduler thread."""
+        sched, cache = self.parts.scheduler, self.parts.cache
+
+        def read() -> dict[str, int]:
+            waiting = len(sched.waiting)
+            return {"num_reqs": len(sched.running) + waiting, "num_waiting_reqs": waiting,
+                    "num_tokens": cache.in_use_pages * cache.page_size + sum(len(r.input_ids) for r in sched.waiting)}
+        return await self._call(read)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the scheduler thread between steps and await its result."""
@@ -205,12 +239,26 @@ class Engine:
                     msg = None
             if self._stop.is_set():
                 break
+            self._step_started = time.monotonic()
             try:
                 if not sched.step() and sched.has_work():
                     time.sleep(0.001)  # waiting only on a storage prefetch
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
                 log.exception("scheduler step failed; failing the requests in it")
                 sched.fail_all(f"internal error in the model step: {e}")
+            finally:
+                self._step_started = None
+
+    def _watch(self) -> None:
+        """--watchdog-timeout: a step running longer marks the engine unhealthy (an error log; new requests and
+        /health_generate get 503). SGLang kills the process instead; here a supervisor restarts it on the 503s."""
+        timeout = self.args.watchdog_timeout
+        while not self._stop.wait(min(1.0, timeout / 4)):
+            started = self._step_started
+            if self.unhealthy is None and started is not None and time.monotonic() - started > timeout:
+                self.unhealthy = (f"a model step has run for more than {timeout:g} s (--watchdog-timeout); the server "
+                                  "is stuck and should be restarted")
+                log.error("watchdog: %s", self.unhealthy)
 
     def _handle(self, msg: Message) -> None:
         sched = self.parts.scheduler

@@ -45,6 +45,12 @@ class EngineAPI(Protocol):
     async def flush_cache(self, storage: bool = False) -> bool:
         """False when requests are still running (nothing was flushed)."""
 
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Raise RequestError (400, param ``param``) for an id outside the model's vocabulary."""
+
+    async def get_load(self) -> dict[str, int]:
+        """num_reqs (running + waiting), num_waiting_reqs, num_tokens (KV of running requests + waiting prompts)."""
+
     def server_info(self) -> dict[str, Any]: ...
 
     def metrics_text(self) -> bytes: ...

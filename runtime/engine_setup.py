@@ -37,7 +37,7 @@ from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
-from tierlm.runtime.server_args import ServerArgs
+from tierlm.runtime.server_args import ATTENTION_BACKENDS, ServerArgs
 from tierlm.runtime.warm_up import warm_up
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class EngineParts:
             "waiting_requests": len(self.scheduler.waiting),
             "max_running_requests": self.scheduler.max_running,
             "chunked_prefill_size": self.scheduler.chunk,
+            "prefill_budget_tokens": self.scheduler.prefill_budget,
             "radix_cache": self.cache.tree is not None,
             "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
             "chat_template": self.chat_template_source,
@@ -114,6 +115,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     facts = detect()  # before the weights load, so the memory plan counts them once
     decision = decide_backend(args, facts)
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
+    check_attention_backend(args, decision)
+    log_accepted_flags(args, decision)
     arch = check_model_architecture(decision, model_dir, args)  # fail fast: before the tokenizer and weights
     tokenizer, template_source = tokenizer_for(args, model_dir)
     parser_source = choose_reasoning_parser(args, model_dir, tokenizer)
@@ -123,10 +126,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
              info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
              backend.weight_bytes() / 2**20)
-    context_length = args.context_length or info.max_position_embeddings
-    if args.context_length and args.context_length > info.max_position_embeddings:
-        log.warning("--context-length %d exceeds the model's max_position_embeddings %d",
-                    args.context_length, info.max_position_embeddings)
+    context_length = check_context_length(args.context_length, info.max_position_embeddings, os.environ)
     tiers = plan_tiers(args, facts, decision, backend, context_length)
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     metrics = EngineMetrics(args.model_name)
@@ -136,7 +136,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     grammar = GrammarManager(make_grammar_backend(args, tokenizer, info))
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
-                          grammar=grammar)
+                          grammar=grammar, max_prefill_tokens=args.max_prefill_tokens,
+                          stream_interval=args.stream_interval)
     scheduler.register_gauges(metrics)
     parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
@@ -147,9 +148,59 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     return parts
 
 
+def check_context_length(requested: int | None, model_max: int, env: Any) -> int:
+    """--context-length, or the model's max_position_embeddings. Above the model's limit is a StartupError unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (SGLang's rule), which turns it into a warning."""
+    if not requested:
+        return model_max
+    if requested > model_max:
+        if str(env.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "")).strip().lower() in ("1", "true"):
+            log.warning("--context-length %d exceeds the model's max_position_embeddings %d "
+                        "(allowed by SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN); outputs past %d may be wrong",
+                        requested, model_max, model_max)
+        else:
+            raise StartupError(
+                f"--context-length {requested} is above the model's limit (max_position_embeddings {model_max}); "
+                f"use --context-length {model_max} or less, or set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 "
+                "to allow it anyway")
+    return requested
+
+
+def check_attention_backend(args: ServerArgs, decision: Decision) -> None:
+    """--attention-backend must name the chosen backend's attention (ServerArgs.check() refused unknown names)."""
+    name = args.attention_backend
+    if name is None:
+        return
+    owner = ATTENTION_BACKENDS[name]
+    if owner != decision.backend:
+        own = next(n for n, b in ATTENTION_BACKENDS.items() if b == decision.backend)
+        raise StartupError(f"--attention-backend {name} belongs to the {owner} backend, but this server runs the "
+                           f"{decision.backend} backend; use --attention-backend {own} or drop the flag")
+    log.info("attention: %s (--attention-backend)", name)
+
+
+def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:
+    """SGLang flags that are accepted because tierlm already behaves that way, or has nothing to tune yet."""
+    if args.disable_cuda_graph or args.cuda_graph_max_bs is not None:
+        log.info("--disable-cuda-graph / --cuda-graph-max-bs: accepted; tierlm does not use CUDA graphs yet")
+    if args.enable_metrics:
+        log.info("--enable-metrics: accepted; /metrics is always on")
+    if args.enable_cache_report:
+        log.info("--enable-cache-report: accepted; usage always reports cached_tokens")
+    if args.enable_hierarchical_cache:
+        if decision.backend == "mlx" or decision.device == "cpu":
+            where = "MLX" if decision.backend == "mlx" else "CPU"
+            log.info("--hicache-io-backend %s: on %s kernel and direct are the same copy (the device and host pools "
+                     "are both in host memory)", args.hicache_io_backend, where)
+        else:
+            log.info("--hicache-io-backend %s: tierlm moves pages between GPU and pinned host memory with the same "
+                     "batched copy for kernel and direct", args.hicache_io_backend)
+
+
 def resolve_model(args: ServerArgs) -> Path:
     try:
-        model_dir = resolve_model_path(args.model_path)
+        model_dir = resolve_model_path(args.model_path, revision=args.revision,
+                                       cache_dir=Path(args.download_dir).expanduser() if args.download_dir else None)
     except ModelSourceError as e:  # the message says what to do
         raise StartupError(str(e)) from e
     if args.model_path is None:

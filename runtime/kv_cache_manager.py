@@ -127,8 +127,8 @@ class KVCacheManager:
                       lambda: self.in_use_pages)
         metrics.gauge("tierlm_kv_pool_usage", "Share of device KV pages not free",
                       lambda: 1.0 - self.allocator.num_free / max(self.num_pages, 1))
-        metrics.tier_gauge("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device "
-                           "pages demoted to host count here too)", self.eviction_counters())
+        metrics.tier_counter("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device "
+                             "pages demoted to host count here too)", self.eviction_counters())
 
     def eviction_counters(self) -> dict[str, Callable[[], float]]:
         """Pages evicted since start, per tier, read at scrape time."""

@@ -26,12 +26,17 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, backend: ModelBackend, cache: KVCacheManager, *, max_running_requests: int,
                  chunked_prefill_size: int, metrics: EngineMetrics, outputs: OutputProcessor,
-                 emit: Callable[[Req, GenerateOutput], None], grammar: GrammarManager | None = None) -> None:
+                 emit: Callable[[Req, GenerateOutput], None], grammar: GrammarManager | None = None,
+                 max_prefill_tokens: int | None = None, stream_interval: int = 1) -> None:
         self.backend = backend
         self.cache = cache
         self.page_size = cache.page_size
         self.max_running = max_running_requests
         self.chunk = chunked_prefill_size
+        # One step's prefill budget: --chunked-prefill-size, lowered by --max-prefill-tokens (SGLang's cap on the
+        # prompt tokens of one prefill batch) when that is smaller.
+        self.prefill_budget = min(chunked_prefill_size, max_prefill_tokens or chunked_prefill_size)
+        self.stream_interval = max(1, stream_interval)  # --stream-interval: an increment every N tokens
         self.metrics = metrics
         self.outputs = outputs
         self.emit = emit
@@ -90,10 +95,15 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self._finish(req, req.finish_reason)
-            elif req.stream:
+            elif req.stream and self._stream_now(req):
                 self.emit(req, self.outputs.delta(req))
         self._finish_prefill_only(items)
         return True
+
+    def _stream_now(self, req: Req) -> bool:
+        """--stream-interval: the first token at once, then every N tokens; the final increment carries the rest."""
+        n = len(req.output_ids)
+        return n == 1 or n % self.stream_interval == 0
 
     def _finish_prefill_only(self, items: list[tuple[Req, int]]) -> None:
         """Requests that only wanted prompt logprobs (max_tokens=0) end when their prefill is done."""
@@ -116,7 +126,7 @@ class Scheduler:
             else:
                 items[req] = 1
         # 2. prefill chunks within the token budget: in-progress chunked requests first, then new ones
-        budget = self.chunk
+        budget = self.prefill_budget
         for req in self.running:
             if budget <= 0:
                 break

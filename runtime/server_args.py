@@ -9,6 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# --attention-backend values: tierlm's attention implementations, and the backend each one belongs to.
+ATTENTION_BACKENDS = {"tierlm_paged": "torch", "mlx_paged": "mlx"}
+
 
 @dataclass
 class ServerArgs:
@@ -54,6 +57,24 @@ class ServerArgs:
     random_seed: int = 0
     grammar_backend: str = "xgrammar"  # structured output: xgrammar | none (every grammar is refused)
     warmup: bool = True
+    # SGLang compatibility (docs/sglang-compat.md): each one works, is accepted and logged, or is refused in check()
+    revision: str | None = None  # hub branch, tag or commit of --model-path
+    download_dir: str | None = None  # hub cache folder for --model-path (default: the standard HF cache)
+    quantization: str | None = None  # only None: tierlm runs the checkpoint's own weights
+    kv_cache_dtype: str = "auto"  # only auto: the KV pool has the model's dtype (FP8 KV is not implemented yet)
+    attention_backend: str | None = None  # None: the chosen backend's own; else one of ATTENTION_BACKENDS
+    max_prefill_tokens: int = 16384  # prompt tokens in one step's prefill (the budget is min with chunked_prefill_size)
+    stream_interval: int = 1  # streaming: one increment every N generated tokens (and the first, and the last)
+    max_queued_requests: int | None = None  # waiting requests beyond this get 503; None: unbounded
+    schedule_policy: str = "fcfs"  # only fcfs: the order tierlm admits requests in
+    watchdog_timeout: float = 300.0  # a model step running longer marks the server unhealthy (error log, 503s)
+    tp_size: int = 1  # tensor parallelism: only 1
+    dp_size: int = 1  # data parallelism: only 1 (several instances behind sglang-router instead)
+    disable_cuda_graph: bool = False  # accepted and logged: tierlm has no CUDA graphs yet
+    cuda_graph_max_bs: int | None = None  # accepted and logged: tierlm has no CUDA graphs yet
+    enable_metrics: bool = False  # accepted: /metrics is always on
+    enable_cache_report: bool = False  # accepted: usage always reports cached_tokens
+    speculative_algorithm: str | None = None  # refused: speculative decoding is not implemented yet
 
     @property
     def model_name(self) -> str:
@@ -92,3 +113,40 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        self._check_sglang_compat()
+
+    def _check_sglang_compat(self) -> None:
+        """SGLang flags tierlm cannot honour stop startup with the reason and what to use instead
+        (docs/sglang-compat.md lists every flag)."""
+        if self.tp_size != 1 or self.dp_size != 1:
+            flag = "--tp-size" if self.tp_size != 1 else "--dp-size"
+            value = self.tp_size if self.tp_size != 1 else self.dp_size
+            raise ValueError(f"{flag} {value}: tierlm runs one model copy on one device (only 1 works); to use "
+                             "several devices start one tierlm instance per device and put sglang-router in front")
+        if self.quantization is not None:
+            raise ValueError(f"--quantization {self.quantization}: tierlm cannot quantize weights at load time; drop "
+                             "the flag (a checkpoint that is already quantized, e.g. gpt-oss mxfp4, loads as it is)")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: FP8/low-precision KV cache is not implemented "
+                             "yet; use --kv-cache-dtype auto (the KV pool has the model's dtype)")
+        if self.schedule_policy != "fcfs":
+            raise ValueError(f"--schedule-policy {self.schedule_policy}: tierlm schedules first come, first served "
+                             "(prefix reuse comes from the radix cache); use --schedule-policy fcfs or drop the flag")
+        if self.speculative_algorithm is not None:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: speculative decoding is not "
+                             "implemented yet in tierlm; drop the flag")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            names = ", ".join(f"{n} ({b} backend)" for n, b in ATTENTION_BACKENDS.items())
+            raise ValueError(f"--attention-backend {self.attention_backend}: not an attention implementation of "
+                             f"tierlm; use one of {names}, or drop the flag to get the chosen backend's own")
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError(f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least --page-size "
+                             f"({self.page_size})")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -18,6 +18,7 @@ from tierlm.server.openai_chat import router as chat_router
 from tierlm.server.openai_completions import router as completions_router
 from tierlm.server.origin_guard import OriginGuardMiddleware
 from tierlm.server.request_log import RequestLogMiddleware
+from tierlm.server.tokenize_routes import router as tokenize_router
 
 logger = logging.getLogger("tierlm.server")
 
@@ -39,7 +40,7 @@ def create_app(engine: EngineAPI, *, shutdown_engine_on_exit: bool = False) -> F
 
     app = FastAPI(title="tierlm", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
-    for router in (chat_router, completions_router, native_router, info_router):
+    for router in (chat_router, completions_router, native_router, info_router, tokenize_router):
         app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)  # the document as the server behaves: statuses, error shape, media types

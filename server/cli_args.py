@@ -11,6 +11,35 @@ from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs()
 
+# SGLang flags a single-node user may pass that tierlm has no counterpart for: each stops startup (exit 2) with one
+# line saying why and what to do instead, rather than argparse's bare "unrecognized arguments".
+# docs/sglang-compat.md lists them with the rest; tests/test_cli_args.py holds the two to agreement.
+REFUSED_SGLANG_FLAGS: dict[str, str] = {
+    "--nnodes": "tierlm runs on one node; start one instance per node and put sglang-router in front",
+    "--node-rank": "tierlm runs on one node; start one instance per node and put sglang-router in front",
+    "--dist-init-addr": "tierlm runs on one node; start one instance per node and put sglang-router in front",
+    "--pp-size": "pipeline parallelism is not implemented; run one instance per device behind sglang-router",
+    "--ep-size": "expert parallelism is not implemented; drop the flag",
+    "--enable-dp-attention": "data-parallel attention needs several devices; tierlm runs one model copy on one device",
+    "--lora-paths": "LoRA adapters are not implemented yet; merge the adapter into the weights and serve that folder",
+    "--enable-lora": "LoRA adapters are not implemented yet; merge the adapter into the weights and serve that folder",
+    "--load-format": "tierlm loads safetensors only; drop the flag (other formats: convert to safetensors first)",
+    "--enable-torch-compile": "torch.compile is not used by tierlm yet; drop the flag",
+    "--disaggregation-mode": "prefill/decode disaggregation is not implemented; drop the flag",
+    "--is-embedding": "tierlm serves generative models only; embeddings are not implemented",
+    "--speculative-draft-model-path": "speculative decoding is not implemented yet; drop the flag",
+    "--speculative-num-steps": "speculative decoding is not implemented yet; drop the flag",
+    "--speculative-eagle-topk": "speculative decoding is not implemented yet; drop the flag",
+    "--speculative-num-draft-tokens": "speculative decoding is not implemented yet; drop the flag",
+}
+
+
+class _RefuseFlag(argparse.Action):
+    """An SGLang flag tierlm cannot honour: exit 2 with the reason (one line, no usage dump)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        parser.exit(2, f"{parser.prog}: error: {option_string}: {REFUSED_SGLANG_FLAGS[option_string]}\n")
+
 
 def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -68,7 +97,38 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     sched.add_argument("--grammar-backend", choices=["xgrammar", "none"], default=_DEFAULTS.grammar_backend,
                        help="structured output (json_schema, regex, ebnf, response_format): xgrammar, or none to "
                             "refuse every grammar with a 400")
-    sched.add_argument("--skip-warmup", action="store_true", help="do not run a warmup request at startup")
+    sched.add_argument("--skip-warmup", "--skip-server-warmup", dest="skip_warmup", action="store_true",
+                       help="do not run a warmup request at startup")
+    sched.add_argument("--max-prefill-tokens", type=int, default=_DEFAULTS.max_prefill_tokens,
+                       help="most prompt tokens prefilled in one step (together with --chunked-prefill-size)")
+    sched.add_argument("--stream-interval", type=int, default=_DEFAULTS.stream_interval,
+                       help="streaming: send an increment every N generated tokens")
+    sched.add_argument("--max-queued-requests", type=int, default=None,
+                       help="requests beyond this many waiting get 503; default unbounded")
+    sched.add_argument("--schedule-policy", default=_DEFAULTS.schedule_policy, help="only fcfs")
+    sched.add_argument("--watchdog-timeout", type=float, default=_DEFAULTS.watchdog_timeout,
+                       help="a model step that runs longer (seconds) marks the server unhealthy: error log, 503s")
+
+    compat = p.add_argument_group("SGLang compatibility (docs/sglang-compat.md)")
+    compat.add_argument("--revision", default=None, help="hub branch, tag or commit of --model-path")
+    compat.add_argument("--download-dir", default=None, help="hub cache folder for --model-path downloads")
+    compat.add_argument("--quantization", default=None, help="refused: tierlm runs the checkpoint's own weights")
+    compat.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype,
+                        help="only auto (FP8 KV is not implemented yet)")
+    compat.add_argument("--attention-backend", default=None,
+                        help="tierlm_paged (torch) or mlx_paged (MLX); default: the chosen backend's own")
+    compat.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=_DEFAULTS.tp_size, help="only 1")
+    compat.add_argument("--data-parallel-size", "--dp-size", dest="dp_size", type=int, default=_DEFAULTS.dp_size, help="only 1")
+    compat.add_argument("--disable-cuda-graph", action="store_true", help="accepted (tierlm has no CUDA graphs yet)")
+    compat.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="accepted (tierlm has no CUDA graphs yet)")
+    compat.add_argument("--enable-metrics", action="store_true", help="accepted: /metrics is always on")
+    compat.add_argument("--enable-cache-report", action="store_true",
+                        help="accepted: usage always reports cached_tokens")
+    compat.add_argument("--speculative-algorithm", default=None, help="refused: not implemented yet")
+    for flag, reason in REFUSED_SGLANG_FLAGS.items():
+        compat.add_argument(flag, action=_RefuseFlag, nargs="?", default=argparse.SUPPRESS,
+                            help=f"refused: {reason}")
 
     hc = p.add_argument_group("hierarchical cache (HiCache)")
     hc.add_argument("--enable-hierarchical-cache", action="store_true")

@@ -1,7 +1,8 @@
-"""Health, model listing, server info, cache flush and Prometheus metrics."""
+"""Health, model listing, server info, load, version, cache flush and Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import uuid
 
@@ -14,7 +15,7 @@ from tierlm.runtime.errors import RequestError
 from tierlm.server.deps import engine_of, make_request, model_name, ready_engine, served_names
 from tierlm.server.generation import collect_outputs
 from tierlm.server.http_errors import error_response
-from tierlm.server.protocol import ModelCard, ModelList
+from tierlm.server.protocol import ModelCard, ModelList, RankLoad, VersionResponse
 from tierlm.server.sampling_mapping import build_sampling_params
 from tierlm.server.tokenization import encode_text
 
@@ -78,6 +79,24 @@ async def get_model_info(request: Request) -> Response:
 @router.get("/get_server_info")
 async def server_info(engine: EngineAPI = Depends(ready_engine)) -> Response:
     return JSONResponse(engine.server_info())
+
+
+@router.get("/get_load")
+async def get_load(engine: EngineAPI = Depends(ready_engine)) -> Response:
+    """SGLang's shape: one entry per data-parallel rank (tierlm runs one)."""
+    return JSONResponse([RankLoad(dp_rank=0, **await engine.get_load()).model_dump()])
+
+
+@router.get("/version")
+async def version() -> Response:
+    return JSONResponse(VersionResponse(version=tierlm_version()).model_dump())
+
+
+def tierlm_version() -> str:
+    try:
+        return importlib.metadata.version("tierlm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @router.post("/flush_cache")

@@ -20,15 +20,17 @@ from pydantic.json_schema import models_json_schema
 
 from tierlm.server.auth import OPEN_PATHS
 from tierlm.server.protocol import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse,
-                                    FlushCacheResponse, ModelCard, ModelInfo, ModelList, NativeGenerateResponse,
-                                    ServerInfo, StatusResponse)
+                                    DetokenizeResponse, FlushCacheResponse, ModelCard, ModelInfo, ModelList,
+                                    NativeGenerateResponse, RankLoad, ServerInfo, StatusResponse, TokenizeResponse,
+                                    VersionResponse)
 
 logger = logging.getLogger("tierlm.server")
 
 REF = "#/components/schemas/{model}"
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, NativeGenerateResponse,
-    StatusResponse, ModelList, ModelCard, ModelInfo, ServerInfo, FlushCacheResponse,
+    StatusResponse, ModelList, ModelCard, ModelInfo, ServerInfo, FlushCacheResponse, TokenizeResponse,
+    DetokenizeResponse, RankLoad, VersionResponse,
 )
 
 ERROR_DESCRIPTIONS = {
@@ -104,6 +106,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/flush_cache"): Operation(
         "flushCache", "Drop every cached prefix (and the storage tier with storage=true) when idle",
         _json(_ref(FlushCacheResponse)), (400, 503)),
+    ("get", "/get_load"): Operation(
+        "getLoad", "Requests and tokens per data-parallel rank (SGLang)",
+        _json({"type": "array", "items": _ref(RankLoad)}), (503,)),
+    ("get", "/version"): Operation("version", "The tierlm version", _json(_ref(VersionResponse)), ()),
+    ("post", "/tokenize"): Operation(
+        "tokenize", "Text or chat messages -> token ids (vLLM/SGLang)", _json(_ref(TokenizeResponse)),
+        (400, 404, 503)),
+    ("post", "/detokenize"): Operation(
+        "detokenize", "Token ids -> text (vLLM/SGLang)", _json(_ref(DetokenizeResponse)), (400, 404, 503)),
     ("get", "/metrics"): Operation(
         "metrics", "Prometheus metrics (text exposition format)", {"text/plain": {"schema": {"type": "string"}}},
         (503,)),

@@ -441,6 +441,46 @@ class FlushCacheResponse(BaseModel):
     message: str
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's and SGLang's POST /tokenize: a text prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [{"required": ["prompt"]},
+                                                                           {"required": ["messages"]}]})
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = Field(default=True, description="with a text prompt: add the tokenizer's special "
+                                                               "tokens (e.g. BOS)")
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class RankLoad(BaseModel):
+    """SGLang's /get_load entry of one data-parallel rank (tierlm has one)."""
+    dp_rank: int
+    num_reqs: int = Field(description="running and waiting requests")
+    num_waiting_reqs: int
+    num_tokens: int = Field(description="KV tokens of running requests plus the prompts of waiting ones")
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class NativeFinishReason(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str

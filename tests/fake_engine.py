@@ -132,6 +132,14 @@ class FakeEngine:
             self.seen_prompts.clear()
         return self.flush_result
 
+    def check_token_ids(self, ids, param: str) -> None:
+        if any(not 0 <= t < VOCAB_SIZE for t in ids):
+            bad = next(t for t in ids if not 0 <= t < VOCAB_SIZE)
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{VOCAB_SIZE - 1})", param=param)
+
+    async def get_load(self) -> dict[str, int]:
+        return {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+
     def server_info(self) -> dict[str, Any]:
         return {"ready": self.ready, "server_args": self.args.to_dict(), "backend": "fake"}
 

@@ -128,3 +128,114 @@ def test_cli_unknown_command_and_help(capsys: pytest.CaptureFixture[str]) -> Non
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
     assert "serve" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- SGLang compatibility (docs/sglang-compat.md)
+COMPAT_DOC = Path(__file__).resolve().parents[1] / "docs" / "sglang-compat.md"
+
+
+def _compat_rows() -> list[tuple[str, str, list[str]]]:
+    """(flag column, status, example argv) of every row of the table in docs/sglang-compat.md."""
+    import shlex
+
+    rows = []
+    for line in COMPAT_DOC.read_text().splitlines():
+        if not line.startswith("| `--"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        flag, status, example = cells[0], cells[1], cells[2].strip("`")
+        rows.append((flag, status, shlex.split(example)))
+    return rows
+
+
+def test_compat_table_is_complete() -> None:
+    rows = _compat_rows()
+    assert len(rows) > 40 and {s for _, s, _ in rows} == {"supported", "accepted", "refused"}
+    from tierlm.server.cli_args import REFUSED_SGLANG_FLAGS
+
+    documented = {f.split("`")[1] for f, _, _ in rows}
+    assert set(REFUSED_SGLANG_FLAGS) <= documented  # every refused flag of the parser has its row
+
+
+@pytest.mark.parametrize("flag,status,argv", _compat_rows(), ids=[r[0] + " " + r[1] for r in _compat_rows()])
+def test_compat_table_matches_parser(flag: str, status: str, argv: list[str],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    if status in ("supported", "accepted"):
+        parse_args(argv)  # parses and passes every check
+        return
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "unrecognized" not in err and "usage:" not in err
+    assert argv[0].split("-")[2] in err  # the line names the flag it refuses
+
+
+def test_sglang_flags_map_to_fields() -> None:
+    args = parse_args([
+        "--revision", "v1", "--download-dir", "/hf", "--max-prefill-tokens", "4096", "--stream-interval", "3",
+        "--max-queued-requests", "5", "--watchdog-timeout", "12.5", "--attention-backend", "mlx_paged",
+        "--tp", "1", "--dp-size", "1", "--disable-cuda-graph", "--cuda-graph-max-bs", "8", "--enable-metrics",
+        "--enable-cache-report", "--skip-server-warmup", "--kv-cache-dtype", "auto", "--schedule-policy", "fcfs",
+    ])
+    assert (args.revision, args.download_dir, args.max_prefill_tokens, args.stream_interval) == ("v1", "/hf", 4096, 3)
+    assert (args.max_queued_requests, args.watchdog_timeout, args.attention_backend) == (5, 12.5, "mlx_paged")
+    assert (args.tp_size, args.dp_size, args.disable_cuda_graph, args.cuda_graph_max_bs) == (1, 1, True, 8)
+    assert (args.enable_metrics, args.enable_cache_report, args.warmup) == (True, True, False)
+    d = ServerArgs()
+    assert (d.max_prefill_tokens, d.stream_interval, d.watchdog_timeout, d.schedule_policy) == (16384, 1, 300.0, "fcfs")
+    assert (d.kv_cache_dtype, d.tp_size, d.dp_size, d.max_queued_requests) == ("auto", 1, 1, None)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp-size", "4"], "sglang-router"),
+    (["--data-parallel-size", "2"], "sglang-router"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "FP8"),
+    (["--schedule-policy", "lpm"], "fcfs"),
+    (["--speculative-algorithm", "EAGLE"], "not implemented yet"),
+    (["--quantization", "awq"], "--quantization awq"),
+    (["--attention-backend", "fa3"], "tierlm_paged"),
+    (["--max-prefill-tokens", "8"], "--max-prefill-tokens"),
+    (["--stream-interval", "0"], "--stream-interval"),
+    (["--max-queued-requests", "0"], "--max-queued-requests"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout"),
+])
+def test_sglang_refusals_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_context_length_above_model_limit(caplog: pytest.LogCaptureFixture) -> None:
+    from tierlm.runtime.engine_setup import check_context_length
+    from tierlm.runtime.errors import StartupError
+
+    assert check_context_length(None, 2048, {}) == 2048
+    assert check_context_length(1024, 2048, {}) == 1024
+    with pytest.raises(StartupError, match="SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"):
+        check_context_length(4096, 2048, {})
+    assert check_context_length(4096, 2048, {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) == 4096
+
+
+def test_attention_backend_must_match_the_backend() -> None:
+    from tierlm.platforms import Decision
+    from tierlm.runtime.engine_setup import check_attention_backend
+    from tierlm.runtime.errors import StartupError
+
+    check_attention_backend(ServerArgs(attention_backend="tierlm_paged"), Decision("torch", "cpu"))
+    check_attention_backend(ServerArgs(), Decision("mlx", "mps"))
+    with pytest.raises(StartupError, match="use --attention-backend mlx_paged"):
+        check_attention_backend(ServerArgs(attention_backend="tierlm_paged"), Decision("mlx", "mps"))
+
+
+def test_hicache_io_backend_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from tierlm.platforms import Decision
+    from tierlm.runtime.engine_setup import log_accepted_flags
+
+    with caplog.at_level(logging.INFO, logger="tierlm.runtime.engine_setup"):
+        log_accepted_flags(ServerArgs(enable_hierarchical_cache=True, hicache_io_backend="direct",
+                                      disable_cuda_graph=True), Decision("mlx", "mps"))
+    assert "on MLX kernel and direct are the same copy" in caplog.text
+    assert "does not use CUDA graphs yet" in caplog.text

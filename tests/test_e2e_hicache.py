@@ -110,8 +110,8 @@ def first_run(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Fi
         warm_a, warm_tiers = complete(server, PROMPT_A)
         story_text, _ = complete(server, STORIES_PROMPT, max_tokens=40)
         host_hits = metric(server, "tierlm_cache_hit_tokens_total", tier="host")
-        loaded_host = metric(server, "tierlm_hicache_loaded_host_tokens")
-        assert metric(server, "tierlm_hicache_storage_errors") == 0
+        loaded_host = metric(server, "tierlm_hicache_loaded_host_tokens_total")
+        assert metric(server, "tierlm_hicache_storage_errors_total") == 0
     stop_cleanly(server)
     snapshot = root / "snapshot"
     shutil.copytree(storage_dir, snapshot)
@@ -148,8 +148,8 @@ def test_restarted_server_reads_prompt_from_storage(first_run: FirstRun, restart
     assert tiers["device"] == tiers["host"] == 0  # nothing else could have held it after a restart
     assert text == first_run.cold_a
     assert metric(restarted, "tierlm_cache_hit_tokens_total", tier="storage") >= tiers["storage"]
-    assert metric(restarted, "tierlm_hicache_storage_bytes_read") > 0
-    assert metric(restarted, "tierlm_hicache_storage_errors") == 0
+    assert metric(restarted, "tierlm_hicache_storage_bytes_read_total") > 0
+    assert metric(restarted, "tierlm_hicache_storage_errors_total") == 0
 
 
 def test_flush_cache_with_storage_removes_the_files(first_run: FirstRun, restarted: ServerProcess) -> None:
@@ -203,7 +203,7 @@ def test_two_servers_share_one_folder_then_a_third_reads_it(stories_dir: Path, t
         assert hits[(0, OWN_PROMPTS[0])] == hits[(1, OWN_PROMPTS[1])] == cold, hits
         assert results[(0, SHARED_PROMPT)] == results[(1, SHARED_PROMPT)]
         for w in writers:
-            assert metric(w, "tierlm_hicache_storage_errors") == 0
+            assert metric(w, "tierlm_hicache_storage_errors_total") == 0
             io = httpx.get(f"{w.url}/server_info").json()["tiers"]["storage"]["io"]
             assert io["backups_failed"] == 0 and io["backups_dropped"] == 0, io
     finally:
@@ -222,8 +222,8 @@ def test_two_servers_share_one_folder_then_a_third_reads_it(stories_dir: Path, t
             text, tiers = complete(reader, prompt)
             assert tiers["storage"] > 0, (prompt, tiers)
             assert text == cold_text, prompt
-        assert metric(reader, "tierlm_hicache_storage_errors") == 0
-        assert metric(reader, "tierlm_hicache_storage_misses") == 0
+        assert metric(reader, "tierlm_hicache_storage_errors_total") == 0
+        assert metric(reader, "tierlm_hicache_storage_misses_total") == 0
     stop_cleanly(reader)
     assert temp_files(storage_dir) == []
 
@@ -267,7 +267,7 @@ def test_mlx_server_reads_pages_the_torch_server_stored(first_run: FirstRun, mlx
     text, tiers = complete(mlx_server, PROMPT_A)
     assert tiers["storage"] > 0, tiers
     assert text == first_run.cold_a
-    assert metric(mlx_server, "tierlm_hicache_storage_errors") == 0
+    assert metric(mlx_server, "tierlm_hicache_storage_errors_total") == 0
 
 
 # ------------------------------------------------------------------ a misbehaving disk
@@ -297,7 +297,7 @@ def test_fifos_in_place_of_page_files_never_hang_the_server(stories_dir: Path, t
         text, tiers = complete(server, PROMPT_A)
         assert text == cold and tiers["storage"] == 0
         assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
-        assert metric(server, "tierlm_hicache_storage_errors") >= 1
+        assert metric(server, "tierlm_hicache_storage_errors_total") >= 1
         assert metric(server, "tierlm_hicache_storage_online") == 1  # damaged files, not a damaged disk
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)

@@ -314,7 +314,7 @@ def test_wait_complete_with_a_hung_read_serves_the_cold_output(tiny_llama, store
         assert info["io"]["io_timeouts"] == 1 and info["state"] == "degraded"
         assert "did not finish within 0.5 s" in info["last_error"]
         assert _gauge(engine, "tierlm_hicache_storage_online") == 0
-        assert _gauge(engine, "tierlm_hicache_storage_io_timeouts") == 1
+        assert _gauge(engine, "tierlm_hicache_storage_io_timeouts_total") == 1
         again = _run_within(engine, doc(11) + [1], 4, on_hang=release.set)  # the scheduler keeps serving
         assert again.token_ids == reference_greedy(tiny_llama, doc(11) + [1], 4)
     finally:

@@ -76,7 +76,8 @@ def api_schema(real_app):
 # Why a schema-valid request may still get a 400: what depends on the model, the server's state, or more than
 # one field at once. Each entry: (param pattern, message pattern).
 ALLOWED_REFUSALS = [
-    (r"(prompt|input_ids|text)(\[\d+\])?$", r"outside the vocabulary|is empty|maximum context length|surrogate"),
+    (r"(prompt|input_ids|text|tokens)(\[\d+\])?$", r"outside the vocabulary|is empty|maximum context length|surrogate"),
+    (r"prompt$", r"exactly one of 'prompt'"),  # /tokenize: a text prompt or chat messages, not both, not neither
     (r"max_tokens$", r"context length|KV pool"),
     (r"messages", r"chat template"),
     (r"best_of$", r"best_of different from n"),  # JSON Schema cannot say "equal to n"

@@ -302,25 +302,30 @@ class HiCacheManager(KVCacheManager):
         m.gauge("tierlm_hicache_host_pages_total", "Host (L2) KV pages", lambda: self.host.num_pages)
         m.gauge("tierlm_hicache_host_pages_used", "Host (L2) KV pages in use",
                 lambda: self.host.num_pages - self.host_alloc.num_free)
-        m.gauge("tierlm_hicache_demoted_pages", "Device pages demoted to host on eviction", lambda: t.demoted_pages)
-        m.gauge("tierlm_hicache_host_evicted_pages", "Host pages evicted", lambda: t.evicted_host_pages)
-        m.gauge("tierlm_hicache_loaded_host_tokens", "Tokens loaded back from host to device",
-                lambda: self.loaded_host_pages * ps)
-        m.gauge("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage into the device tier",
-                lambda: self.loaded_storage_pages * ps)
-        m.gauge("tierlm_hicache_parked_storage_tokens", "Tokens read from storage into the host tier while the "
-                "device tier had no room", lambda: self.parked_storage_pages * ps)
+        # cumulative values are counters (exposed as *_total)
+        m.counter("tierlm_hicache_demoted_pages", "Device pages demoted to host on eviction", lambda: t.demoted_pages)
+        m.counter("tierlm_hicache_host_evicted_pages", "Host pages evicted", lambda: t.evicted_host_pages)
+        m.counter("tierlm_hicache_loaded_host_tokens", "Tokens loaded back from host to device",
+                  lambda: self.loaded_host_pages * ps)
+        m.counter("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage into the device tier",
+                  lambda: self.loaded_storage_pages * ps)
+        m.counter("tierlm_hicache_parked_storage_tokens", "Tokens read from storage into the host tier while the "
+                  "device tier had no room", lambda: self.parked_storage_pages * ps)
         if self.storage is not None:
-            for stat in ("files", "bytes", "bytes_read", "bytes_written", "misses", "errors", "evictions"):
+            for stat in ("files", "bytes"):
                 m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
                         lambda stat=stat: self.storage.stats()[stat])
+            for stat in ("bytes_read", "bytes_written", "misses", "errors", "evictions"):
+                m.counter(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
+                          lambda stat=stat: self.storage.stats()[stat])
             m.gauge("tierlm_hicache_storage_online", "1 while L3 storage works, 0 while writes fail or a "
                     "storage call hangs (see tiers.storage.last_error in /server_info)",
                     lambda: float(self.storage_health()["state"] == "online"))
+            m.gauge("tierlm_hicache_storage_stuck_threads", "L3 I/O threads stuck in a storage call right now",
+                    lambda: self.storage_io.stats()["stuck_threads"])
             for stat, doc in (("io_timeouts", "L3 reads/writes abandoned after the I/O time limit"),
-                              ("stuck_threads", "L3 I/O threads stuck in a storage call right now"),
                               ("backups_dropped", "L3 page writes dropped (backlog full, hung disk, shutdown)")):
-                m.gauge(f"tierlm_hicache_storage_{stat}", doc, lambda stat=stat: self.storage_io.stats()[stat])
+                m.counter(f"tierlm_hicache_storage_{stat}", doc, lambda stat=stat: self.storage_io.stats()[stat])
 
     def eviction_counters(self) -> dict[str, Callable[[], float]]:
         counters = {**super().eviction_counters(), "host": lambda: self.tree.evicted_host_pages}

@@ -26,11 +26,10 @@ from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.server.chat_parsing.base import OutputParser, ToolCallDelta
 from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls, merge_call_deltas
 from tierlm.server.chat_parsing.tool_parsers import new_call_id
-from tierlm.server.chat_parsing.tool_registry import HARMONY, forced_call_grammar, forced_call_parser, tool_format
+from tierlm.server.chat_parsing.tool_registry import (HARMONY, forced_call_grammar, forced_call_parser,
+                                                      json_parser_class, tool_format)
 from tierlm.server.protocol import (ChatCompletionRequest, ChatMessage, DeltaFunctionCall, DeltaToolCall,
                                     FunctionCallOut, ToolCallOut)
-
-_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",)}
 
 
 @dataclass
@@ -52,12 +51,9 @@ class ToolPlan:
             return ChoiceParser(reasoning, None, self.parallel)
         if reasoning is not None and _is_harmony(reasoning):
             return ChoiceParser(reasoning, None, self.parallel)  # harmony reads the calls itself
-        tools = forced_call_parser(self.fmt) if self.grammar else tool_parser_for_format(self.fmt)
+        cls = json_parser_class(self.fmt)
+        tools = forced_call_parser(self.fmt) if self.grammar else (cls() if cls is not None else None)
         return ChoiceParser(reasoning, tools, self.parallel)
-
-
-def tool_parser_for_format(fmt: str | None) -> OutputParser | None:
-    return forced_call_parser(fmt) if fmt in _MARKERS else None
 
 
 def _harmony_parser() -> OutputParser | None:
@@ -108,10 +104,11 @@ def keeps_special_tokens(plan: ToolPlan, tokenizer: Any) -> bool:
     decode with them, or the parser never sees them."""
     if plan.parse and plan.fmt == HARMONY:
         return True  # harmony's channel markers
-    if not plan.parse or plan.fmt not in _MARKERS:
+    cls = json_parser_class(plan.fmt) if plan.parse else None
+    if cls is None:
         return False
     special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    return any(m in special for m in _MARKERS[plan.fmt])
+    return any(m in special for m in (*cls.markers, cls.end_marker) if m)
 
 
 def apply_tool_grammar(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

@@ -86,7 +86,8 @@ _REFERENCES: dict[tuple[str, tuple[int, ...]], list[int]] = {}
 _REF_MODELS: dict = {}
 
 
-def _generate_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def _reference_model(path: str):
+    """transformers' float32 eager model of ``path``, loaded once per session."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -94,8 +95,24 @@ def _generate_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> l
         m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
         m.eval()
         _REF_MODELS[path] = m
+    return _REF_MODELS[path]
+
+
+def reference_log_softmax(model_dir: Path, ids: list[int]):
+    """transformers' float32 log-softmax at every position of ``ids``, a numpy [len(ids), V] array (row p scores
+    token p + 1): the ground truth for every logprob a backend returns."""
+    import torch
+
+    model = _reference_model(str(Path(model_dir).resolve()))
     with torch.no_grad():
-        out = _REF_MODELS[path].generate(
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def _generate_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = _reference_model(path).generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
         )

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine_harness import greedy, pool_is_clean, start_engine
+from model_factory import reference_log_softmax
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.sampling_params import SamplingParams
 
@@ -73,17 +74,9 @@ def lp_params(max_new_tokens=0, start=0, top=0, **kw) -> SamplingParams:
 @pytest.fixture(scope="module")
 def reference(stories_dir):
     """ids -> transformers' float32 log-softmax [len(ids), V] (row p scores token p + 1)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(stories_dir)
-    model = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
-
-    def logprobs(ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
-
-    return tok, logprobs
+    return AutoTokenizer.from_pretrained(stories_dir), lambda ids: reference_log_softmax(stories_dir, ids)
 
 
 @pytest.fixture(scope="module", params=["torch", "mlx"])

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from engine_harness import start_engine
 from http_helpers import LOCAL, sse_events
+from model_factory import reference_log_softmax
 from tierlm.server.app import create_app
 from tierlm.server.protocol import ChatMessage
 from tierlm.server.tokenization import apply_chat_template
@@ -20,19 +21,13 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 @pytest.fixture(scope="module")
 def reference(stories_dir):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(stories_dir)
-    model = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
+    from transformers import AutoTokenizer
 
     def token_logprobs(ids: list[int]) -> np.ndarray:
         """logprob of ids[p] given ids[:p], p = 1 .. len(ids) - 1."""
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
-        return lp[np.arange(len(ids) - 1), ids[1:]]
+        return reference_log_softmax(stories_dir, ids)[np.arange(len(ids) - 1), ids[1:]]
 
-    return tok, token_logprobs
+    return AutoTokenizer.from_pretrained(stories_dir), token_logprobs
 
 
 @pytest.fixture(scope="module", params=["torch", "mlx"])

@@ -66,10 +66,6 @@ class GrammarManager:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierlm-grammar") if backend else None
         self.compiled = 0  # grammars compiled (cache misses)
 
-    @property
-    def enabled(self) -> bool:
-        return self.backend is not None
-
     # ------------------------------------------------------------ compilation (any thread)
     def compile(self, spec: GrammarSpec) -> Future:
         """The future of ``spec``'s compiled grammar (from the cache, or submitted to the pool now). It fails

@@ -43,3 +43,31 @@ class OutputParser(Protocol):
 
     def finish(self) -> ParsedDelta:
         """Everything still held back, at the end of the generation."""
+
+
+class StepParser:
+    """The loop the stateful parsers share: the text is buffered in ``_buf`` and ``_step`` consumes what the buffer
+    determines until it reports no more progress; at the end ``_flush`` handles what the state machine left."""
+
+    _buf: str
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buf += text
+        out = ParsedDelta()
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        while self._step(out, final=True):
+            pass
+        self._flush(out)
+        return out
+
+    def _step(self, out: ParsedDelta, final: bool) -> bool:
+        """Consume what the buffer determines; True when there may be more to do."""
+        raise NotImplementedError
+
+    def _flush(self, out: ParsedDelta) -> None:
+        """What is still held at the end of the generation (nothing, unless a parser says otherwise)."""

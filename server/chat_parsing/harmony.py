@@ -27,7 +27,7 @@ import re
 import uuid
 from typing import Callable
 
-from tierlm.server.chat_parsing.base import ParsedDelta, ToolCallDelta
+from tierlm.server.chat_parsing.base import ParsedDelta, StepParser, ToolCallDelta
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN, CONSTRAIN = "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"
@@ -56,7 +56,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class HarmonyParser:
+class HarmonyParser(StepParser):
     """An OutputParser (server/chat_parsing/base.py) for one gpt-oss choice."""
 
     def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
@@ -67,21 +67,9 @@ class HarmonyParser:
         self._kind = _CONTENT  # the current body's destination
         self._tool_index = -1
 
-    # ---------------------------------------------------------------- OutputParser
-    def feed(self, text: str) -> ParsedDelta:
-        self._buf += text
-        out = ParsedDelta()
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        while self._step(out, final=True):
-            pass
+    def _flush(self, out: ParsedDelta) -> None:
         # What is left is an unterminated header (generation stopped inside one): markup, not text.
         self._buf = ""
-        return out
 
     # ---------------------------------------------------------------- states
     def _step(self, out: ParsedDelta, final: bool) -> bool:

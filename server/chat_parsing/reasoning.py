@@ -17,7 +17,7 @@ turn); every other character reaches the client.
 """
 from __future__ import annotations
 
-from tierlm.server.chat_parsing.base import OutputParser, ParsedDelta
+from tierlm.server.chat_parsing.base import OutputParser, ParsedDelta, StepParser
 from tierlm.server.chat_parsing.harmony import HarmonyParser
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -25,7 +25,7 @@ REASONING_PARSER_NAMES = ("deepseek-r1", "gpt-oss", "qwen3", "qwen3-thinking")
 HARMONY = "gpt-oss"  # the reasoning parser that is also the tool-call parser
 
 
-class ThinkTagParser:
+class ThinkTagParser(StepParser):
     """Reasoning between ``<think>`` and ``</think>`` at the start of the output (an OutputParser)."""
 
     def __init__(self, in_reasoning: bool = False, implicit_ends: tuple[str, ...] = ()) -> None:
@@ -34,19 +34,6 @@ class ThinkTagParser:
         self._state = "start"  # start | reasoning | content_start | content
         self._buf = ""
         self._reasoning_started = False  # leading newlines of the reasoning are dropped until text comes
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._buf += text
-        out = ParsedDelta()
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        while self._step(out, final=True):
-            pass
-        return out
 
     def _step(self, out: ParsedDelta, final: bool) -> bool:
         buf = self._buf

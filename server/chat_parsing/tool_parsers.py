@@ -20,7 +20,7 @@ import json
 import uuid
 from typing import Any
 
-from tierlm.server.chat_parsing.base import ParsedDelta, ToolCallDelta
+from tierlm.server.chat_parsing.base import ParsedDelta, StepParser, ToolCallDelta
 
 _WS = " \t\r\n"
 ARGS_KEYS = ('"arguments"', '"parameters"')
@@ -229,7 +229,7 @@ class _CallReader:
             self._send_whole_arguments(out)
 
 
-class JsonToolParser:
+class JsonToolParser(StepParser):
     """The state machine shared by the JSON tool formats. Configuration (class attributes):
 
     - ``markers``: texts that open a call region anywhere in the output;
@@ -247,7 +247,7 @@ class JsonToolParser:
     require_args = False
 
     def __init__(self) -> None:
-        self.buf = ""
+        self._buf = ""
         self.mode = "text"  # text | open | list_item | call | after
         self.raw = ""  # consumed call-region text not yet given back or used by a call
         self.at_start = self.bare_start is not None
@@ -256,18 +256,7 @@ class JsonToolParser:
         self.calls = 0
         self.pending_ws = ""
 
-    # ---------------------------------------------------------------- OutputParser
-    def feed(self, text: str) -> ParsedDelta:
-        out = ParsedDelta()
-        self.buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        while self._step(out, final=True):
-            pass
+    def _flush(self, out: ParsedDelta) -> None:
         if self.mode == "call" and self.reader is not None:
             self.reader.finish(out)
             if self.reader.malformed:
@@ -275,10 +264,9 @@ class JsonToolParser:
             self.raw = ""
         elif self.mode in ("open", "list_item"):
             self._content(out, self.raw)  # a marker with no call after it
-        if self.buf:
-            self._content(out, self.buf)
-        self.buf, self.raw, self.pending_ws = "", "", ""
-        return out
+        if self._buf:
+            self._content(out, self._buf)
+        self._buf, self.raw, self.pending_ws = "", "", ""
 
     # ---------------------------------------------------------------- helpers
     def next_index(self) -> int:
@@ -304,9 +292,9 @@ class JsonToolParser:
 
     def _skip_ws(self) -> bool:
         """Move leading whitespace of buf into raw; False when nothing else is buffered yet."""
-        s = self.buf.lstrip(_WS)
-        self.raw += self.buf[:len(self.buf) - len(s)]
-        self.buf = s
+        s = self._buf.lstrip(_WS)
+        self.raw += self._buf[:len(self._buf) - len(s)]
+        self._buf = s
         return bool(s)
 
     # ---------------------------------------------------------------- states
@@ -315,35 +303,35 @@ class JsonToolParser:
 
     def _text(self, out: ParsedDelta, final: bool) -> bool:
         if self.at_start:
-            s = self.buf.lstrip(_WS)
+            s = self._buf.lstrip(_WS)
             if not s:
                 if final:
-                    self._content(out, self.buf)
-                    self.buf = ""
+                    self._content(out, self._buf)
+                    self._buf = ""
                 return False
             self.at_start = False
             if s[0] == self.bare_start:
-                self.raw, self.buf, self.mode = self.buf[:len(self.buf) - len(s)], s, "open"
+                self.raw, self._buf, self.mode = self._buf[:len(self._buf) - len(s)], s, "open"
                 return True
-        found = [(self.buf.find(m), m) for m in self.markers]
+        found = [(self._buf.find(m), m) for m in self.markers]
         found = [(i, m) for i, m in found if i >= 0]
         if found:
             i, m = min(found)
-            self._content(out, self.buf[:i])
-            self.raw, self.buf, self.mode = m, self.buf[i + len(m):], "open"
+            self._content(out, self._buf[:i])
+            self.raw, self._buf, self.mode = m, self._buf[i + len(m):], "open"
             return True
-        hold = 0 if final else max((partial_marker_len(self.buf, m) for m in self.markers), default=0)
-        self._content(out, self.buf[:len(self.buf) - hold])
-        self.buf = self.buf[len(self.buf) - hold:]
+        hold = 0 if final else max((partial_marker_len(self._buf, m) for m in self.markers), default=0)
+        self._content(out, self._buf[:len(self._buf) - hold])
+        self._buf = self._buf[len(self._buf) - hold:]
         return False
 
     def _open(self, out: ParsedDelta, final: bool) -> bool:
         if not self._skip_ws():
             return False
-        c = self.buf[0]
+        c = self._buf[0]
         if self.container == "list" and c == "[" and not self.in_list:
             self.raw += c
-            self.buf, self.in_list, self.mode = self.buf[1:], True, "list_item"
+            self._buf, self.in_list, self.mode = self._buf[1:], True, "list_item"
             return True
         if c == "{":
             self.reader, self.mode = _CallReader(self, self.require_args), "call"
@@ -354,22 +342,22 @@ class JsonToolParser:
     def _list_item(self, out: ParsedDelta, final: bool) -> bool:
         if not self._skip_ws():
             return False
-        c = self.buf[0]
+        c = self._buf[0]
         if c == "{":
             self.reader, self.mode = _CallReader(self, self.require_args), "call"
             return True
         if c == "]":
-            self.buf = self.buf[1:]
+            self._buf = self._buf[1:]
             self.raw, self.mode, self.in_list = "", "text", False  # an empty list: nothing to say
             return True
         self._malformed(out)
         return True
 
     def _call(self, out: ParsedDelta, final: bool) -> bool:
-        if not self.buf:
+        if not self._buf:
             return False
-        consumed, ended = self.reader.feed(self.buf, out)
-        self.buf = self.buf[consumed:]
+        consumed, ended = self.reader.feed(self._buf, out)
+        self._buf = self._buf[consumed:]
         if not ended:
             return False
         if self.reader.malformed:
@@ -381,26 +369,26 @@ class JsonToolParser:
         return True
 
     def _after(self, out: ParsedDelta, final: bool) -> bool:
-        s = self.buf.lstrip(_WS)
+        s = self._buf.lstrip(_WS)
         if not s:
-            self.buf = "" if final else self.buf
+            self._buf = "" if final else self._buf
             return False
         if self.container == "block":
             if s.startswith(self.end_marker):
-                self.buf, self.mode = s[len(self.end_marker):], "text"
+                self._buf, self.mode = s[len(self.end_marker):], "text"
                 return True
             if self.end_marker.startswith(s) and not final:
                 return False  # maybe the end marker, still arriving
-            self.buf, self.mode = s, "text"  # no end marker: what follows is content
+            self._buf, self.mode = s, "text"  # no end marker: what follows is content
             return True
         sep = "," if self.container == "list" else ";"
         if s[0] == sep and (self.in_list or self.container == "semicolon"):
-            self.buf, self.mode = s[1:], ("list_item" if self.container == "list" else "open")
+            self._buf, self.mode = s[1:], ("list_item" if self.container == "list" else "open")
             return True
         if s[0] == "]" and self.in_list:
-            self.buf, self.mode, self.in_list = s[1:], "text", False
+            self._buf, self.mode, self.in_list = s[1:], "text", False
             return True
-        self.buf, self.mode, self.in_list = s, "text", False
+        self._buf, self.mode, self.in_list = s, "text", False
         return True
 
 

@@ -27,12 +27,17 @@ def tool_format(name: str | None) -> str | None:
     return TOOL_CALL_PARSERS.get(name) if name else None
 
 
+def json_parser_class(fmt: str | None) -> type[JsonToolParser] | None:
+    """The parser class of a JSON tool format (hermes, llama3, mistral); None for harmony and for no format."""
+    cls = _FORMATS.get(fmt) if fmt else None
+    return cls if isinstance(cls, type) else None
+
+
 def tool_parser_for(name: str | None) -> OutputParser | None:
     """A fresh JSON-format parser for the flag value ``name``; None for none, and for gpt-oss (harmony: the
     pipeline's harmony parser reads its calls)."""
-    fmt = tool_format(name)
-    cls = _FORMATS.get(fmt) if fmt else None
-    return cls() if isinstance(cls, type) else None
+    cls = json_parser_class(tool_format(name))
+    return cls() if cls is not None else None
 
 
 # ---------------------------------------------------------------- forced calls (tool_choice required / named)
@@ -76,5 +81,4 @@ def forced_call_grammar(fmt: str | None, functions: list[dict[str, Any]], parall
 
 def forced_call_parser(fmt: str | None) -> OutputParser:
     """The parser of what forced_call_grammar(fmt, ...) generates."""
-    cls = _FORMATS.get(fmt) if fmt else JsonListToolParser
-    return cls() if isinstance(cls, type) else JsonListToolParser()
+    return (json_parser_class(fmt) or JsonListToolParser)()

@@ -44,7 +44,10 @@ def sampling_batch(reqs: list[Req]) -> SamplingBatch:
         temperature=temperature, top_p=f32([p.top_p for p in ps]),
         top_k=np.asarray([p.top_k for p in ps], np.int32), min_p=f32([p.min_p for p in ps]),
         presence_penalty=f32([p.presence_penalty for p in ps]), frequency_penalty=f32([p.frequency_penalty for p in ps]),
-        repetition_penalty=f32([p.repetition_penalty for p in ps]), seeds=[p.seed for p in ps],
+        # A penalty below float32's smallest normal would round to 0, and a banned (-inf) logit times 0 is NaN,
+        # which argmax picks: the backends get it raised to that smallest value (the same effect, no NaN).
+        repetition_penalty=np.maximum(f32([p.repetition_penalty for p in ps]), np.finfo(np.float32).tiny),
+        seeds=[p.seed for p in ps],
         output_ids=[r.output_ids for r in reqs], prompt_ids=[r.input_ids for r in reqs],
         all_greedy=bool((temperature == 0).all()), any_penalty=any_penalty,
     )

@@ -105,6 +105,16 @@ def test_json_object_regex_and_choice(engine, prompt) -> None:
     assert c1.text in choices and c2.text in choices
 
 
+def test_a_vanishing_repetition_penalty_never_samples_a_banned_token(engine, prompt) -> None:
+    """A repetition penalty valid by the API (> 0) but below float32's range must not turn the grammar's banned
+    (-inf) logits into NaN, which the argmax would pick."""
+    params = [constrained(regex=r"(cat|dog)s?", repetition_penalty=5e-324),
+              constrained(ebnf=choice_grammar(["", "no"]), repetition_penalty=1e-45)]
+    pet, choice = run(engine, [prompt + prompt] * len(params), params)
+    assert re.fullmatch(r"(cat|dog)s?", pet.text) and pet.last.finish_reason == "stop"
+    assert choice.text in ("", "no") and choice.last.finish_reason == "stop" and not choice.last.error
+
+
 def test_streamed_deltas_concatenate_to_a_valid_document(engine, prompt) -> None:
     schema = SCHEMAS[7]
     streamed, = run(engine, [prompt], constrained(json_schema=json.dumps(schema)), stream=True)

@@ -300,14 +300,19 @@ def test_wait_complete_with_a_hung_read_serves_the_cold_output(tiny_llama, store
         cold, = run(engine, [prompt], greedy(8))
         _drop_memory_tiers(engine)
         storage = engine.parts.cache.storage
-        stuck_key, real_get = page_keys(prompt[:60], PS)[6], storage.get
+        stuck_key, real_get, real_get_into = page_keys(prompt[:60], PS)[6], storage.get, storage.get_into
 
         def hung_get(key):  # a network filesystem that stops answering for this page
             if key == stuck_key:
                 release.wait()
             return real_get(key)
 
-        storage.get = hung_get
+        def hung_get_into(key, out, **kw):  # the same, for a read straight into host pages
+            if key == stuck_key:
+                release.wait()
+            return real_get_into(key, out, **kw)
+
+        storage.get, storage.get_into = hung_get, hung_get_into
         hot = _run_within(engine, prompt, 8, on_hang=release.set)
         assert hot.token_ids == cold.token_ids and hot.last.cached.storage == 6 * PS
         info = engine.parts.cache.tiers_info()["storage"]

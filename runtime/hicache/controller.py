@@ -7,11 +7,15 @@ Backend-neutral: tensors only move through the backend's page-copy calls; L3 see
 - A request's prefix is served from the fastest tier holding it: device pages are used in place, host pages are
   copied back to the device, and storage pages are read (prefetched while the request waits) into host then
   device. Per-request counts land in ``req.cached`` (device / host / storage).
+- An L3 read goes straight into the host pages that will hold it: they are reserved when the prefetch starts
+  (``on_request_added``) and handed to the tree at admission; pages it did not fill go back to the host
+  allocator, the one a cancelled read may still be writing only once that read has left it (``io_idle``).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -22,7 +26,9 @@ from tierlm.runtime.errors import RequestError, StartupError
 from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
 from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, StorageIO
+from tierlm.runtime.hicache.storage_base import BorrowedPage
+from tierlm.runtime.hicache.storage_io import (DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, PrefetchHandle,
+                                               StorageIO)
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.kv_cache_manager import KVCacheManager
@@ -64,13 +70,22 @@ class HiCacheManager(KVCacheManager):
         self.host = HostKVPool(num_pages=host_pages, page_bytes=page_bytes, num_layers=backend.info.num_layers,
                                layout="layer_first" if layout == "layer_first" else "page_first")
         self.host_alloc = PageAllocator(host_pages)
-        self.tree = HiRadixCache(page_size, self.allocator.free, self.host_alloc.free,
+        # Bumped whenever a host page is freed: a queued L3 write of that page (made without a copy) is published
+        # only if its page's generation did not move while it was written.
+        self._host_gen = np.zeros(host_pages, np.int64)
+        self._pending_backups: dict[str, tuple[int, BorrowedPage]] = {}  # queued L3 writes from host pages
+        self._pending_lock = threading.Lock()
+        self.tree = HiRadixCache(page_size, self.allocator.free, self._free_host_pages,
                                  backup_node=self._backup_node, on_new_node=self._on_new_node)
         self.storage = storage
         self.storage_io = storage_io
         self.loaded_host_pages = 0
         self.loaded_storage_pages = 0
         self.parked_storage_pages = 0  # read from L3 into L2 while L1 had no room
+        # Host pages reserved for a prefetch to read into, until its request is admitted or released.
+        self._prefetch_host: dict[PrefetchHandle, list[int]] = {}
+        # Host pages a cancelled read may still be writing: freed once their prefetch is io_idle.
+        self._deferred_host: list[tuple[PrefetchHandle, list[int]]] = []
 
     # ------------------------------------------------------------ construction from flags
     @classmethod
@@ -125,9 +140,31 @@ class HiCacheManager(KVCacheManager):
         n = len(node.host_pages)
         keys = page_keys(self.tree.path_tokens(node), self.page_size)[-n:]
         stored = self.storage.known(keys)  # no file I/O here: the backup thread skips files already present
+        gen = self._host_gen
         for key, hp, present in zip(keys, node.host_pages, stored):
             if not present:
-                self.storage_io.backup(key, self.host.page_to_bytes(hp))
+                # Written from the host page itself, no copy on this thread (see _free_host_pages).
+                page = BorrowedPage(self._host_page_views(hp), lambda hp=hp, g=int(gen[hp]): gen[hp] == g)
+                with self._pending_lock:  # _backup_done (backup thread) waits until the entry is in
+                    if self.storage_io.backup(key, page, on_done=self._backup_done):
+                        self._pending_backups[key] = (hp, page)
+
+    def _backup_done(self, key: str, ok: bool) -> None:  # on the backup thread
+        with self._pending_lock:
+            self._pending_backups.pop(key, None)
+
+    def _free_host_pages(self, pages: list[int]) -> None:
+        """Every host page is freed here. A page whose L3 write is still queued or running is copied out first
+        (the write goes on from the copy; the only copy the write path makes, and only for such pages); the
+        generation bump then stops a write from the page's memory from being published."""
+        if len(pages):
+            with self._pending_lock:
+                if self._pending_backups:
+                    freed = set(pages)
+                    for key in [k for k, (hp, _) in self._pending_backups.items() if hp in freed]:
+                        self._pending_backups.pop(key)[1].detach()
+                self._host_gen[np.asarray(pages)] += 1
+        self.host_alloc.free(pages)
 
     # ------------------------------------------------------------ admission
     def on_request_added(self, req: Req) -> None:
@@ -147,7 +184,76 @@ class HiCacheManager(KVCacheManager):
         # scheduler). Pages past what it knows may have been stored by another server sharing the folder: the
         # prefetch thread probes for them and stops at the first absent one.
         known = sum(1 for _ in itertools.takewhile(bool, self.storage.known(keys)))
-        req.prefetch = PendingPrefetch(have, self.storage_io.prefetch(keys, known=known), time.perf_counter(), known)
+        if req.prefetch is not None:  # added again with one still pending: its reserved pages go back first
+            self._drop_prefetch(req)
+        # The pages the index knows are read straight into host pages reserved now; probed ones (likely absent)
+        # and any the host tier cannot make room for come back as bytes.
+        host_pages = self._reserve_host(m, known)
+        into = [self._host_page_views(hp) for hp in host_pages]
+        handle = self.storage_io.prefetch(keys, known=known, into=into)
+        if host_pages:
+            self._prefetch_host[handle] = host_pages
+        req.prefetch = PendingPrefetch(have, handle, time.perf_counter(), known)
+
+    def _reserve_host(self, m: MatchResult, n: int) -> list[int]:
+        """Up to ``n`` free host pages for a prefetch to read into (LRU host pages are evicted for them, never
+        the ones of ``m``'s own match)."""
+        self._sweep_deferred_host()
+        if n <= 0:
+            return []
+        node = m.host_last_node if m.host_pages else m.last_node
+        self.tree.lock(node)
+        try:
+            self._make_host_free(n)
+        finally:
+            self.tree.unlock(node)
+        k = min(n, self.host_alloc.num_free)
+        return self.host_alloc.alloc(k) if k else []
+
+    def _host_page_views(self, page: int) -> list[memoryview]:
+        """Writable views of host page ``page`` in page_first byte order (what an L3 file stores)."""
+        data = self.host.data
+        if self.host.layout == "layer_first":
+            return [memoryview(data[layer, page]).cast("B") for layer in range(data.shape[0])]
+        return [memoryview(data[page]).cast("B")]
+
+    def _give_back_prefetch_pages(self, handle: PrefetchHandle, used: range) -> None:
+        """Free the reserved host pages of a finished or cancelled prefetch outside ``used`` (indices into its
+        keys); the page a cancelled read may still be filling waits until that read is over."""
+        reserved = self._prefetch_host.pop(handle, None)
+        if not reserved:
+            return
+        free = [hp for i, hp in enumerate(reserved) if i not in used]
+        if not handle.io_idle:
+            busy = reserved[handle.num_loaded] if handle.num_loaded < len(reserved) else None
+            if busy is not None and busy in free:
+                free.remove(busy)
+                self._deferred_host.append((handle, [busy]))
+        if free:
+            self._free_host_pages(free)
+
+    def _sweep_deferred_host(self) -> None:
+        if not self._deferred_host:
+            return
+        keep = []
+        for handle, pages in self._deferred_host:
+            if handle.io_idle:
+                self._free_host_pages(pages)
+            else:
+                keep.append((handle, pages))
+        self._deferred_host = keep
+
+    def _drop_prefetch(self, req: Req) -> None:
+        """A waiting request leaves (abort, error) or restarts its prefetch: stop it, free its host pages."""
+        pf, req.prefetch = req.prefetch, None
+        pf.handle.cancel()
+        self._give_back_prefetch_pages(pf.handle, range(0))
+
+    def release(self, req: Req, cache_kv: bool) -> None:
+        if req.prefetch is not None:
+            self._drop_prefetch(req)
+        super().release(req, cache_kv)
+        self._sweep_deferred_host()
 
     def ready_to_admit(self, req: Req) -> bool:
         """False while a timeout or wait_complete prefetch is still loading within its time budget."""
@@ -210,30 +316,41 @@ class HiCacheManager(KVCacheManager):
         start, handle = pf.start_page, pf.handle
         if self.prefetch_policy == "wait_complete":
             handle.wait(max(0.0, pf.started_at + self._prefetch_budget(pf) - time.perf_counter()))
-        payloads = handle.cancel()  # all of it when done; else what has arrived within the budget
+        entries = handle.cancel()  # all of it when done; else what has arrived within the budget
+        reserved = self._prefetch_host.get(handle, [])
         have = len(pages)
         skip = have - start  # pages that meanwhile became available in a faster tier
-        payloads = payloads[skip:] if skip >= 0 else []
-        n = len(payloads)
+        used = range(skip, len(entries)) if skip >= 0 else range(0)
+        n = len(used)
         if n == 0:
+            self._give_back_prefetch_pages(handle, range(0))
             return node, pages, 0
+        n_bytes = sum(1 for i in used if i >= len(reserved))  # entries read as bytes: need host pages now
         self.tree.lock(node)
         try:
-            if not self._make_host_free(n):
+            if not self._make_host_free(n_bytes):
+                self._give_back_prefetch_pages(handle, range(0))
                 return node, pages, 0
-            host_pages = self.host_alloc.alloc(n)
+            extra = self.host_alloc.alloc(n_bytes) if n_bytes else []
             dev = self.allocator.alloc(n) if self._make_free(n) else None
         finally:
             self.tree.unlock(node)
-        for hp, payload in zip(host_pages, payloads):
-            self.host.page_from_bytes(hp, payload)
+        self._give_back_prefetch_pages(handle, used)  # the reserved pages outside ``used``
+        host_pages, extra_it = [], iter(extra)
+        for i in used:
+            if i < len(reserved):
+                host_pages.append(reserved[i])  # read straight into it
+            else:
+                hp = next(extra_it)
+                self.host.page_from_bytes(hp, entries[i])
+                host_pages.append(hp)
         if dev is None:
             # L1 is full at the moment: keep what was read in L2, where this request's retry finds it.
             ps = self.page_size
             if self.tree.add_host_only_child(node, tokens[have * ps:(have + n) * ps], host_pages):
                 self.parked_storage_pages += n
             else:
-                self.host_alloc.free(host_pages)
+                self._free_host_pages(host_pages)
             return node, pages, 0
         self.backend.copy_pages_from_host(self.host, np.asarray(host_pages), np.asarray(dev))
         total = have + n
@@ -244,6 +361,7 @@ class HiCacheManager(KVCacheManager):
         return last, tree_pages, n
 
     def _make_host_free(self, n: int) -> bool:
+        self._sweep_deferred_host()
         short = n - self.host_alloc.num_free
         if short > 0:
             self.tree.evict_host(short)
@@ -293,7 +411,9 @@ class HiCacheManager(KVCacheManager):
     def accounting(self) -> dict[str, int]:
         acc = super().accounting()
         acc.update(host_total_pages=self.host.num_pages, host_free_pages=self.host_alloc.num_free,
-                   host_cached_pages=self.tree.host_pages_cached)
+                   host_cached_pages=self.tree.host_pages_cached,
+                   host_prefetch_pages=sum(map(len, self._prefetch_host.values()))
+                   + sum(len(p) for _, p in self._deferred_host))
         return acc
 
     def register_gauges(self, metrics: EngineMetrics) -> None:
@@ -315,7 +435,7 @@ class HiCacheManager(KVCacheManager):
             for stat in ("files", "bytes"):
                 m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
                         lambda stat=stat: self.storage.stats()[stat])
-            for stat in ("bytes_read", "bytes_written", "misses", "errors", "evictions"):
+            for stat in ("bytes_read", "bytes_written", "misses", "errors", "evictions", "read_seconds"):
                 m.counter(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
                           lambda stat=stat: self.storage.stats()[stat])
             m.gauge("tierlm_hicache_storage_online", "1 while L3 storage works, 0 while writes fail or a "

@@ -1,14 +1,15 @@
 """The L3 storage contract: a namespaced key -> page-bytes store that a HiCache controller can back up to and
 prefetch from. Backends (file today; a remote store such as mooncake later) implement ``KVStorage``.
 
-Rules every backend keeps: ``get`` returns either the exact bytes that ``set`` stored for that key in this
-namespace or None (never partial or foreign bytes); a damaged entry is a miss, counted in ``errors``; all
-methods are safe to call from several threads at once.
+Rules every backend keeps: ``get`` (and ``get_into``) returns either the exact bytes that ``set`` stored for
+that key in this namespace or None (never partial or foreign bytes); a damaged entry is a miss, counted in
+``errors``; all methods are safe to call from several threads at once.
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # Keys of stats(): counts since this object was created, except files/bytes (current content it knows of).
 STAT_FIELDS = (
@@ -21,7 +22,43 @@ STAT_FIELDS = (
     "misses",  # get() calls that returned None (absent, or damaged)
     "errors",  # damaged entries found (bad header, checksum, truncated) and failed I/O
     "evictions",  # entries removed to keep within the size bound
+    "read_seconds",  # time spent in get()/get_into() calls that returned a page: bytes_read / this = read rate
 )
+
+
+class BorrowedPage:
+    """A page to store that stays in the caller's memory (e.g. a host pool page): ``views`` are written in order
+    without being joined or copied, and ``valid()`` (true while that memory still holds the page) is checked once
+    they are written, before the entry is published; a False there drops the write. Before the caller reuses the
+    memory of a write still pending it calls ``detach()``: the page is copied then (only then), and the write goes
+    on from the copy. ``bytes(page)`` joins the views for backends that need one byte string."""
+
+    __slots__ = ("views", "valid", "nbytes", "detached", "_lock")
+
+    def __init__(self, views: Sequence[Any], valid: Callable[[], bool]) -> None:
+        self.views = [memoryview(v).cast("B") for v in views]
+        self.valid = valid
+        self.nbytes = sum(v.nbytes for v in self.views)
+        self.detached = False
+        self._lock = threading.Lock()
+
+    def detach(self) -> None:
+        """Copy the page out of the caller's memory (which must still hold it); later writes use the copy."""
+        with self._lock:
+            if not self.detached:
+                self.views = [memoryview(b"".join(self.views))]
+                self.valid = _always
+                self.detached = True
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.views)
+
+
+def _always() -> bool:
+    return True
 
 
 class KVStorage(ABC):
@@ -44,6 +81,25 @@ class KVStorage(ABC):
     def get(self, key: str) -> bytes | None:
         """The payload stored under key, verified; None on a miss or a damaged entry."""
 
+    def get_into(self, key: str, out: Sequence[Any], *, probe: bool = False) -> bool:
+        """Read the page stored under key straight into ``out``: writable buffers (e.g. the rows of a host page)
+        that together take the payload in order. True when it was read and verified; False on a miss, and then
+        ``out`` may hold anything. ``probe``: as probe() (an absent entry is not a miss). Backends that can read
+        into memory (the file backend: one preadv a page) override this copy of get()'s bytes."""
+        page = self.probe(key) if probe else self.get(key)
+        if page is None:
+            return False
+        src = memoryview(page).cast("B")
+        total = sum(memoryview(b).nbytes for b in out)
+        if total != src.nbytes:
+            raise ValueError(f"get_into got buffers of {total} bytes for a {src.nbytes}-byte page")
+        pos = 0
+        for b in out:
+            view = memoryview(b).cast("B")
+            view[:] = src[pos:pos + view.nbytes]
+            pos += view.nbytes
+        return True
+
     def known(self, keys: Sequence[str]) -> list[bool]:
         """Like exists(), but from what this object already knows, without I/O: the scheduler thread asks this,
         and must never wait on a disk. Backends with no in-memory index answer with exists()."""
@@ -56,7 +112,10 @@ class KVStorage(ABC):
 
     @abstractmethod
     def set(self, key: str, payload: bytes | bytearray | memoryview) -> bool:
-        """Store payload under key (a no-op returning True when it is already stored). False when not stored."""
+        """Store payload under key (a no-op returning True when it is already stored). False when not stored.
+        ``payload`` may also be a list of buffers whose concatenation is the page (e.g. one per layer of a host
+        page), or a BorrowedPage: backends write them without joining them first; a BorrowedPage whose memory
+        was reused meanwhile (``valid()`` False after the write) is not stored and set() returns False."""
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]

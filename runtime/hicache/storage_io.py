@@ -2,7 +2,11 @@
 
 Backups and prefetches have separate queues and threads, so a long backlog of writes never delays the read a
 waiting request needs. A prefetch loads its keys in order and stops at the first miss (a later page is useless
-without the earlier ones). The controller builds SGLang's prefetch policies from a ``PrefetchHandle``:
+without the earlier ones). With ``into`` (one list of writable buffers per leading key: the host pool pages
+reserved for them) pages are read straight into memory they will stay in, and the handle's entries for those
+keys are their indices instead of bytes. After a cancel, ``handle.io_idle`` says when no read can still write
+into those buffers (a read in flight finishes first), so the caller knows when it may reuse them.
+The controller builds SGLang's prefetch policies from a ``PrefetchHandle``:
   best_effort:   when the request is scheduled, ``handle.cancel()`` and use the pages it returns;
   wait_complete: ``handle.wait()`` then ``handle.result()``;
   timeout:       ``handle.wait(t)`` then ``handle.cancel()`` (the pages loaded within t).
@@ -22,12 +26,12 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from tierlm.runtime.hicache.storage_base import KVStorage
+from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
 
 logger = logging.getLogger(__name__)
 
 BackupCallback = Callable[[str, bool], None]  # (key, stored) on the backup thread
-PrefetchCallback = Callable[[list[bytes]], None]  # pages loaded, in key order, on the prefetch thread
+PrefetchCallback = Callable[[list[Any]], None]  # entries loaded, in key order, on the prefetch thread
 
 # A page is KBs to a few MB: a healthy local or network disk reads or writes it in milliseconds. 10 s leaves
 # room for a slow network filesystem while still freeing a request stuck behind a hung one.
@@ -56,15 +60,22 @@ class _Abandoned(Exception):
 class PrefetchHandle:
     """One prefetch: ``keys`` in order; the pages loaded so far are always a prefix of them."""
 
-    def __init__(self, keys: Sequence[str], on_done: PrefetchCallback | None, known: int | None = None) -> None:
+    def __init__(self, keys: Sequence[str], on_done: PrefetchCallback | None, known: int | None = None,
+                 into: Sequence[Sequence[Any]] | None = None) -> None:
         self.keys = list(keys)
         # Keys past ``known`` are ones the storage had no record of: they are probed (another process may have
         # stored them), and an absent one ends the prefetch without counting as a miss.
         self.known = len(self.keys) if known is None else known
+        # Key i < len(into) is read into the buffers into[i] and its entry is i; later keys' entries are bytes.
+        self.into = list(into or ())
+        if len(self.into) > len(self.keys):
+            raise ValueError(f"prefetch got {len(self.into)} destinations for {len(self.keys)} keys")
         self._on_done = on_done
-        self._pages: list[bytes] = []
+        self._pages: list[Any] = []
         self._lock = threading.Lock()
         self._done = threading.Event()
+        self._idle = threading.Event()  # clear while a read into ``into`` is in flight
+        self._idle.set()
         self._cancelled = False
 
     def cancel(self) -> list[bytes]:
@@ -78,6 +89,14 @@ class PrefetchHandle:
                 self._cancelled = True
                 self._done.set()
             return list(self._pages)
+
+    @property
+    def io_idle(self) -> bool:
+        """No read is writing into the ``into`` buffers now; once ``done`` too, none ever will again."""
+        return self._idle.is_set()
+
+    def wait_io_idle(self, timeout: float | None = None) -> bool:
+        return self._idle.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished (all loaded, a miss, or cancelled); False if ``timeout`` seconds passed first."""
@@ -108,7 +127,18 @@ class PrefetchHandle:
             return self._done.is_set() and len(self._pages) == len(self.keys)
 
     # --- worker side ---
-    def _append(self, page: bytes) -> bool:
+    def _start_read(self) -> bool:
+        """Before a read into ``into``: False when finished or cancelled meanwhile (then no read starts)."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._idle.clear()
+            return True
+
+    def _end_read(self) -> None:
+        self._idle.set()
+
+    def _append(self, page: Any) -> bool:
         with self._lock:
             if self._done.is_set():
                 return False  # cancelled while this page was being read: the caller already has its result
@@ -152,7 +182,7 @@ class StorageIO:
         self._counts = dict(
             backups_queued=0, backups_done=0, backups_failed=0, backups_dropped=0,
             prefetches=0, prefetches_complete=0, prefetches_partial=0, prefetches_cancelled=0,
-            prefetch_pages_loaded=0, prefetch_errors=0, prefetches_bypassed=0, io_timeouts=0,
+            prefetch_pages_loaded=0, prefetch_errors=0, prefetches_bypassed=0, io_timeouts=0, backups_stale=0,
         )
         self._workers: list[_Worker] = []  # serving the queues
         self._stuck: list[_Worker] = []  # abandoned by the watchdog, still inside a storage call
@@ -168,12 +198,22 @@ class StorageIO:
         self._watchdog.start()
 
     # --- producer side (scheduler thread) ---
-    def backup(self, key: str, payload: bytes, on_done: BackupCallback | None = None) -> bool:
+    def backup(self, key: str, payload: Any, on_done: BackupCallback | None = None,
+               valid: Callable[[], bool] | None = None) -> bool:
         """Queue a write of one page; False when dropped because the queue is over max_pending_write_bytes.
 
-        A payload that is not ``bytes`` is copied now, so the caller may reuse its buffer at once.
+        Without ``valid``, a payload that is not ``bytes`` is copied now, so the caller may reuse its buffer at
+        once. A BorrowedPage, or ``payload`` (a buffer or a list of buffers, e.g. the rows of a host page) with
+        ``valid``, is NOT copied: the backup thread writes it from the caller's memory and publishes the file only
+        if ``valid()`` is still true once it is written (the caller bumps what ``valid`` checks before it reuses
+        the memory, after BorrowedPage.detach() if it wants the write kept); otherwise the write is dropped
+        (``backups_stale``). The scheduler thread copies nothing.
         """
-        if not isinstance(payload, bytes):
+        if isinstance(payload, BorrowedPage):
+            pass
+        elif valid is not None:
+            payload = BorrowedPage(payload if isinstance(payload, (list, tuple)) else [payload], valid)
+        elif not isinstance(payload, bytes):
             payload = bytes(memoryview(payload).cast("B"))
         with self._cond:
             self._check_open()
@@ -204,11 +244,12 @@ class StorageIO:
                 return n
         return len(keys)
 
-    def prefetch(self, keys: Sequence[str], on_done: PrefetchCallback | None = None, known: int | None = None
-                 ) -> PrefetchHandle:
+    def prefetch(self, keys: Sequence[str], on_done: PrefetchCallback | None = None, known: int | None = None,
+                 into: Sequence[Sequence[Any]] | None = None) -> PrefetchHandle:
         """Queue a load of ``keys`` in order, stopping at the first miss; on_done(pages) runs when it finishes
-        without being cancelled. Keys from index ``known`` on are probed rather than expected (KVStorage.probe)."""
-        handle = PrefetchHandle(keys, on_done, known)
+        without being cancelled. Keys from index ``known`` on are probed rather than expected (KVStorage.probe).
+        ``into[i]``: writable buffers key i is read into (KVStorage.get_into); its entry is then ``i``."""
+        handle = PrefetchHandle(keys, on_done, known, into)
         with self._cond:
             self._check_open()
             self._counts["prefetches"] += 1
@@ -389,16 +430,30 @@ class StorageIO:
                 return
             key, payload, on_done = item
             w.job = item
+            stale = False
             try:
-                ok = bool(self._call(w, f"write of {key[:12]}..", self.storage.set, key, payload))
+                ok = bool(self._call(w, f"write of {key[:12]}..", self._store, key, payload))
+                stale = not ok and isinstance(payload, BorrowedPage) and not payload.valid()
             except _Abandoned:
                 raise
             except Exception:
                 logger.exception("L3 backup of %s.. raised; the page stays uncached in storage", key[:12])
                 ok = False
-            self._write_finished(key, payload, on_done, ok)
+            self._write_finished(key, payload, on_done, ok, stale)
 
-    def _write_finished(self, key: str, payload: bytes, on_done: BackupCallback | None, ok: bool | None) -> None:
+    def _store(self, key: str, payload: Any) -> bool:
+        if not isinstance(payload, BorrowedPage):
+            return self.storage.set(key, payload)
+        for _ in range(2):
+            detached = payload.detached
+            ok = bool(self.storage.set(key, payload)) if payload.valid() else False
+            if ok or detached or not payload.detached:
+                return ok
+            # the owner copied the page out and reused its memory during this write: write the copy
+        return ok
+
+    def _write_finished(self, key: str, payload: Any, on_done: BackupCallback | None, ok: bool | None,
+                        stale: bool = False) -> None:
         if on_done is not None and ok is not None:
             try:
                 on_done(key, ok)
@@ -407,7 +462,8 @@ class StorageIO:
         with self._cond:
             self._pending_writes -= 1
             self._pending_write_bytes -= len(payload)
-            name = "backups_dropped" if ok is None else "backups_done" if ok else "backups_failed"
+            name = ("backups_dropped" if ok is None else "backups_done" if ok else
+                    "backups_stale" if stale else "backups_failed")
             self._counts[name] += 1
             self._cond.notify_all()
 
@@ -421,9 +477,20 @@ class StorageIO:
             for i, key in enumerate(handle.keys):
                 if handle.done:
                     break
-                read = self.storage.get if i < handle.known else self.storage.probe
+                probe = i >= handle.known
                 try:
-                    page = self._call(w, f"read of {key[:12]}..", read, key)
+                    if i < len(handle.into):
+                        if not handle._start_read():
+                            break
+                        try:  # the buffers are the caller's memory: io_idle tells when this read has left them
+                            ok = self._call(w, f"read of {key[:12]}..", self._read_into, key, handle.into[i],
+                                            probe)
+                        finally:
+                            handle._end_read()
+                        page = i if ok else None
+                    else:
+                        read = self.storage.probe if probe else self.storage.get
+                        page = self._call(w, f"read of {key[:12]}..", read, key)
                 except _Abandoned:
                     raise
                 except Exception:
@@ -433,6 +500,9 @@ class StorageIO:
                     break
                 loaded += 1
             self._prefetch_finished(handle, loaded, errors)
+
+    def _read_into(self, key: str, out: Sequence[Any], probe: bool) -> bool:
+        return self.storage.get_into(key, out, probe=probe)
 
     def _prefetch_finished(self, handle: PrefetchHandle, loaded: int, errors: int) -> None:
         pages = handle._finish()

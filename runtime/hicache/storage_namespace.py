@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # Version of what tierlm stores for a page (payload meaning + key scheme). Part of every namespace id.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: page files carry an XXH3-128 checksum (file format 2)
 
 # Facts a namespace must state. "model" is the model fingerprint (ModelInfo.fingerprint); "layout" is the byte
 # order of a stored page payload; "backend_layout" is ModelBackend.kv_byte_layout(). Extra fields are allowed

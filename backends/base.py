@@ -32,6 +32,13 @@ class ModelInfo:
     dtype: str  # "float32" | "bfloat16" | "float16"
     fingerprint: str  # sha256 of config bytes + weight names/sizes/sampled content (model_source/fingerprint.py)
     sliding_window: int | None = None
+    # What KV pages are stored in (--kv-cache-dtype through dtypes.kv_storage_dtype): the model's dtype, "bfloat16",
+    # "fp8_e4m3" or "fp8_e5m2". Empty: the model's dtype. Every tier (device, host, file) holds pages in it.
+    kv_dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            self.kv_dtype = self.dtype
 
 
 @dataclass
@@ -194,9 +201,15 @@ class HostKVPool:
             self.data[page] = arr
 
 
-# Post-RoPE K and V (rotate-half convention) as [layer, K/V, token, head, dim], little-endian in the pool dtype:
-# what the torch and MLX pools store, so an L3 folder written by one backend serves the other (tests check it).
+# Post-RoPE K and V (rotate-half convention) as [layer, K/V, token, head, dim], little-endian in the KV storage
+# dtype (ModelInfo.kv_dtype; fp8_e4m3 is OCP E4M3FN, saturated to +-448, per-tensor scale 1.0: torch's
+# float8_e4m3fn bits, which mx.to_fp8 writes too): what the torch and MLX pools store, so an L3 folder written by
+# one backend serves the other (tests check it).
 SHARED_PAGE_LAYOUT = "layer,kv,token,head,dim"
+
+
+class KVCacheDtypeError(ValueError):
+    """A --kv-cache-dtype the chosen backend cannot store; the message says which to use instead."""
 
 
 class ModelBackend(ABC):
@@ -208,9 +221,9 @@ class ModelBackend(ABC):
     info: ModelInfo
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers in the device pool."""
+        """Bytes of K and V for one token across all layers in the device pool (in the KV storage dtype)."""
         i = self.info
-        return kv_bytes_per_token(i.num_layers, i.num_kv_heads, i.head_dim, i.dtype)
+        return kv_bytes_per_token(i.num_layers, i.num_kv_heads, i.head_dim, i.kv_dtype)
 
     @abstractmethod
     def weight_bytes(self) -> int:
@@ -237,7 +250,7 @@ class ModelBackend(ABC):
     def kv_namespace(self) -> dict[str, Any]:
         """Everything that decides what the bytes of a KV page mean; L3 keys are namespaced by it."""
         i = self.info
-        return {
+        ns = {
             "backend_layout": self.kv_byte_layout(),
             "dtype": i.dtype,
             "num_layers": i.num_layers,
@@ -245,6 +258,11 @@ class ModelBackend(ABC):
             "head_dim": i.head_dim,
             "model": i.fingerprint,
         }
+        # Pages stored in another dtype than the model computes in (--kv-cache-dtype bf16|fp8_*) are other bytes;
+        # pages in the model's own dtype keep the namespace they always had.
+        if i.kv_dtype != i.dtype:
+            ns["kv_dtype"] = i.kv_dtype
+        return ns
 
     def kv_byte_layout(self) -> str:
         """Names the byte order of a page; only equal strings share L3 pages. A backend shares the torch/MLX

@@ -13,6 +13,10 @@ Three cases, decided by the backend's device and the facts:
 
 Facts must be detected *before* the weights are loaded: the weights are subtracted here.
 Pure: no probing, no allocation. Sizes in messages are GB = 1e9 bytes, as SGLang prints them.
+
+`size_kv_tiers` is the one function that turns facts, decision, launch flags and the model's sizes into the
+pages a launch allocates: `tierlm serve` (runtime/engine_setup.plan_tiers) allocates what it returns and
+`tierlm doctor` reports what it returns, so the two never disagree.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ DEFAULT_UNIFIED_FRACTION = 0.80  # weights + L1 share of available memory on uni
 DEFAULT_CPU_FRACTION = 0.40  # CPU decode is slow; a larger pool mostly pins RAM the rest of the box needs
 GPU_RESERVE_FIXED = 1 * GiB  # CUDA context, cuBLAS workspace...
 GPU_RESERVE_SHARE = 0.10  # ...plus activations and graphs, as a share of GPU memory
+CONTEXT_CAP_FACTOR = 4  # without --max-total-tokens: device KV <= 4 x context length x max running requests
+MIN_DEVICE_PAGES = 2  # the smallest device pool a launch allocates
 
 KIND_DISCRETE = "discrete"
 KIND_UNIFIED = "unified"
@@ -112,8 +118,14 @@ def plan_memory(
     enable_hierarchical_cache: bool = False,
     hicache_ratio: float = 2.0,
     hicache_size_gb: float = 0.0,
+    context_length: int | None = None,
+    max_running_requests: int | None = None,
 ) -> MemoryPlan:
-    """Size L1 (device KV) and, with HiCache, L2 (host KV). Raises MemoryPlanError when nothing sensible fits."""
+    """Size L1 (device KV) and, with HiCache, L2 (host KV). Raises MemoryPlanError when nothing sensible fits.
+
+    Without ``max_total_tokens``, given ``context_length`` and ``max_running_requests``, device KV is capped at
+    CONTEXT_CAP_FACTOR x context length x max running requests: more than every running request at full context
+    (x4 for cached prefixes) can never be used. The host tier is then sized from the capped device tier."""
     if kv_bytes_per_token < 1 or page_size < 1 or weight_bytes < 0:
         raise ValueError(
             f"need kv_bytes_per_token >= 1, page_size >= 1, weight_bytes >= 0; got {kv_bytes_per_token}, "
@@ -121,9 +133,13 @@ def plan_memory(
         )
     if enable_hierarchical_cache and hicache_size_gb <= 0 and hicache_ratio <= 0:
         raise MemoryPlanError(f"--hicache-ratio must be > 0 (got {hicache_ratio}), or set --hicache-size in GB")
+    context_cap = None
+    if not max_total_tokens and context_length and max_running_requests:
+        context_cap = (context_length, max_running_requests)
     req = _Request(
         facts, decision, weight_bytes, kv_bytes_per_token, page_size, max_total_tokens, mem_fraction_static,
         enable_hierarchical_cache, hicache_ratio, int(hicache_size_gb * GB) if hicache_size_gb > 0 else 0,
+        context_cap,
     )
     kind = memory_kind(facts, decision)
     if kind == KIND_DISCRETE:
@@ -140,12 +156,16 @@ class TierFlags(Protocol):
     enable_hierarchical_cache: bool
     hicache_ratio: float
     hicache_size: float
+    max_running_requests: int
 
 
 def plan_memory_for_args(
-    facts: Facts, decision: Decision, args: TierFlags, *, weight_bytes: int, kv_bytes_per_token: int
+    facts: Facts, decision: Decision, args: TierFlags, *, weight_bytes: int, kv_bytes_per_token: int,
+    context_length: int | None = None,
 ) -> MemoryPlan:
-    """plan_memory reading the flags from ServerArgs (or anything with the same attributes)."""
+    """plan_memory reading the flags from ServerArgs (or anything with the same attributes); with
+    ``context_length`` also the cap by context length x max running requests. Launches size their tiers with
+    size_kv_tiers, which builds on this."""
     return plan_memory(
         facts,
         decision,
@@ -157,7 +177,120 @@ def plan_memory_for_args(
         enable_hierarchical_cache=args.enable_hierarchical_cache,
         hicache_ratio=args.hicache_ratio,
         hicache_size_gb=args.hicache_size,
+        context_length=context_length,
+        max_running_requests=args.max_running_requests if context_length else None,
     )
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """The KV tiers a launch allocates: what `tierlm serve` builds and `tierlm doctor` reports.
+
+    In pages of ``page_size`` tokens when the model's KV bytes per token are known; otherwise (a hub id that is
+    not downloaded) only byte budgets: ``device_pages``/``host_pages`` are None and no size is named in tokens.
+    """
+
+    memory: MemoryPlan  # the memory plan the pages come from
+    page_size: int
+    device_pages: int | None  # L1; None when sized in bytes only
+    host_pages: int | None  # L2; 0 without HiCache; None when sized in bytes only
+    context_length: int | None  # the context length the cap used (None: bytes only)
+    warnings: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def in_tokens(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        return self.memory.kv_bytes_per_token if self.in_tokens else None
+
+    @property
+    def device_tokens(self) -> int | None:
+        return self.device_pages * self.page_size if self.device_pages is not None else None
+
+    @property
+    def host_tokens(self) -> int | None:
+        return self.host_pages * self.page_size if self.host_pages is not None else None
+
+    @property
+    def device_bytes(self) -> int:
+        tokens = self.device_tokens
+        return self.memory.device_kv_bytes if tokens is None else tokens * self.memory.kv_bytes_per_token
+
+    @property
+    def host_bytes(self) -> int:
+        tokens = self.host_tokens
+        return self.memory.host_kv_bytes if tokens is None else tokens * self.memory.kv_bytes_per_token
+
+    @property
+    def hicache_ratio(self) -> float | None:
+        """Host / device size as allocated; None when HiCache is off."""
+        if self.memory.hicache_ratio is None:
+            return None
+        return round(self.host_bytes / self.device_bytes, 3) if self.device_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view; sized in bytes only, it has no *_tokens, *_pages, per-token or weight keys (all unknown)."""
+        m = self.memory
+        out: dict[str, Any] = {"memory_kind": m.memory_kind, "sized_in": "tokens" if self.in_tokens else "bytes"}
+        if self.in_tokens:
+            out.update(page_size=self.page_size, device_pages=self.device_pages, host_pages=self.host_pages,
+                       device_kv_tokens=self.device_tokens, host_kv_tokens=self.host_tokens,
+                       kv_bytes_per_token=m.kv_bytes_per_token, context_length=self.context_length,
+                       weight_bytes=m.weight_bytes)
+        out.update(device_kv_bytes=self.device_bytes, host_kv_bytes=self.host_bytes, available_bytes=m.available_bytes, headroom_bytes=m.headroom_bytes,
+                   mem_fraction_static=m.mem_fraction_static, hicache_ratio=self.hicache_ratio,
+                   warnings=list(self.warnings), reasons=list(self.reasons))
+        return out
+
+
+def size_kv_tiers(
+    facts: Facts, decision: Decision, args: TierFlags, *, weight_bytes: int, kv_bytes_per_token: int | None,
+    context_length: int | None,
+) -> TierPlan:
+    """The device (L1) and host (L2) pages a launch with ``args`` allocates for a model of ``weight_bytes`` and
+    ``kv_bytes_per_token`` served at ``context_length`` (--context-length or max_position_embeddings).
+
+    The one sizing rule shared by `tierlm serve` and `tierlm doctor`: the memory plan (with the cap by
+    --max-total-tokens, else by context length x max running requests), whole pages, at least MIN_DEVICE_PAGES
+    device pages, a host tier of at least one page. ``kv_bytes_per_token`` None (the model is not at hand):
+    byte budgets only, before the weights and the token caps. Raises MemoryPlanError with the numbers and the fix.
+    """
+    ps = args.page_size
+    if kv_bytes_per_token is None:
+        plan = plan_memory(facts, decision, weight_bytes=weight_bytes, kv_bytes_per_token=1, page_size=1,
+                           mem_fraction_static=args.mem_fraction_static,
+                           enable_hierarchical_cache=args.enable_hierarchical_cache,
+                           hicache_ratio=args.hicache_ratio, hicache_size_gb=args.hicache_size)
+        warnings = list(plan.warnings)
+        if args.max_total_tokens:
+            warnings.append(f"--max-total-tokens {args.max_total_tokens} is not applied to the byte budgets: "
+                            "converting tokens to bytes needs the model's config.json")
+        reasons = plan.reasons + [
+            "byte budgets only: without the model's config.json the weights, KV bytes per token and the token caps "
+            "(--max-total-tokens, context length x max running requests) are unknown: the pools serve allocates are "
+            "at most these"
+        ]
+        return TierPlan(plan, ps, None, None, None, warnings, reasons)
+
+    plan = plan_memory_for_args(facts, decision, args, weight_bytes=weight_bytes,
+                                kv_bytes_per_token=kv_bytes_per_token, context_length=context_length)
+    warnings, reasons = list(plan.warnings), list(plan.reasons)
+    device_pages = plan.device_kv_tokens // ps
+    if device_pages < MIN_DEVICE_PAGES:
+        reasons.append(f"raised to the smallest device pool, {MIN_DEVICE_PAGES} pages of {ps} tokens")
+        device_pages = MIN_DEVICE_PAGES
+    if context_length and device_pages * ps < context_length // 4:
+        warnings.append(f"the device KV pool holds only {device_pages * ps} tokens (context length "
+                        f"{context_length}): long prompts will be refused")
+    host_pages = 0
+    if args.enable_hierarchical_cache:
+        host_pages = plan.host_kv_tokens // ps
+        if host_pages < 1:
+            raise MemoryPlanError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
+    return TierPlan(plan, ps, device_pages, host_pages, context_length, warnings, reasons)
 
 
 # ------------------------------------------------------------------------------------------------ internals
@@ -175,19 +308,30 @@ class _Request:
     hicache: bool
     ratio: float
     host_size: int  # bytes; >0 overrides the ratio
+    context_cap: tuple[int, int] | None = None  # (context length, max running requests) without --max-total-tokens
 
     def tokens(self, nbytes: float) -> int:
         """Whole pages of KV that fit in nbytes, as tokens."""
         pages = int(max(0, nbytes) // (self.per_token * self.page_size))
         return pages * self.page_size
 
-    def cap_by_max_total_tokens(self, l1: float, reasons: list[str]) -> float:
+    def cap_device_kv(self, l1: float, reasons: list[str]) -> float:
         if self.max_total_tokens and self.max_total_tokens * self.per_token < l1:
             reasons.append(
                 f"--max-total-tokens {self.max_total_tokens} caps device KV at {_gb(self.max_total_tokens * self.per_token)}"
                 f" (memory would allow {_gb(l1)})"
             )
             return self.max_total_tokens * self.per_token
+        if self.context_cap:
+            ctx, running = self.context_cap
+            cap = CONTEXT_CAP_FACTOR * ctx * running
+            if cap * self.per_token < l1:
+                reasons.append(
+                    f"capped at {CONTEXT_CAP_FACTOR} x context length {ctx} x max running requests {running} = "
+                    f"{cap} tokens = {_gb(cap * self.per_token)} (memory would allow {_gb(l1)}; more can never be "
+                    "used: --max-total-tokens sets the size instead)"
+                )
+                return cap * self.per_token
         return l1
 
     def host_request(self, l1_bytes: int) -> tuple[int, str]:
@@ -228,7 +372,7 @@ def _plan_discrete(r: _Request) -> MemoryPlan:
             f"{_gb(reserved)} reserved by mem_fraction_static {frac:g}. Raise --mem-fraction-static, free GPU "
             f"memory held by other processes ({_gb(total - free)} in use), or use a smaller model"
         )
-    l1 = r.cap_by_max_total_tokens(l1, reasons)
+    l1 = r.cap_device_kv(l1, reasons)
     device_tokens = r.tokens(l1)
     l1_bytes = device_tokens * r.per_token
 
@@ -301,7 +445,7 @@ def _plan_shared(r: _Request, kind: str) -> MemoryPlan:
             + ("Lower --hicache-size or --hicache-ratio, " if r.hicache and r.fraction is None else "Raise --mem-fraction-static, ")
             + "close other programs, or use a smaller model"
         )
-    l1 = r.cap_by_max_total_tokens(l1, reasons)
+    l1 = r.cap_device_kv(l1, reasons)
     device_tokens = r.tokens(l1)
     l1_bytes = device_tokens * r.per_token
 

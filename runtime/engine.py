@@ -194,9 +194,16 @@ class Engine:
         sched, cache = self.parts.scheduler, self.parts.cache
 
         def read() -> dict[str, int]:
+            # SGLang's meaning: num_tokens = device KV tokens in use (the pool less its free and its evictable
+            # cached pages: what running requests hold, shared prefixes included) + the tokens of every waiting
+            # request (seq_len: a preempted request waits with its output too); num_pending_tokens = that waiting
+            # part alone
+            acc = cache.accounting()
+            used = (acc["total_pages"] - acc["free_pages"] - acc["evictable_pages"]) * acc["page_size"]
             waiting = len(sched.waiting)
+            pending = sum(r.seq_len for r in sched.waiting)
             return {"num_reqs": len(sched.running) + waiting, "num_waiting_reqs": waiting,
-                    "num_tokens": cache.in_use_pages * cache.page_size + sum(len(r.input_ids) for r in sched.waiting)}
+                    "num_tokens": used + pending, "num_pending_tokens": pending}
         return await self._call(read)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tierlm.backends.base import GrammarBackend, ModelBackend, ModelInfo
+from tierlm.backends.base import GrammarBackend, KVCacheDtypeError, ModelBackend, ModelInfo
+from tierlm.backends.dtypes import DTYPE_BYTES
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.chat_templates import resolve_chat_template
 from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
 from tierlm.backends.model_source.folder_facts import read_json
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
-from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
-                              plan_memory_for_args)
+from tierlm.platforms import BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect, size_kv_tiers
 from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.grammar.manager import GrammarManager
@@ -89,7 +89,8 @@ class EngineParts:
             "architecture": self.model_info.architecture,
             "architecture_verified": self.architecture_verified,
             "warnings": list(self.warnings),
-            "kv_pool": {**acc, "total_tokens": acc["total_pages"] * acc["page_size"],
+            "kv_pool": {**acc, "kv_dtype": self.model_info.kv_dtype,
+                        "total_tokens": acc["total_pages"] * acc["page_size"],
                         "bytes_per_token": kv_tok, "total_bytes": kv_tok * acc["total_pages"] * acc["page_size"]},
             "tiers": self.cache.tiers_info(),
             "running_requests": len(self.scheduler.running),
@@ -137,7 +138,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
                           grammar=grammar, max_prefill_tokens=args.max_prefill_tokens,
-                          stream_interval=args.stream_interval)
+                          stream_interval=args.stream_interval, schedule_policy=args.schedule_policy,
+                          random_seed=args.random_seed)
     scheduler.register_gauges(metrics)
     parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
@@ -187,6 +189,8 @@ def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:
         log.info("--enable-metrics: accepted; /metrics is always on")
     if args.enable_cache_report:
         log.info("--enable-cache-report: accepted; usage always reports cached_tokens")
+    for flag, what in args.accepted_sglang_flags.items():
+        log.info("%s: accepted; %s", flag, what)
     if args.enable_hierarchical_cache:
         if decision.backend == "mlx" or decision.device == "cpu":
             where = "MLX" if decision.backend == "mlx" else "CPU"
@@ -297,48 +301,43 @@ def load_backend(decision: Decision, model_dir: Path, args: ServerArgs) -> Model
             from tierlm.backends.mlx.backend import MLXBackend
 
             return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed, device=decision.device,
-                              trust_unverified_architecture=args.trust_unverified_architecture)
+                              trust_unverified_architecture=args.trust_unverified_architecture,
+                              kv_cache_dtype=args.kv_cache_dtype)
         from tierlm.backends.torch.backend import TorchBackend
 
         return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,
                             trust_remote_code=args.trust_remote_code, seed=args.random_seed,
-                            trust_unverified_architecture=args.trust_unverified_architecture)
-    except UnverifiedArchitectureError as e:
+                            trust_unverified_architecture=args.trust_unverified_architecture,
+                            kv_cache_dtype=args.kv_cache_dtype)
+    except (UnverifiedArchitectureError, KVCacheDtypeError) as e:  # the message names the fix
         raise StartupError(str(e)) from e
 
 
 def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: ModelBackend, context_length: int
                ) -> TierSizes:
-    """Device (L1) and host (L2) pages from the platform's memory plan; logs the sizes and the reasons."""
+    """Device (L1) and host (L2) pages from the platform's one sizing rule (platforms/memory_plan.size_kv_tiers,
+    which `tierlm doctor` reports); logs the sizes and the reasons."""
     try:
-        plan = plan_memory_for_args(facts, decision, args, weight_bytes=backend.weight_bytes(),
-                                    kv_bytes_per_token=backend.kv_bytes_per_token())
+        plan = size_kv_tiers(facts, decision, args, weight_bytes=backend.weight_bytes(),
+                             kv_bytes_per_token=backend.kv_bytes_per_token(), context_length=context_length)
     except MemoryPlanError as e:  # carries the numbers and the flag to change
         raise StartupError(str(e)) from e
     for w in plan.warnings:
         log.warning(w)
-    ps = args.page_size
-    tokens, why = plan.device_kv_tokens, "; ".join(plan.reasons)
-    if not args.max_total_tokens:
-        # More than every running request at full context (x4 for cached prefixes) can never be used.
-        cap = context_length * args.max_running_requests * 4
-        if tokens > cap:
-            tokens, why = cap, f"{why}; capped at 4 x context length x max running requests = {cap} tokens"
-    pages = max(tokens // ps, 2)
-    if pages * ps < context_length // 4:
-        log.warning("the device KV pool holds only %d tokens (context length %d): long prompts will be refused",
-                    pages * ps, context_length)
-    kv = backend.kv_bytes_per_token()
-    log.info("device KV pool (L1): %d pages x %d tokens = %d tokens, %.1f MiB (%s)", pages, ps, pages * ps,
-             pages * ps * kv / 2**20, why)
-    host_pages = 0
-    if args.enable_hierarchical_cache:
-        host_pages = plan.host_kv_tokens // ps
-        if not args.hicache_size:  # the ratio follows the device pool actually allocated
-            host_pages = min(host_pages, int(pages * args.hicache_ratio))
-        if host_pages < 1:
-            raise StartupError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
-    return TierSizes(pages, host_pages)
+    log.info("device KV pool (L1): %d pages x %d tokens = %d tokens, %.1f MiB, KV %s (%s)", plan.device_pages,
+             plan.page_size, plan.device_tokens, plan.device_bytes / 2**20, kv_dtype_note(backend.info),
+             "; ".join(plan.reasons))
+    return TierSizes(plan.device_pages, plan.host_pages)  # HiCacheManager.create logs the host pool
+
+
+def kv_dtype_note(info: ModelInfo) -> str:
+    """The KV storage dtype and how it compares, e.g. "fp8_e4m3 (half the bytes of bfloat16; ...)"."""
+    kv = info.kv_dtype
+    if kv == info.dtype:
+        return f"{kv} (the model's dtype)"
+    ratio = DTYPE_BYTES[kv] / DTYPE_BYTES["bfloat16"]
+    vs = {0.5: "half the bytes of bfloat16", 1.0: "the bytes of bfloat16"}.get(ratio, f"{ratio:g}x bfloat16's bytes")
+    return f"{kv} ({vs}; the model computes in {info.dtype})"
 
 
 def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes) -> KVCacheManager:

@@ -50,6 +50,17 @@ class KVCacheManager:
         if not req.admitted_once:  # a retracted request's first admission already counted its hits
             req.cached = cached
 
+    def cached_prefix(self, req: Req) -> tuple[int, TreeNode | None]:
+        """(tokens of ``req``'s prefix held in memory, deepest tree node of that match) as ``match`` would start
+        it, without touching the tree: no lock, no LRU update, no load from the host or storage tier. The host
+        tier counts (a load is a copy, not a prefill); storage pages still being read do not. (0, None) without
+        a radix cache."""
+        if self.tree is None:
+            return 0, None
+        tokens = req.input_ids if not req.output_ids else req.tokens(0, req.seq_len)  # no copy of a plain prompt
+        pages, node = self.tree.peek_prefix(tokens, cacheable_prefix_len(req) // self.page_size)
+        return pages * self.page_size, node
+
     def _extend_match(self, req: Req, tokens: list[int], m: MatchResult
                       ) -> tuple[TreeNode, list[int], CachedTokens]:
         """The prefix ``req`` starts on: (deepest node, device pages, tokens per tier). HiCache extends the

@@ -80,6 +80,33 @@ class RadixCache:
             pos += k
         return MatchResult(device_pages, device_node, host_pages, host_node)
 
+    def peek_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[int, TreeNode]:
+        """How many whole pages of ``tokens`` (at most ``max_pages``) ``match_prefix`` would find in memory
+        (device pages, then their host continuation), and the deepest node reached (the one whose edge the
+        match ends in, possibly part-way). Unlike ``match_prefix`` it changes nothing: no edge split, no LRU
+        touch, no lock, no load (the scheduling policies call it on every waiting request)."""
+        ps = self.page_size
+        n_pages = len(tokens) // ps if max_pages is None else min(len(tokens) // ps, max_pages)
+        node, pos, on_host = self.root, 0, False
+        while pos < n_pages:
+            child = node.children.get(self._page_key(tokens, pos * ps))
+            if child is None:
+                break
+            if child.device_pages is not None and not on_host:
+                pass
+            elif child.host_pages is not None:
+                on_host = True
+            else:
+                break
+            key, k, edge_pages = child.key, 1, len(child.key) // ps
+            while k < edge_pages and pos + k < n_pages and \
+                    key[k * ps:(k + 1) * ps] == list(tokens[(pos + k) * ps:(pos + k + 1) * ps]):
+                k += 1
+            node, pos = child, pos + k
+            if k < edge_pages:
+                break
+        return pos, node
+
     def _follow_edge(self, child: TreeNode, tokens: Sequence[int], pos: int, n_pages: int) -> tuple[TreeNode, int]:
         """How many pages of ``child``'s edge match ``tokens`` from page ``pos`` (the first always does);
         splits the edge where the match ends. Returns the (possibly new upper) node and that page count."""

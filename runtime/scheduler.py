@@ -1,5 +1,6 @@
-"""Continuous-batching scheduler: admits requests by free pages, mixes prefill chunks and decode steps into one
-batched forward per step, reuses cached prefixes, and retracts requests when pages run out.
+"""Continuous-batching scheduler: admits requests by free pages in the --schedule-policy order
+(runtime/schedule_policy.py), mixes prefill chunks and decode steps into one batched forward per step, reuses
+cached prefixes, and retracts requests when pages run out.
 
 Runs on the engine's scheduler thread only; nothing here is thread-safe on purpose.
 """
@@ -19,6 +20,7 @@ from tierlm.runtime.logprobs import add_logprob_rows, init_logprobs, record_logp
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
+from tierlm.runtime.schedule_policy import SchedulePolicy
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,8 @@ class Scheduler:
     def __init__(self, backend: ModelBackend, cache: KVCacheManager, *, max_running_requests: int,
                  chunked_prefill_size: int, metrics: EngineMetrics, outputs: OutputProcessor,
                  emit: Callable[[Req, GenerateOutput], None], grammar: GrammarManager | None = None,
-                 max_prefill_tokens: int | None = None, stream_interval: int = 1) -> None:
+                 max_prefill_tokens: int | None = None, stream_interval: int = 1, schedule_policy: str = "fcfs",
+                 random_seed: int = 0) -> None:
         self.backend = backend
         self.cache = cache
         self.page_size = cache.page_size
@@ -44,6 +47,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.steps = 0
         self.grammar = grammar or GrammarManager(None)  # structured output (None: every grammar is refused)
+        # --schedule-policy: the order waiting requests are offered for admission (self.waiting keeps arrival order)
+        self.policy = SchedulePolicy(schedule_policy, cache, seed=random_seed)
+        log.info("schedule policy %s", self.policy.describe())
 
     # ------------------------------------------------------------ queue control
     def add(self, req: Req) -> None:
@@ -135,10 +141,16 @@ class Scheduler:
                 if n:
                     items[req] = n
                     budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self._next_admissible()
+        # 3. new requests, in the policy's order (computed once per step, only when one can be admitted)
+        order = self.policy.order(self.waiting) if self.waiting and budget > 0 and \
+            len(self.running) < self.max_running else []
+        pos = 0
+        while pos < len(order) and budget > 0 and len(self.running) < self.max_running:
+            req, pos = self._next_admissible(order, pos)
             if req is None:
                 break  # every waiting request's grammar is still compiling
+            if self.policy.hold_back(req, items):
+                continue  # it shares an uncached prefix with one admitted now: next step it hits that prefix
             if not self.cache.ready_to_admit(req):
                 break  # its storage pages are still arriving (prefetch policy "timeout")
             self.cache.match(req)
@@ -151,26 +163,25 @@ class Scheduler:
             self.metrics.record_prefill(req.remaining_prefill)
             items[req] = n
             budget -= n
+        self.policy.deferred.clear()  # this step's hold-backs only; drop the references
         return list(items.items())
 
     # ------------------------------------------------------------ structured output
-    def _next_admissible(self) -> Req | None:
-        """The first waiting request whose grammar is compiled (or that has none). A request whose grammar still
-        compiles stays queued without holding up the ones behind it; one whose grammar failed ends with the
-        compiler's message."""
-        found, failed = None, []
-        for req in self.waiting:  # almost always the head: no copy of the queue per admission
+    def _next_admissible(self, order: list[Req], pos: int) -> tuple[Req | None, int]:
+        """The first request of ``order[pos:]`` whose grammar is compiled (or that has none), and the position
+        after it. A request whose grammar still compiles stays queued without holding up the ones behind it; one
+        whose grammar failed ends with the compiler's message."""
+        while pos < len(order):
+            req = order[pos]
+            pos += 1
             if not self.grammar.ready(req):
                 continue
             if req.grammar is not None and req.grammar.error is not None:
-                failed.append(req)
+                self.waiting.remove(req)
+                self._fail(req, req.grammar.error)
                 continue
-            found = req
-            break
-        for req in failed:
-            self.waiting.remove(req)
-            self._fail(req, req.grammar.error)
-        return found
+            return req, pos
+        return None, pos
 
     def _grammar_token(self, req: Req, token: int) -> None:
         """Advance a constrained request's matcher; a complete grammar ends the request with "stop"."""

@@ -11,6 +11,10 @@ from typing import Any
 
 # --attention-backend values: tierlm's attention implementations, and the backend each one belongs to.
 ATTENTION_BACKENDS = {"tierlm_paged": "torch", "mlx_paged": "mlx"}
+# --kv-cache-dtype values (SGLang's names) tierlm stores KV pages in; "auto" is the model's dtype.
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+# --schedule-policy values: the order waiting requests are admitted in (runtime/schedule_policy.py).
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "lof")
 
 
 @dataclass
@@ -61,12 +65,12 @@ class ServerArgs:
     revision: str | None = None  # hub branch, tag or commit of --model-path
     download_dir: str | None = None  # hub cache folder for --model-path (default: the standard HF cache)
     quantization: str | None = None  # only None: tierlm runs the checkpoint's own weights
-    kv_cache_dtype: str = "auto"  # only auto: the KV pool has the model's dtype (FP8 KV is not implemented yet)
+    kv_cache_dtype: str = "auto"  # KV pages in every tier: auto (the model's dtype), bf16, fp8_e4m3, fp8_e5m2
     attention_backend: str | None = None  # None: the chosen backend's own; else one of ATTENTION_BACKENDS
     max_prefill_tokens: int = 16384  # prompt tokens in one step's prefill (the budget is min with chunked_prefill_size)
     stream_interval: int = 1  # streaming: one increment every N generated tokens (and the first, and the last)
     max_queued_requests: int | None = None  # waiting requests beyond this get 503; None: unbounded
-    schedule_policy: str = "fcfs"  # only fcfs: the order tierlm admits requests in
+    schedule_policy: str = "fcfs"  # admission order of waiting requests: fcfs, lpm, dfs-weight, random, lof
     watchdog_timeout: float = 300.0  # a model step running longer marks the server unhealthy (error log, 503s)
     tp_size: int = 1  # tensor parallelism: only 1
     dp_size: int = 1  # data parallelism: only 1 (several instances behind sglang-router instead)
@@ -75,6 +79,9 @@ class ServerArgs:
     enable_metrics: bool = False  # accepted: /metrics is always on
     enable_cache_report: bool = False  # accepted: usage always reports cached_tokens
     speculative_algorithm: str | None = None  # refused: speculative decoding is not implemented yet
+    # SGLang flags given with nothing to change in tierlm (server/cli_args.py ACCEPTED_SGLANG_FLAGS and the neutral
+    # values of refused ones): flag -> what was given and why nothing changes; logged at startup
+    accepted_sglang_flags: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -100,6 +107,9 @@ class ServerArgs:
             raise ValueError(
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size ({self.page_size})"
             )
+        if self.grammar_backend in ("outlines", "llguidance"):
+            raise ValueError(f"--grammar-backend {self.grammar_backend}: not available in tierlm; use xgrammar (the "
+                             "default) or none")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -126,12 +136,16 @@ class ServerArgs:
         if self.quantization is not None:
             raise ValueError(f"--quantization {self.quantization}: tierlm cannot quantize weights at load time; drop "
                              "the flag (a checkpoint that is already quantized, e.g. gpt-oss mxfp4, loads as it is)")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: FP8/low-precision KV cache is not implemented "
-                             "yet; use --kv-cache-dtype auto (the KV pool has the model's dtype)")
-        if self.schedule_policy != "fcfs":
-            raise ValueError(f"--schedule-policy {self.schedule_policy}: tierlm schedules first come, first served "
-                             "(prefix reuse comes from the radix cache); use --schedule-policy fcfs or drop the flag")
+        if self.kv_cache_dtype == "fp4_e2m1":
+            raise ValueError("--kv-cache-dtype fp4_e2m1: FP4 KV pages are not implemented; use fp8_e4m3 (half the "
+                             "bytes of bf16) or auto")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.schedule_policy == "priority":
+            raise ValueError("--schedule-policy priority: request priorities are not implemented; use lpm (cache "
+                             "aware) or fcfs")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy {self.schedule_policy}: use one of {', '.join(SCHEDULE_POLICIES)}")
         if self.speculative_algorithm is not None:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: speculative decoding is not "
                              "implemented yet in tierlm; drop the flag")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Sequence
+from typing import Any, Sequence
 
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.chat_parsing.reasoning import REASONING_PARSER_NAMES
@@ -31,14 +31,92 @@ REFUSED_SGLANG_FLAGS: dict[str, str] = {
     "--speculative-num-steps": "speculative decoding is not implemented yet; drop the flag",
     "--speculative-eagle-topk": "speculative decoding is not implemented yet; drop the flag",
     "--speculative-num-draft-tokens": "speculative decoding is not implemented yet; drop the flag",
+    "--pipeline-parallel-size": "pipeline parallelism is not implemented; run one instance per device behind sglang-router",
+    "--expert-parallel-size": "expert parallelism is not implemented; drop the flag",
+    "--nccl-init-addr": "tierlm runs on one node; start one instance per node and put sglang-router in front",
+    "--tokenizer-mode": "tierlm always uses the model's fast tokenizer (slow ones can split text differently); "
+                        "drop the flag",
+    "--skip-tokenizer-init": "tierlm tokenizes prompts and detokenizes output itself; send text, or input_ids to "
+                             "/generate, without the flag",
+    "--json-model-override-args": "overriding the model config is not implemented; edit config.json in a copy of "
+                                  "the model folder and serve that",
+    "--base-gpu-id": "tierlm uses the first visible GPU; choose another with CUDA_VISIBLE_DEVICES=N",
+    "--cpu-offload-gb": "offloading weights to host memory is not implemented; use a smaller model",
+    "--enable-multimodal": "tierlm serves text-only models",
+    "--tool-server": "built-in and MCP tool servers are not implemented; run the tools in the client",
+    "--preferred-sampling-params": "server-side default sampling parameters are not implemented; send them with "
+                                   "each request",
+    "--allow-auto-truncate": "an over-long prompt is refused with a 400, never truncated; shorten it in the client",
+    "--enable-priority-scheduling": "request priorities are not implemented; use --schedule-policy lpm or fcfs",
+    "--enable-custom-logit-processor": "custom logit processors (Python code sent with requests) are not "
+                                       "implemented; drop the flag",
+    "--constrained-json-whitespace-pattern": "it applies to the outlines and llguidance grammar backends, which "
+                                             "tierlm does not have (xgrammar JSON has no free whitespace)",
+    "--ssl-keyfile": "TLS is not built in; put a reverse proxy (nginx, caddy) in front for HTTPS",
+    "--ssl-certfile": "TLS is not built in; put a reverse proxy (nginx, caddy) in front for HTTPS",
+}
+# A refused flag given the value that means "off" or "one" in SGLang changes nothing: that value is accepted (and
+# logged at startup), so `--nnodes 1 --pp-size 1 --load-format auto` still starts.
+NEUTRAL_SGLANG_VALUES: dict[str, tuple[str, ...]] = {
+    "--nnodes": ("1",), "--node-rank": ("0",), "--pp-size": ("1",), "--pipeline-parallel-size": ("1",),
+    "--ep-size": ("1",), "--expert-parallel-size": ("1",), "--load-format": ("auto", "safetensors"),
+    "--disaggregation-mode": ("null",), "--tokenizer-mode": ("auto",), "--json-model-override-args": ("{}",),
+    "--base-gpu-id": ("0",), "--cpu-offload-gb": ("0",),
+}
+
+# SGLang flags that have nothing to change in tierlm (the reason says why): parsed with SGLang's type and default,
+# and logged at startup when given (ServerArgs.accepted_sglang_flags, runtime/engine_setup.py log_accepted_flags).
+# None of them changes the generated text.
+ACCEPTED_SGLANG_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
+    "--enable-p2p-check": ({"action": "store_true"}, "one device: there is no peer-to-peer access to check"),
+    "--show-time-cost": ({"action": "store_true"}, "tierlm has no custom time-cost marks to show"),
+    "--decode-log-interval": ({"type": int, "default": 40}, "tierlm logs per request, not every N decode steps"),
+    "--file-storage-path": ({"default": "sglang_storage"}, "tierlm has no file API (/v1/files) that stores files"),
+    "--enable-mixed-chunk": ({"action": "store_true"}, "tierlm's scheduler decides how prefill chunks and decodes "
+                                                       "share a step; the output does not depend on it"),
+    "--disable-overlap-schedule": ({"action": "store_true"}, "tierlm has no overlap scheduler to disable"),
+    "--num-continuous-decode-steps": ({"type": int, "default": 1}, "tierlm schedules before every decode step"),
+    "--sampling-backend": ({"default": None, "choices": ["flashinfer", "pytorch", "ascend"]},
+                           "tierlm samples with its own torch (or MLX) code"),
+    "--constrained-json-disable-any-whitespace": ({"action": "store_true"},
+                                                  "xgrammar JSON is already generated without free whitespace"),
+    "--sleep-on-idle": ({"action": "store_true"}, "the idle scheduler already sleeps until a request arrives"),
+    "--crash-dump-folder": ({"default": None}, "tierlm writes no crash dumps; the error and its traceback are in "
+                                               "the log"),
+    "--dist-timeout": ({"type": int, "default": None}, "tierlm does not use torch.distributed"),
+    "--nccl-port": ({"type": int, "default": None}, "tierlm does not use NCCL"),
+    "--gpu-id-step": ({"type": int, "default": 1}, "one device"),
+    "--tokenizer-worker-num": ({"type": int, "default": 1}, "tokenization runs on a thread pool of the server "
+                                                            "process"),
+    "--log-requests-level": ({"type": int, "default": 2, "choices": [0, 1, 2, 3]},
+                             "--log-requests logs each request's prompt and output text at one level"),
+    "--cuda-graph-bs": ({"type": int, "nargs": "+", "default": None}, "tierlm does not use CUDA graphs yet"),
+    "--disable-cuda-graph-padding": ({"action": "store_true"}, "tierlm does not use CUDA graphs yet"),
+    "--torch-compile-max-bs": ({"type": int, "default": 32}, "torch.compile is not used"),
+    "--disable-chunked-prefix-cache": ({"action": "store_true"}, "a DeepSeek MLA optimization tierlm does not have"),
 }
 
 
 class _RefuseFlag(argparse.Action):
-    """An SGLang flag tierlm cannot honour: exit 2 with the reason (one line, no usage dump)."""
+    """An SGLang flag tierlm cannot honour: exit 2 with the reason (one line, no usage dump); its neutral value
+    (NEUTRAL_SGLANG_VALUES) is accepted and noted for the startup log."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        if values in NEUTRAL_SGLANG_VALUES.get(option_string, ()):
+            _note_accepted(namespace, option_string, f"{values}: SGLang's value for one node, one device, no "
+                                                      "change: nothing to do")
+            return
         parser.exit(2, f"{parser.prog}: error: {option_string}: {REFUSED_SGLANG_FLAGS[option_string]}\n")
+
+
+def _note_accepted(namespace: argparse.Namespace, flag: str, what: str) -> None:
+    noted = dict(getattr(namespace, "accepted_sglang_flags", None) or {})
+    noted[flag] = what
+    namespace.accepted_sglang_flags = noted
+
+
+def _dest(flag: str) -> str:
+    return "sglang_accepted_" + flag.lstrip("-").replace("-", "_")
 
 
 def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
@@ -53,7 +131,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     model.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     model.add_argument("--served-model-name", default=None, help="name reported in /v1/models and responses")
     model.add_argument("--context-length", type=int, default=None, help="defaults to the model's maximum")
-    model.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    model.add_argument("--dtype", default=_DEFAULTS.dtype,
+                       choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                       help="half = float16, float = float32 (SGLang's spellings)")
     model.add_argument("--device", default=_DEFAULTS.device, choices=["auto", "cpu", "cuda", "mps"],
                        help="mps runs MLX on Apple Silicon")
     model.add_argument("--trust-remote-code", action="store_true")
@@ -62,11 +142,12 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     model.add_argument("--chat-template", default=None,
                        help="a jinja chat template file (or tokenizer_config.json-style .json), the template text, "
                             "or a built-in name: chatml, chatml-tools (alias qwen2.5); overrides the model's own")
-    model.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSER_NAMES),
-                       help="split the thinking text into reasoning_content (docs/api.md); default: chosen from "
-                            "the model when unambiguous (gpt-oss; qwen3 with <think> in its chat template)")
-    model.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
-                       help="read tool calls out of the model's output (docs/api.md); default: chosen from the model "
+    model.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSER_NAMES],
+                       help="split the thinking text into reasoning_content (docs/api.md); default (or auto): "
+                            "chosen from the model when unambiguous (gpt-oss; qwen3 with <think> in its chat template)")
+    model.add_argument("--tool-call-parser", default=None, choices=["auto", *TOOL_CALL_PARSERS],
+                       help="read tool calls out of the model's output (docs/api.md); default (or auto): chosen from "
+                            "the model "
                             "when unambiguous (<tool_call> in the chat template -> qwen25/hermes, <|python_tag|> -> "
                             "llama3, [TOOL_CALLS] -> mistral, gpt_oss -> gpt-oss)")
 
@@ -80,7 +161,7 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                       help="browser origins (e.g. http://localhost:3000) and host names allowed besides this server's own")
     http.add_argument("--max-request-bytes", type=int, default=_DEFAULTS.max_request_bytes,
                       help="larger request bodies are refused with 413 before they are read")
-    http.add_argument("--log-level", default=_DEFAULTS.log_level,
+    http.add_argument("--log-level", default=_DEFAULTS.log_level, type=str.lower,
                       choices=["debug", "info", "warning", "error", "critical"])
     http.add_argument("--log-requests", action="store_true",
                       help="also log each request's prompt and generated text (the per-request summary line is always logged)")
@@ -89,12 +170,14 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     sched.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)
     sched.add_argument("--max-total-tokens", type=int, default=None, help="cap on device KV tokens")
     sched.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
-    sched.add_argument("--chunked-prefill-size", type=int, default=_DEFAULTS.chunked_prefill_size)
+    sched.add_argument("--chunked-prefill-size", type=int, default=_DEFAULTS.chunked_prefill_size,
+                       help="prompt tokens prefilled per step; -1 (SGLang: no chunking): --max-prefill-tokens per "
+                            "step")
     sched.add_argument("--mem-fraction-static", type=float, default=None,
                        help="share of free device memory for weights + KV pool")
     sched.add_argument("--disable-radix-cache", action="store_true")
     sched.add_argument("--random-seed", type=int, default=_DEFAULTS.random_seed)
-    sched.add_argument("--grammar-backend", choices=["xgrammar", "none"], default=_DEFAULTS.grammar_backend,
+    sched.add_argument("--grammar-backend", default=_DEFAULTS.grammar_backend,
                        help="structured output (json_schema, regex, ebnf, response_format): xgrammar, or none to "
                             "refuse every grammar with a 400")
     sched.add_argument("--skip-warmup", "--skip-server-warmup", dest="skip_warmup", action="store_true",
@@ -105,7 +188,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                        help="streaming: send an increment every N generated tokens")
     sched.add_argument("--max-queued-requests", type=int, default=None,
                        help="requests beyond this many waiting get 503; default unbounded")
-    sched.add_argument("--schedule-policy", default=_DEFAULTS.schedule_policy, help="only fcfs")
+    sched.add_argument("--schedule-policy", default=_DEFAULTS.schedule_policy,
+                       help="admission order of waiting requests: fcfs, lpm (longest cached prefix first), "
+                            "dfs-weight (depth-first over the cached prefix tree), random, lof (longest output first)")
     sched.add_argument("--watchdog-timeout", type=float, default=_DEFAULTS.watchdog_timeout,
                        help="a model step that runs longer (seconds) marks the server unhealthy: error log, 503s")
 
@@ -114,7 +199,8 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     compat.add_argument("--download-dir", default=None, help="hub cache folder for --model-path downloads")
     compat.add_argument("--quantization", default=None, help="refused: tierlm runs the checkpoint's own weights")
     compat.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype,
-                        help="only auto (FP8 KV is not implemented yet)")
+                        help="dtype of the KV pages in every tier: auto (the model's), bf16/bfloat16, fp8_e4m3, "
+                             "fp8_e5m2 (8-bit: half the bytes of bf16, dequantized when attention reads them)")
     compat.add_argument("--attention-backend", default=None,
                         help="tierlm_paged (torch) or mlx_paged (MLX); default: the chosen backend's own")
     compat.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=_DEFAULTS.tp_size, help="only 1")
@@ -129,6 +215,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     for flag, reason in REFUSED_SGLANG_FLAGS.items():
         compat.add_argument(flag, action=_RefuseFlag, nargs="?", default=argparse.SUPPRESS,
                             help=f"refused: {reason}")
+    for flag, (kwargs, reason) in ACCEPTED_SGLANG_FLAGS.items():
+        compat.add_argument(flag, dest=_dest(flag), **kwargs, help=f"accepted: {reason}")
+    p.set_defaults(accepted_sglang_flags={})
 
     hc = p.add_argument_group("hierarchical cache (HiCache)")
     hc.add_argument("--enable-hierarchical-cache", action="store_true")
@@ -141,7 +230,8 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     hc.add_argument("--hicache-mem-layout", default=_DEFAULTS.hicache_mem_layout,
                     choices=["layer_first", "page_first", "page_first_direct"])
     hc.add_argument("--hicache-io-backend", default=_DEFAULTS.hicache_io_backend, choices=["kernel", "direct"])
-    hc.add_argument("--hicache-storage-backend", default=None, choices=["file"])
+    hc.add_argument("--hicache-storage-backend", default=None,
+                    help="file (SGLang's other backends, mooncake, hf3fs, nixl, ..., are refused)")
     hc.add_argument("--hicache-storage-prefetch-policy", default=_DEFAULTS.hicache_storage_prefetch_policy,
                     choices=["best_effort", "wait_complete", "timeout"])
     hc.add_argument("--hicache-storage-backend-extra-config", default=None,
@@ -175,6 +265,9 @@ def _check_cli_only(args: ServerArgs) -> None:
         )
     if args.hicache_size < 0:
         raise ValueError(f"--hicache-size must be >= 0 GB, got {args.hicache_size}")
+    if args.hicache_storage_backend not in (None, "file"):
+        raise ValueError(f"--hicache-storage-backend {args.hicache_storage_backend}: only file is implemented "
+                         "(a folder, docs/hicache.md); mooncake, hf3fs, nixl, aibrix and the others are not")
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (storage is the third tier)")
     if args.hicache_storage_backend_extra_config and not args.hicache_storage_backend:
@@ -185,6 +278,18 @@ def namespace_to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Map parsed flags onto ServerArgs (raises ValueError for a bad extra-config)."""
     values = vars(ns).copy()
     values["warmup"] = not values.pop("skip_warmup")
+    accepted = dict(values.pop("accepted_sglang_flags"))
+    for flag, (kwargs, reason) in ACCEPTED_SGLANG_FLAGS.items():
+        value = values.pop(_dest(flag))
+        if value != kwargs.get("default", False if kwargs.get("action") == "store_true" else None):
+            accepted[flag] = reason if value is True else f"{value}: {reason}"
+    values["accepted_sglang_flags"] = accepted
+    values["dtype"] = {"half": "float16", "float": "float32"}.get(values["dtype"], values["dtype"])
+    for parser_flag in ("reasoning_parser", "tool_call_parser"):
+        if values[parser_flag] == "auto":  # SGLang's "detect from the chat template": tierlm's default
+            values[parser_flag] = None
+    if values["chunked_prefill_size"] == -1:  # SGLang: chunked prefill off; here a step takes max-prefill-tokens
+        values["chunked_prefill_size"] = values["max_prefill_tokens"]
     values["hicache_storage_backend_extra_config"] = _load_extra_config(values["hicache_storage_backend_extra_config"])
     return ServerArgs(**values)
 

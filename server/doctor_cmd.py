@@ -6,17 +6,30 @@ exactly that launch) plus --json and --backend. Exit status 1 when that launch c
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.backends.dtypes import kv_storage_dtype
+from tierlm.backends.model_source import ModelSourceError, resolve_model_path
+from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, write_demo_model
+from tierlm.backends.model_source.folder_facts import model_size, text_config
+from tierlm.backends.model_source.hub import _cached_snapshot
+from tierlm.backends.model_source.resolve import _looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
 from tierlm.platforms import (BackendChoiceError, Facts, MemoryPlanError, choose_backend, detect, install_command,
-                              pitfalls, plan_memory_for_args)
+                              pitfalls, size_kv_tiers)
+from tierlm.runtime.engine_setup import check_context_length
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
+
+DEMO_LABEL = f"built-in demo model ({DEMO_MODEL_NAME})"
+DEFAULT_CONTEXT_LENGTH = 2048  # what the backends use when config.json names no max_position_embeddings
 
 
 def _parser():
@@ -31,22 +44,47 @@ def _parser():
     return p
 
 
-def model_sizes(model_path: str | None, dtype: str, device: str) -> dict[str, Any] | None:
-    """KV bytes per token and weight bytes of a local model folder as served on ``device`` (None when it is
-    not a local folder)."""
-    if not model_path or not (Path(model_path) / "config.json").is_file():
-        return None
-    return model_size(Path(model_path), dtype, device).to_dict()
+@contextlib.contextmanager
+def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | None, str | None]]:
+    """The model folder serve would load, found without network: (folder or None, how to name it, a warning why
+    sizes are in bytes only, serve's refusal). No --model-path: the built-in demo model, written into a temporary
+    folder (the same bytes serve builds; numpy only). A hub id: the local Hugging Face cache only."""
+    if args.model_path is None:
+        with tempfile.TemporaryDirectory(prefix="tierlm-doctor-") as tmp:
+            yield write_demo_model(Path(tmp)), DEMO_LABEL, None, None
+        return
+    given = args.model_path
+    if Path(given).expanduser().exists() or _looks_like_path(given):
+        try:  # a local folder: checked as serve checks it, no network
+            yield resolve_model_path(given), given, None, None
+        except ModelSourceError as e:
+            yield None, given, None, str(e)
+        return
+    cache = Path(args.download_dir).expanduser() if args.download_dir else None
+    folder = _cached_snapshot(given, args.revision, str(cache) if cache else None)
+    why = None if folder else (
+        f"--model-path {given} is not in the local Hugging Face cache (serve would download it): its config.json "
+        "is unknown, so tier sizes are byte budgets only, not tokens")
+    yield folder, given, why, None
 
 
-def model_architecture(args, backend: str) -> tuple[dict[str, Any] | None, str | None]:
-    """Whether ``backend`` serves the local model folder's architecture verified, from config.json, as `serve`
-    checks it: (architecture, model_type, verified; None when not a local folder) and serve's refusal message,
-    or its warning under --trust-unverified-architecture (None when verified)."""
-    if not args.model_path or not (Path(args.model_path) / "config.json").is_file():
-        return None, None
+def model_sizes(folder: Path, label: str, args: ServerArgs, device: str) -> dict[str, Any]:
+    """KV bytes per token, weight bytes and max_position_embeddings of a model folder as served on ``device`` with
+    --dtype and --kv-cache-dtype (raises KeyError/TypeError/ValueError for a config without the usual fields)."""
+    size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype).to_dict()
+    size["path"] = label
+    size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
+    size["max_position_embeddings"] = int(text_config(folder).get("max_position_embeddings")
+                                          or DEFAULT_CONTEXT_LENGTH)
+    return size
+
+
+def model_architecture(args, folder: Path, backend: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Whether ``backend`` serves the model folder's architecture verified, from config.json, as `serve` checks
+    it: (architecture, model_type, verified) and serve's refusal message, or its warning under
+    --trust-unverified-architecture (None when verified)."""
     try:
-        check = assess_architecture(args.model_path, backend, args.trust_remote_code)
+        check = assess_architecture(str(folder), backend, args.trust_remote_code)
     except UnverifiedArchitectureError as e:  # config.json unreadable
         return None, str(e)
     facts = {"architecture": check.architecture, "model_type": check.model_type, "verified": check.verified}
@@ -78,37 +116,51 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         report["errors"].append(str(e))
         return report
     report["decision"] = decision.to_dict()
-    report["architecture"], arch_note = model_architecture(args, decision.backend)
-    if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
-        report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
-            arch_note)
-
+    with model_folder(args) as (folder, label, bytes_only_why, refusal):
+        if refusal:
+            report["errors"].append(refusal)
+        if bytes_only_why:
+            report["warnings"].append(bytes_only_why)
+        if folder is not None:
+            _check_model(report, args, folder, label, decision.device, decision.backend, env)
+    sizes = report["model"]
+    # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
     try:
-        sizes = model_sizes(args.model_path, args.dtype, decision.device)
-    except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
-        sizes = None
-        report["warnings"].append(f"cannot size {args.model_path} from its config.json (no usable {e}): tier sizes "
-                                  "are shown in bytes")
-    else:
-        if args.model_path and sizes is None:
-            report["warnings"].append(
-                f"--model-path {args.model_path} is not a local folder with config.json: tier sizes are shown in "
-                "bytes"
-            )
-    report["model"] = sizes
-    # Without a model, plan in bytes: 1 "token" = 1 byte, so the sizes read as byte budgets.
-    per_token = sizes["kv_bytes_per_token"] if sizes else 1
-    weights = sizes["weight_bytes"] if sizes else 0
-    if not sizes:
-        args.page_size, args.max_total_tokens = 1, None
-    try:
-        plan = plan_memory_for_args(facts, decision, args, weight_bytes=weights, kv_bytes_per_token=per_token)
+        tiers = size_kv_tiers(facts, decision, args, weight_bytes=sizes["weight_bytes"] if sizes else 0,
+                              kv_bytes_per_token=sizes["kv_bytes_per_token"] if sizes else None,
+                              context_length=sizes["context_length"] if sizes else None)
     except MemoryPlanError as e:
         report["errors"].append(str(e))
         return report
-    report["memory"] = plan.to_dict()
-    report["warnings"] += plan.warnings
+    report["memory"] = tiers.to_dict()
+    report["warnings"] += tiers.warnings
     return report
+
+
+def _check_model(report: dict[str, Any], args: ServerArgs, folder: Path, label: str, device: str, backend: str,
+                 env: dict[str, str]) -> None:
+    """The architecture check, the model's sizes and the context length, as serve finds them."""
+    report["architecture"], arch_note = model_architecture(args, folder, backend)
+    if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
+        report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
+            arch_note)
+    try:
+        sizes = model_sizes(folder, label, args, device)
+    except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
+        report["warnings"].append(f"cannot size {label} from its config.json (no usable {e}): tier sizes are byte "
+                                  "budgets only, not tokens")
+        return
+    try:
+        sizes["context_length"] = check_context_length(args.context_length, sizes["max_position_embeddings"], env)
+    except StartupError as e:
+        report["errors"].append(str(e))
+        sizes["context_length"] = args.context_length
+    else:
+        if args.context_length and args.context_length > sizes["max_position_embeddings"]:
+            report["warnings"].append(
+                f"--context-length {args.context_length} exceeds the model's max_position_embeddings "
+                f"{sizes['max_position_embeddings']} (allowed by SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)")
+    report["model"] = sizes
 
 
 def _gb(n: float | None) -> str:
@@ -163,17 +215,21 @@ def render_text(report: dict[str, Any]) -> str:
     if m:
         model = report["model"]
         lines.append("")
-        if model:
-            lines.append(f"KV tiers           {model['path']} ({model['dtype']}): {model['kv_bytes_per_token']} bytes/token, "
-                         f"weights {_gb(model['weight_bytes'])}")
-            lines.append(f"  device KV (L1)   {m['device_kv_tokens']} tokens, {_gb(m['device_kv_bytes'])}")
-            host = (f"{m['host_kv_tokens']} tokens, {_gb(m['host_kv_bytes'])} (ratio {m['hicache_ratio']:g})"
-                    if m["hicache_ratio"] is not None else "off (--enable-hierarchical-cache to size it)")
+        ratio = f" (ratio {m['hicache_ratio']:g})" if m["hicache_ratio"] is not None else ""
+        if m["sized_in"] == "tokens":
+            lines.append(f"KV tiers           {model['path']} ({model['dtype']}, KV {model['kv_cache_dtype']}): "
+                         f"{m['kv_bytes_per_token']} bytes/token, weights {_gb(m['weight_bytes'])}, "
+                         f"context length {m['context_length']}")
+            lines.append(f"  device KV (L1)   {m['device_pages']} pages x {m['page_size']} = {m['device_kv_tokens']} "
+                         f"tokens, {_gb(m['device_kv_bytes'])}")
+            host = (f"{m['host_pages']} pages x {m['page_size']} = {m['host_kv_tokens']} tokens, "
+                    f"{_gb(m['host_kv_bytes'])}{ratio}")
         else:
-            lines.append("KV tiers           byte budgets before weights (pass --model-path for token counts)")
+            lines.append("KV tiers           byte budgets only, before weights and token caps (see Warnings)")
             lines.append(f"  device KV (L1)   {_gb(m['device_kv_bytes'])}")
-            host = (f"{_gb(m['host_kv_bytes'])} (ratio {m['hicache_ratio']:g})"
-                    if m["hicache_ratio"] is not None else "off (--enable-hierarchical-cache to size it)")
+            host = f"{_gb(m['host_kv_bytes'])}{ratio}"
+        if m["hicache_ratio"] is None:
+            host = "off (--enable-hierarchical-cache to size it)"
         lines.append(f"  host KV (L2)     {host}")
         lines.append(f"  memory           {m['memory_kind']}, sized from {_gb(m['available_bytes'])}, "
                      f"{_gb(m['headroom_bytes'])} RAM kept free, mem_fraction_static {m['mem_fraction_static']:g}")

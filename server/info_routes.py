@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
@@ -83,8 +84,10 @@ async def server_info(engine: EngineAPI = Depends(ready_engine)) -> Response:
 
 @router.get("/get_load")
 async def get_load(engine: EngineAPI = Depends(ready_engine)) -> Response:
-    """SGLang's shape: one entry per data-parallel rank (tierlm runs one)."""
-    return JSONResponse([RankLoad(dp_rank=0, **await engine.get_load()).model_dump()])
+    """SGLang's shape: one entry per data-parallel rank (tierlm runs one); ts_tic is time.perf_counter() as in
+    SGLang (docs/api.md)."""
+    load = await engine.get_load()
+    return JSONResponse([RankLoad(dp_rank=0, **load, ts_tic=time.perf_counter()).model_dump()])
 
 
 @router.get("/version")

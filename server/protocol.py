@@ -446,7 +446,8 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [{"required": ["prompt"]},
                                                                            {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | list[str] | None = Field(default=None, description="a text, or a list of texts (SGLang: one "
+                                                                    "token list per text)")
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = Field(default=True, description="with a text prompt: add the tokenizer's special "
                                                                "tokens (e.g. BOS)")
@@ -454,27 +455,34 @@ class TokenizeRequest(BaseModel):
 
 
 class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
+    tokens: list[int] | list[list[int]] = Field(description="a list per text when the prompt was a list")
+    count: int | list[int]
     max_model_len: int
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] | list[list[int]] = Field(description="ids, or a list of id lists (SGLang: one text each)")
+    skip_special_tokens: bool = Field(default=True, description="drop special tokens (BOS, EOS, ...) from the text "
+                                                                "(SGLang's default)")
 
 
 class DetokenizeResponse(BaseModel):
-    prompt: str
+    text: str | list[str] = Field(description="SGLang's field")
+    prompt: str | list[str] = Field(description="vLLM's field: the same text")
 
 
 class RankLoad(BaseModel):
-    """SGLang's /get_load entry of one data-parallel rank (tierlm has one)."""
+    """SGLang's /get_load entry of one data-parallel rank (tierlm has one), field for field."""
     dp_rank: int
     num_reqs: int = Field(description="running and waiting requests")
     num_waiting_reqs: int
-    num_tokens: int = Field(description="KV tokens of running requests plus the prompts of waiting ones")
+    num_tokens: int = Field(description="device KV tokens in use (pool less free and evictable cached pages) plus "
+                                        "the tokens of the waiting requests")
+    num_pending_tokens: int = Field(default=0, description="the tokens of the waiting requests (not yet prefilled)")
+    ts_tic: float = Field(default=0.0, description="time.perf_counter() of the server when the load was read "
+                                                   "(a monotonic clock, not wall time)")
 
 
 class VersionResponse(BaseModel):

@@ -24,7 +24,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids)
 
     def render(self, conversation: list[dict[str, Any]]) -> str:

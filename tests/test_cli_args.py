@@ -148,6 +148,40 @@ def _compat_rows() -> list[tuple[str, str, list[str]]]:
     return rows
 
 
+def _default_cells() -> list[tuple[str, str, str]]:
+    """(first flag, status, tierlm default cell) of every supported/accepted row that states a default."""
+    out = []
+    for line in COMPAT_DOC.read_text().splitlines():
+        if not line.startswith("| `--"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if cells[1] in ("supported", "accepted") and cells[4] != "—":
+            out.append((cells[0].split("`")[1], cells[1], cells[4]))
+    return out
+
+
+@pytest.mark.parametrize("flag,status,cell", _default_cells(), ids=[r[0] for r in _default_cells()])
+def test_compat_table_defaults_match_the_parser(flag: str, status: str, cell: str) -> None:
+    """The `tierlm default` column is the parser's default, so a changed default without a doc change fails here."""
+    import ast
+
+    from tierlm.server.cli_args import build_parser
+
+    assert cell.startswith("`") and cell.endswith("`"), f"{flag}: write the default as `value` (or — for none)"
+    text = cell.strip("`")
+    try:
+        documented = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        documented = text
+    action = build_parser()._option_string_actions[flag]
+    assert action.default == documented, f"{flag}: parser default {action.default!r}, table says {text}"
+
+
+def test_compat_table_states_defaults_where_sglang_has_one() -> None:
+    """Every flag row of a supported or accepted setting has both default cells."""
+    assert len(_default_cells()) > 50
+
+
 def test_compat_table_is_complete() -> None:
     rows = _compat_rows()
     assert len(rows) > 40 and {s for _, s, _ in rows} == {"supported", "accepted", "refused"}
@@ -190,8 +224,10 @@ def test_sglang_flags_map_to_fields() -> None:
 @pytest.mark.parametrize("argv,message", [
     (["--tp-size", "4"], "sglang-router"),
     (["--data-parallel-size", "2"], "sglang-router"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "FP8"),
-    (["--schedule-policy", "lpm"], "fcfs"),
+    (["--kv-cache-dtype", "fp4_e2m1"], "fp8_e4m3"),
+    (["--kv-cache-dtype", "int8"], "fp8_e5m2"),
+    (["--schedule-policy", "priority"], "lpm"),
+    (["--schedule-policy", "lifo"], "dfs-weight"),
     (["--speculative-algorithm", "EAGLE"], "not implemented yet"),
     (["--quantization", "awq"], "--quantization awq"),
     (["--attention-backend", "fa3"], "tierlm_paged"),
@@ -239,3 +275,52 @@ def test_hicache_io_backend_is_logged(caplog: pytest.LogCaptureFixture) -> None:
                                       disable_cuda_graph=True), Decision("mlx", "mps"))
     assert "on MLX kernel and direct are the same copy" in caplog.text
     assert "does not use CUDA graphs yet" in caplog.text
+
+
+def test_neutral_values_of_refused_flags_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["--nnodes", "1", "--node-rank", "0", "--pp-size", "1", "--ep", "1", "--load-format", "auto",
+                       "--disaggregation-mode", "null", "--base-gpu-id", "0", "--json-model-override-args", "{}"])
+    assert set(args.accepted_sglang_flags) == {"--nnodes", "--node-rank", "--pp-size", "--ep-size", "--load-format",
+                                               "--disaggregation-mode", "--base-gpu-id", "--json-model-override-args"}
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--base-gpu-id", "1"])
+    assert exc.value.code == 2 and "CUDA_VISIBLE_DEVICES" in capsys.readouterr().err
+
+
+def test_accepted_sglang_flags_are_recorded_for_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from tierlm.platforms import Decision
+    from tierlm.runtime.engine_setup import log_accepted_flags
+
+    assert parse_args([]).accepted_sglang_flags == {}
+    args = parse_args(["--disable-overlap-schedule", "--decode-log-interval", "10", "--sampling-backend", "pytorch",
+                       "--cuda-graph-bs", "1", "2", "--decode-log-interval", "40"])
+    assert set(args.accepted_sglang_flags) == {"--disable-overlap-schedule", "--sampling-backend", "--cuda-graph-bs"}
+    assert args.accepted_sglang_flags["--cuda-graph-bs"].startswith("[1, 2]: ")
+    with caplog.at_level(logging.INFO, logger="tierlm.runtime.engine_setup"):
+        log_accepted_flags(args, Decision("torch", "cpu"))
+    assert "--disable-overlap-schedule: accepted; tierlm has no overlap scheduler" in caplog.text
+    assert "--sampling-backend: accepted; pytorch: tierlm samples" in caplog.text
+
+
+def test_sglang_spellings_of_supported_values() -> None:
+    args = parse_args(["--dtype", "half", "--log-level", "WARNING", "--reasoning-parser", "auto",
+                       "--tool-call-parser", "auto", "--chunked-prefill-size", "-1", "--max-prefill-tokens", "8192"])
+    assert (args.dtype, args.log_level, args.reasoning_parser, args.tool_call_parser) == ("float16", "warning", None, None)
+    assert args.chunked_prefill_size == 8192  # SGLang's "no chunking": a step prefills up to --max-prefill-tokens
+    assert parse_args(["--dtype", "float"]).dtype == "float32"
+    assert parse_args(["--dp", "1"]).dp_size == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--grammar-backend", "llguidance"], "use xgrammar"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "hf3fs"], "only file is implemented"),
+    (["--tokenizer-mode", "slow"], "fast tokenizer"),
+    (["--preferred-sampling-params", '{"temperature": 0}'], "send them with each request"),
+    (["--ssl-certfile", "c.pem"], "reverse proxy"),
+])
+def test_more_sglang_refusals(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -25,6 +25,7 @@ from tierlm.platforms import (
     pitfalls,
     plan_memory,
     plan_memory_for_args,
+    size_kv_tiers,
 )
 from tierlm.platforms import facts as facts_mod
 from tierlm.platforms.facts import parse_nvidia_smi_row
@@ -416,6 +417,30 @@ def test_plan_memory_for_args_reads_server_args():
                          enable_hierarchical_cache=True, hicache_ratio=1.5, max_total_tokens=200_000)
     assert plan_memory_for_args(f, d, args, weight_bytes=W_8B, kv_bytes_per_token=KV_8B) == direct
     assert direct.device_kv_tokens == 200_000 // 32 * 32
+
+
+def test_size_kv_tiers_caps_by_context_and_sizes_the_host_tier_from_the_capped_pool():
+    f = machine("h100")
+    d = choose_backend(f, {})
+    args = ServerArgs(enable_hierarchical_cache=True, hicache_ratio=2.0)  # page 16, 32 running requests
+    tiers = size_kv_tiers(f, d, args, weight_bytes=W_8B, kv_bytes_per_token=KV_8B, context_length=2048)
+    assert tiers.device_tokens == 4 * 2048 * 32 and tiers.device_pages == 4 * 2048 * 32 // 16
+    assert tiers.host_pages == 2 * tiers.device_pages and tiers.hicache_ratio == 2.0
+    assert any("capped at 4 x context length 2048 x max running requests 32" in r for r in tiers.reasons)
+    # --max-total-tokens replaces the context cap; a pool is never smaller than two pages.
+    tiny = size_kv_tiers(f, d, ServerArgs(max_total_tokens=1), weight_bytes=W_8B, kv_bytes_per_token=KV_8B,
+                         context_length=2048)
+    assert (tiny.device_pages, tiny.host_pages) == (2, 0)
+    assert any("holds only 32 tokens" in w for w in tiny.warnings)
+
+
+def test_size_kv_tiers_in_bytes_names_no_tokens():
+    f = machine("h100")
+    tiers = size_kv_tiers(f, choose_backend(f, {}), ServerArgs(), weight_bytes=0, kv_bytes_per_token=None,
+                          context_length=None)
+    out = tiers.to_dict()
+    assert out["sized_in"] == "bytes" and out["device_kv_bytes"] == tiers.memory.device_kv_tokens > 0
+    assert not [k for k in out if "token" in k or "page" in k]
 
 
 # ---------------------------------------------------------------------------------------------- pitfalls

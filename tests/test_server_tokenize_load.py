@@ -35,10 +35,24 @@ def test_tokenize_errors(client: TestClient) -> None:
                  400, param="prompt")
 
 
+def test_tokenize_sglang_paths_and_lists(client: TestClient) -> None:
+    """SGLang's shapes: /v1/tokenize, a list of texts -> a list of id lists and of counts."""
+    r = client.post("/v1/tokenize", json={"prompt": ["hi", "abc"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == [[ord("h"), ord("i")], [ord("a"), ord("b"), ord("c")]] and body["count"] == [2, 3]
+    assert client.post("/v1/tokenize", json={"prompt": "hi"}).json()["count"] == 2
+    r = client.post("/v1/detokenize", json={"tokens": [[ord("o"), ord("k")], [ord("!")]]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"text": ["ok", "!"], "prompt": ["ok", "!"]}
+    assert_error(client.post("/v1/detokenize", json={"tokens": [[65], [VOCAB_SIZE]]}), 400, param="tokens[1]")
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"text": "", "prompt": ""}
+
+
 def test_detokenize_round_trip_and_vocabulary(client: TestClient) -> None:
     r = client.post("/detokenize", json={"tokens": [ord(c) for c in "héllo"]})
     assert r.status_code == 200, r.text
-    assert r.json() == {"prompt": "héllo"}
+    assert r.json() == {"text": "héllo", "prompt": "héllo"}  # SGLang's key and vLLM's
     assert_error(client.post("/detokenize", json={"tokens": [65, VOCAB_SIZE]}), 400, param="tokens",
                  contains="outside the vocabulary")
     assert_error(client.post("/detokenize", json={"tokens": [-1]}), 400, param="tokens")
@@ -48,7 +62,9 @@ def test_detokenize_round_trip_and_vocabulary(client: TestClient) -> None:
 def test_get_load_and_version(client: TestClient) -> None:
     r = client.get("/get_load")
     assert r.status_code == 200
-    assert r.json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    (load,) = r.json()
+    assert isinstance(load.pop("ts_tic"), float)  # SGLang's time.perf_counter() stamp
+    assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0, "num_pending_tokens": 0}
     r = client.get("/version")
     assert r.status_code == 200 and isinstance(r.json()["version"], str)
 
@@ -63,11 +79,15 @@ def test_endpoints_with_a_real_engine(tiny_llama) -> None:
             ids = c.post("/tokenize", json={"prompt": "Once upon a time"}).json()
             assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == engine.context_length
             assert ids["tokens"] == list(engine.tokenizer.encode("Once upon a time"))
-            text = c.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
-            assert text == engine.tokenizer.decode(ids["tokens"])
+            text = c.post("/detokenize", json={"tokens": ids["tokens"]}).json()["text"]
+            assert text == engine.tokenizer.decode(ids["tokens"], skip_special_tokens=True)
+            raw = c.post("/detokenize", json={"tokens": ids["tokens"], "skip_special_tokens": False}).json()
+            assert raw["text"] == raw["prompt"] == engine.tokenizer.decode(ids["tokens"])
             vocab = engine.parts.model_info.vocab_size
             assert_error(c.post("/detokenize", json={"tokens": [vocab]}), 400, param="tokens")
-            assert c.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0,
-                                                   "num_tokens": 0}]
+            (load,) = c.get("/get_load").json()
+            assert load.pop("ts_tic") > 0
+            assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0,
+                            "num_pending_tokens": 0}
     finally:
         engine.shutdown()

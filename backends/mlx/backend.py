@@ -8,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
+                                  ModelBackend, ModelInfo)
+from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.mlx.grammar_mask import apply_token_bitmask
 from tierlm.backends.mlx.kv_pool import MLXKVPool
 from tierlm.backends.mlx.logprobs import fill_logprobs, raw_logprobs
@@ -22,6 +24,7 @@ from tierlm.backends.verified_architectures import check_architecture
 log = logging.getLogger(__name__)
 
 DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+MLX_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")  # --kv-cache-dtype values this backend stores
 
 
 class MLXBackend(ModelBackend):
@@ -29,10 +32,16 @@ class MLXBackend(ModelBackend):
     page_layout = SHARED_PAGE_LAYOUT
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0, device: str | None = None,
-                 trust_unverified_architecture: bool = False) -> None:
+                 trust_unverified_architecture: bool = False, kv_cache_dtype: str = "auto") -> None:
         """``device``: "cpu" pins MLX to the CPU (e.g. SGLANG_USE_MLX=1 --device cpu on a Mac); None keeps
         MLX's default (the Metal GPU where there is one). ``trust_unverified_architecture``: load an architecture
-        outside backends/verified_architectures.py anyway (with a warning) instead of refusing it."""
+        outside backends/verified_architectures.py anyway (with a warning) instead of refusing it.
+        ``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3); fp8_e5m2 is a KVCacheDtypeError (MLX has
+        no e5m2 cast), raised before any weights load."""
+        if kv_cache_dtype not in MLX_KV_CACHE_DTYPES:
+            raise KVCacheDtypeError(
+                f"--kv-cache-dtype {kv_cache_dtype} is not available on the mlx backend (MLX casts to fp8 only in "
+                f"the e4m3 format); use --kv-cache-dtype fp8_e4m3 (the same 1 byte per value) or auto")
         # Before mlx-lm sees the folder: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
         self.architecture_check = check_architecture(model_dir, self.name, trust_unverified_architecture)
         if self.architecture_check.warning:
@@ -67,6 +76,7 @@ class MLXBackend(ModelBackend):
             dtype=DTYPE_NAMES[self.dtype],
             fingerprint=model_fingerprint(self.model_dir),
             sliding_window=next((w for w in windows if w is not None), None),
+            kv_dtype=kv_storage_dtype(kv_cache_dtype, DTYPE_NAMES[self.dtype]),
         )
         self.pool: MLXKVPool | None = None
         self._key = mx.random.key(seed)
@@ -79,7 +89,9 @@ class MLXBackend(ModelBackend):
 
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info
-        self.pool = MLXKVPool(i.num_layers, num_pages, page_size, i.num_kv_heads, i.head_dim, self.dtype)
+        fp8 = i.kv_dtype == "fp8_e4m3"
+        kv_dtype = self.dtype if fp8 else {v: k for k, v in DTYPE_NAMES.items()}[i.kv_dtype]
+        self.pool = MLXKVPool(i.num_layers, num_pages, page_size, i.num_kv_heads, i.head_dim, kv_dtype, fp8=fp8)
         self._ctx.pool = self.pool
 
     # --- execution ---

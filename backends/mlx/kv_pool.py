@@ -3,6 +3,10 @@
 Slot ``page * page_size + offset`` holds one token's K (and V) for all KV heads, after RoPE. Each layer keeps
 its own K and V array [slots, kv_heads, head_dim] so a step's write is one scatter per layer and array. A page
 moves to and from the host tier as raw bytes in the order [layer, K/V, token, head, dim] (the torch pool's).
+
+KV storage dtype: the model's dtype, bfloat16, or fp8 e4m3 (``fp8=True``): uint8 arrays written by ``mx.to_fp8``
+(saturating at +-448, round to nearest even: the same bits as torch's float8_e4m3fn cast of the clamped value,
+so pages stay interchangeable with the torch pool's) and read back by ``mx.from_fp8``. MLX has no e5m2 cast.
 """
 from __future__ import annotations
 
@@ -12,16 +16,20 @@ import numpy as np
 from tierlm.backends.base import HostKVPool, KVPoolGeometry
 
 # numpy has no bfloat16: its raw 2-byte values travel as uint16, which has the same size and byte order.
-_RAW_VIEW = {mx.float32: mx.float32, mx.float16: mx.float16, mx.bfloat16: mx.uint16}
+_RAW_VIEW = {mx.float32: mx.float32, mx.float16: mx.float16, mx.bfloat16: mx.uint16, mx.uint8: mx.uint8}
 
 
 class MLXKVPool(KVPoolGeometry):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: mx.Dtype) -> None:
-        if dtype not in _RAW_VIEW:
+                 dtype: mx.Dtype, fp8: bool = False) -> None:
+        """``dtype``: the KV storage dtype (float32, float16, bfloat16); ``fp8``: store fp8 e4m3 bits instead."""
+        if fp8:
+            dtype = mx.uint8
+        elif dtype not in _RAW_VIEW or dtype == mx.uint8:
             raise ValueError(f"KV pool dtype {dtype} is not supported; use float32, float16 or bfloat16")
         super().__init__(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype.size)
-        self.dtype = dtype
+        self.fp8 = fp8
+        self.dtype = dtype  # the arrays' element type (uint8 for fp8)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
@@ -34,10 +42,27 @@ class MLXKVPool(KVPoolGeometry):
     def arrays(self) -> list[mx.array]:
         return self.k + self.v
 
+    def quantize(self, x: mx.array) -> mx.array:
+        """K or V values -> the arrays' element type (fp8: e4m3 bits as uint8)."""
+        return mx.to_fp8(x) if self.fp8 else x.astype(self.dtype)
+
+    def dequantize(self, stored: mx.array, dtype: mx.Dtype) -> mx.array:
+        return mx.from_fp8(stored, dtype=dtype) if self.fp8 else stored.astype(dtype)
+
+    def as_stored(self, x: mx.array) -> mx.array:
+        """``x`` as a later read of the pool returns it (what attention over fresh K/V must see, so a cache hit
+        gives the same numbers); ``x`` itself when the pool stores its dtype."""
+        if not self.fp8 and x.dtype == self.dtype:
+            return x
+        return self.dequantize(self.quantize(x), x.dtype)
+
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
         """Store the K/V of new tokens [n, kv_heads, head_dim] at ``slots`` [n] (lazy; eval with the step)."""
-        self.k[layer][slots] = k.astype(self.dtype)
-        self.v[layer][slots] = v.astype(self.dtype)
+        self._store(layer, slots, self.quantize(k), self.quantize(v))
+
+    def _store(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
 
     def _page_slots(self, pages: np.ndarray) -> mx.array:
         pages = np.asarray(pages, np.int64).reshape(-1)
@@ -61,7 +86,7 @@ class MLXKVPool(KVPoolGeometry):
         for l in range(self.num_layers):
             kv = blocks[:, l].transpose(1, 0, 2, 3, 4).reshape(2, n * self.page_size, self.num_kv_heads,
                                                                  self.head_dim)
-            self.write(l, slots, kv[0], kv[1])
+            self._store(l, slots, kv[0], kv[1])  # already the stored elements
         mx.eval(self.k, self.v)
 
     def to_host(self, pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
@@ -92,4 +117,4 @@ class MLXKVPool(KVPoolGeometry):
 
 
 def _numpy_name(dtype: mx.Dtype) -> str:
-    return {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "uint16"}[dtype]
+    return {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "uint16", mx.uint8: "uint8"}[dtype]

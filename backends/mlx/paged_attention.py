@@ -131,14 +131,17 @@ class GroupLayerCache:
         B, H, Q, D = keys.shape
         self.new_k = keys.transpose(0, 2, 1, 3).reshape(B * Q, H, D)[g.real_rows]
         self.new_v = values.transpose(0, 2, 1, 3).reshape(B * Q, H, D)[g.real_rows]
+        # Attention sees the new K/V as the pool stores them (fp8 / bf16 pages round them), so a later cache hit
+        # on these pages reads the same numbers.
+        pool = self.pool
         if g.fresh:
-            return keys, values
+            return pool.as_stored(keys), pool.as_stored(values)
         # The pool still holds last step's contents here (the layer's write happens after all groups), so
         # the new tokens are spliced into the gathered context.
-        ctx_k = self.pool.k[self.layer][g.read_slots].astype(keys.dtype)  # [B, K, Hkv, D]
-        ctx_v = self.pool.v[self.layer][g.read_slots].astype(values.dtype)
-        ctx_k[g.new_req, g.new_pos] = self.new_k
-        ctx_v[g.new_req, g.new_pos] = self.new_v
+        ctx_k = pool.dequantize(pool.k[self.layer][g.read_slots], keys.dtype)  # [B, K, Hkv, D]
+        ctx_v = pool.dequantize(pool.v[self.layer][g.read_slots], values.dtype)
+        ctx_k[g.new_req, g.new_pos] = pool.as_stored(self.new_k)
+        ctx_v[g.new_req, g.new_pos] = pool.as_stored(self.new_v)
         return ctx_k.transpose(0, 2, 1, 3), ctx_v.transpose(0, 2, 1, 3)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token, serving_dtype
+from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token, kv_storage_dtype, serving_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -68,9 +68,10 @@ class ModelSize:
         return dataclasses.asdict(self)
 
 
-def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu") -> ModelSize:
+def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu", kv_cache_dtype: str = "auto") -> ModelSize:
     """KV bytes per token and weight bytes of a local model folder served in ``dtype`` on ``device`` (auto: as
-    the backends resolve it, dtypes.serving_dtype), from config.json and the safetensors headers."""
+    the backends resolve it, dtypes.serving_dtype) with KV pages in ``kv_cache_dtype`` (--kv-cache-dtype), from
+    config.json and the safetensors headers."""
     folder = Path(model_dir)
     cfg = text_config(folder)
     stored = cfg.get("torch_dtype") or cfg.get("dtype")
@@ -80,7 +81,8 @@ def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu") -> Mod
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     vocab = cfg.get("vocab_size")
     return ModelSize(path=str(folder), dtype=dtype,
-                     kv_bytes_per_token=kv_bytes_per_token(int(cfg["num_hidden_layers"]), kv_heads, head_dim, dtype),
+                     kv_bytes_per_token=kv_bytes_per_token(int(cfg["num_hidden_layers"]), kv_heads, head_dim,
+                                                           kv_storage_dtype(kv_cache_dtype, dtype)),
                      weight_bytes=weight_bytes(folder, dtype), vocab_size=int(vocab) if vocab else None)
 
 

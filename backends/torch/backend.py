@@ -8,11 +8,12 @@ import numpy as np
 import torch
 
 from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
 from tierlm.backends.torch import paged_attention
 from tierlm.backends.torch.grammar_mask import apply_token_bitmask
-from tierlm.backends.torch.kv_pool import TorchKVPool
+from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
 from tierlm.backends.verified_architectures import check_architecture
@@ -25,8 +26,9 @@ class TorchBackend(ModelBackend):
     page_layout = SHARED_PAGE_LAYOUT
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-                 trust_remote_code: bool = False, seed: int = 0, trust_unverified_architecture: bool = False
-                 ) -> None:
+                 trust_remote_code: bool = False, seed: int = 0, trust_unverified_architecture: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
+        """``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3, fp8_e5m2): what KV pages are stored in."""
         self.model_dir = Path(model_dir)
         # Before any weights load: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
         self.architecture_check = check_architecture(self.model_dir, self.name, trust_unverified_architecture,
@@ -54,6 +56,8 @@ class TorchBackend(ModelBackend):
             fingerprint=model_fingerprint(self.model_dir),
             sliding_window=getattr(text_cfg, "sliding_window", None),
         )
+        self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
+        self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
         self.pool: TorchKVPool | None = None
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
 
@@ -64,7 +68,7 @@ class TorchBackend(ModelBackend):
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info
         self.pool = TorchKVPool(i.num_layers, num_pages, page_size, i.num_kv_heads, i.head_dim,
-                                self.dtype, self.torch_device)
+                                self.kv_torch_dtype, self.torch_device)
 
     # --- execution ---
     @torch.inference_mode()

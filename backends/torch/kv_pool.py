@@ -2,6 +2,11 @@
 
 Slot ``page * page_size + offset`` holds one token's K (and V) for all KV heads. Page contents move to and
 from the host tier (HostKVPool) as whole pages, all layers, K then V.
+
+KV storage dtype (``--kv-cache-dtype``): the model's dtype, bfloat16, or an 8-bit float (per-tensor scale 1.0,
+as SGLang without checkpoint scales). fp8 pages are held as uint8 (CPU torch has no ``index_copy_`` for float8):
+``quantize`` saturates to the format's finite range (a cast beyond it is NaN in e4m3fn) and stores the bits,
+``dequantize`` views them as float8 and upcasts. Host and file copies move those bytes unchanged.
 """
 from __future__ import annotations
 
@@ -10,16 +15,25 @@ import torch
 
 from tierlm.backends.base import HostKVPool, KVPoolGeometry
 
+# dtypes.kv_storage_dtype names -> torch dtypes.
+KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Largest finite value of each 8-bit format; values beyond it are stored saturated.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
 
 class TorchKVPool(KVPoolGeometry):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        """``dtype``: the KV storage dtype (float32, bfloat16, float16, float8_e4m3fn or float8_e5m2)."""
         super().__init__(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype.itemsize)
-        self.dtype = dtype
+        self.kv_dtype = dtype  # what the pages hold
+        self.fp8_max = FP8_MAX.get(dtype)
+        self.dtype = torch.uint8 if self.fp8_max is not None else dtype  # the buffer's element type
         self.device = device
         # [layer, K/V, slot, head, dim]: one allocation; per-layer views are what attention indexes.
         self.buffer = torch.zeros(
-            (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), dtype=self.dtype, device=device
         )
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
@@ -27,6 +41,31 @@ class TorchKVPool(KVPoolGeometry):
         self.k_pages = [k.view(num_pages, page_size, num_kv_heads, head_dim) for k in self.k]
         self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
         self._stage: torch.Tensor | None = None
+
+    # --- what attention writes and reads ---
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V values -> the buffer's element type (fp8: saturated, rounded to nearest even, as uint8 bits)."""
+        if self.fp8_max is None:
+            return x.to(self.dtype)
+        return x.clamp(-self.fp8_max, self.fp8_max).to(self.kv_dtype).view(torch.uint8)
+
+    def dequantize(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored elements (as ``quantize`` returns them, or gathered from the buffer) -> ``dtype``."""
+        if self.fp8_max is not None:
+            stored = stored.view(self.kv_dtype)
+        return stored.to(dtype)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a later read of the pool returns it: what attention over fresh K/V must see so a cache hit
+        (the same K/V read back from any tier) gives the same numbers. ``x`` itself when the pool is exact."""
+        if self.kv_dtype == x.dtype:
+            return x
+        return self.dequantize(self.quantize(x), x.dtype)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V [n, kv_heads, head_dim] at flat ``slots`` [n] of ``layer``."""
+        self.k[layer].index_copy_(0, slots, self.quantize(k))
+        self.v[layer].index_copy_(0, slots, self.quantize(v))
 
     def _page_view(self) -> torch.Tensor:
         # [layer, K/V, page, token, head, dim]

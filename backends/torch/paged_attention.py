@@ -117,13 +117,14 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     layer = module.layer_idx
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
-    pool.k[layer].index_copy_(0, meta.slot_mapping, k_new.to(pool.dtype))
-    pool.v[layer].index_copy_(0, meta.slot_mapping, v_new.to(pool.dtype))
+    pool.write(layer, meta.slot_mapping, k_new, v_new)
 
     q = query[0]  # [H, T, D]
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     if meta.single_fresh_prefill and sliding_window is None and s_aux is None:
+        # K/V as the pool holds them (fp8 / bf16 pages round them): a later hit on these pages reads the same.
+        key, value = pool.as_stored(key), pool.as_stored(value)
         out = F.scaled_dot_product_attention(q[None], key, value, is_causal=True, scale=scaling,
                                              enable_gqa=q.shape[0] != key.shape[1])
         return out.transpose(1, 2), None
@@ -134,10 +135,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     for g in meta.groups:
         qg = q if meta.identity_rows else q.index_select(1, g.rows_flat)
         qg = qg.view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
-        kg = k_pages.index_select(0, g.kv_pages).view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
-        vg = v_pages.index_select(0, g.kv_pages).view(g.G, g.L, -1, D).transpose(1, 2)
+        kg = pool.dequantize(k_pages.index_select(0, g.kv_pages), q.dtype)
+        vg = pool.dequantize(v_pages.index_select(0, g.kv_pages), q.dtype)
+        kg = kg.view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
+        vg = vg.view(g.G, g.L, -1, D).transpose(1, 2)
         mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
-        og = attend(qg, kg.to(q.dtype), vg.to(q.dtype), mask, scaling, s_aux)  # [G, H, Q, D]
+        og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
         if meta.identity_rows:
             return og[None], None

@@ -2,6 +2,9 @@
 `generate` on the same weights and dtype, mlx-lm / llama-cpp-python when importable, and the memory-bandwidth
 ceiling (weight bytes / measured bandwidth: each decode step of one sequence reads every weight once).
 
+With ``--kv-cache-dtypes auto,fp8_e4m3``: KV cache dtypes side by side instead, one server each with the same KV
+memory: pool tokens, decode tokens/s and greedy agreement with the first dtype.
+
 Everything runs one after the other in this process's run, never at the same time, so no engine steals the
 other's cores: first the bandwidth probe, then the server, then the in-process baselines.
 """
@@ -35,6 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-baseline", action="store_true", help="skip transformers, mlx-lm and llama.cpp rows")
     g.add_argument("--gguf", default=None, help="GGUF file of the same model for the llama-cpp-python row")
     g.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the memory bandwidth probe")
+    k = p.add_argument_group("KV cache dtype side by side (--kv-cache-dtypes)")
+    k.add_argument("--kv-cache-dtypes", default=None, metavar="LIST",
+                   help="comma-separated --kv-cache-dtype values, e.g. auto,bf16,fp8_e4m3: instead of the throughput "
+                        "table, one server per value with the same KV memory (--kv-budget-mib); pool tokens, decode "
+                        "tok/s and greedy agreement with the first value, side by side")
+    k.add_argument("--kv-budget-mib", type=float, default=64.0, help="device KV memory of every server in that mode")
+    k.add_argument("--agreement-prompts", type=int, default=8,
+                   help="prompts whose greedy --new-tokens continuations are compared across KV dtypes")
 
 
 # ---------------------------------------------------------------- ceiling
@@ -190,11 +201,125 @@ def _optional_rows(ns: argparse.Namespace, ctx: BenchContext, notes: list[str]) 
     return rows
 
 
+# ---------------------------------------------------------------- KV cache dtypes side by side
+def _serving_device() -> str:
+    """The device a server started now would run on (what --dtype auto and KV bytes depend on)."""
+    import os
+
+    from tierlm.platforms import choose_backend, detect
+
+    try:
+        return choose_backend(detect(), os.environ, None).device
+    except Exception:  # noqa: BLE001 - sizing falls back to the CPU rule; the table shows what was allocated
+        return "cpu"
+
+
+def teacher_forced_top1(url: str, prompt: list[int], continuation: list[int]) -> list[int]:
+    """The greedy token the server predicts at each position of ``continuation`` when it reads ``prompt`` +
+    ``continuation`` (prompt logprobs, top 1): the per-step agreement, without one difference changing the rest."""
+    import httpx
+
+    body = {"input_ids": list(prompt) + list(continuation), "return_logprob": True, "top_logprobs_num": 1,
+            "logprob_start_len": len(prompt) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=300.0)
+    r.raise_for_status()
+    tops = r.json()["meta_info"]["input_top_logprobs"][1:]  # the entry of the last prompt token is null
+    return [int(t[0][1]) for t in tops]
+
+
+def kv_dtype_rows(ns: argparse.Namespace, ctx: BenchContext, kv_dtypes: list[str]
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """One server per --kv-cache-dtype with the same device KV bytes: pool tokens, decode rates, greedy outputs."""
+    ps, P, N, S = ctx.page_size, ns.prompt_tokens, ns.new_tokens, ns.streams
+    budget = int(ns.kv_budget_mib * 2**20)
+    device = _serving_device()
+    rng = np.random.default_rng(ctx.seed)
+    single_prompts = [random_tokens(rng, P, ctx.vocab_size) for _ in range(ns.repeats)]
+    stream_prompts = [random_tokens(rng, P, ctx.vocab_size) for _ in range(S)]
+    agree_prompts = [random_tokens(rng, P, ctx.vocab_size) for _ in range(ns.agreement_prompts)]
+    rows, outputs, forced, info, first_info = [], {}, {}, {}, {}
+    bar = ctx.progress_bar(total=len(kv_dtypes), desc="decode: KV dtypes")
+    for kv in kv_dtypes:
+        per_token = model_size(ctx.model_dir, ctx.dtype, device, kv_cache_dtype=kv).kv_bytes_per_token
+        tokens = budget // per_token // ps * ps
+        if tokens < S * (-(-(P + N) // ps) + 1) * ps:
+            raise SystemExit(f"tierlm bench decode: --kv-budget-mib {ns.kv_budget_mib:g} holds {tokens} tokens of "
+                             f"{kv} KV, too few for {S} streams of {P} + {N} tokens; raise it")
+        args = ctx.server_args("--kv-cache-dtype", kv, "--max-total-tokens", str(tokens),
+                               "--max-running-requests", str(max(S, 1)))
+        bar.set_description(f"decode: --kv-cache-dtype {kv}")
+        with BenchServer(args, log_dir=ctx.work_dir, name=f"decode-kv-{kv}") as server:
+            server.start()
+            info = server.info()
+            pool = info.get("kv_pool", {})
+            run_one(server.url, random_tokens(rng, P, ctx.vocab_size), 4)  # first request off the clock
+            singles = [run_one(server.url, p, N) for p in single_prompts]
+            results, t0, t1 = run_concurrent(server.url, stream_prompts, N, ns.stagger_ms / 1000)
+            # One at a time, so batching never differs between the servers compared.
+            outputs[kv] = [run_one(server.url, p, N).output_ids for p in agree_prompts]
+            first_info = first_info or info
+            # Every dtype reads the first dtype's continuations (the first itself: a check, ~100%).
+            forced[kv] = [teacher_forced_top1(server.url, p, o) for p, o in zip(agree_prompts, outputs[kv_dtypes[0]])]
+        bar.update()
+        rows.append({"kv_cache_dtype": kv, "kv_dtype": pool.get("kv_dtype"),
+                     "bytes_per_token": pool.get("bytes_per_token"), "pool_tokens": pool.get("total_tokens"),
+                     "pool_bytes": pool.get("total_bytes"),
+                     "decode_tps": median([r.decode_tokens_per_s for r in singles]),
+                     "aggregate_tps": sum(r.completion_tokens for r in results) / (t1 - t0)})
+    bar.close()
+    ref = outputs[kv_dtypes[0]]
+    base_tokens = rows[0]["pool_tokens"]
+    for row in rows:
+        out = outputs[row["kv_cache_dtype"]]
+        same = sum(a == b for x, y in zip(out, ref) for a, b in zip(x, y))
+        row["agreement"] = same / max(1, sum(len(y) for y in ref))
+        row["identical"] = f"{sum(x == y for x, y in zip(out, ref))}/{len(ref)}"
+        tf = forced.get(row["kv_cache_dtype"])
+        row["step_agreement"] = None if tf is None else \
+            sum(a == b for x, y in zip(tf, ref) for a, b in zip(x, y)) / max(1, sum(len(y) for y in ref))
+        row["tokens_vs_first"] = ratio(row["pool_tokens"], base_tokens)
+    return rows, first_info, outputs
+
+
+def run_kv_dtypes(ns: argparse.Namespace, ctx: BenchContext) -> Report:
+    kv_dtypes = [k.strip() for k in ns.kv_cache_dtypes.split(",") if k.strip()]
+    if len(kv_dtypes) < 2 or ns.agreement_prompts < 1 or ns.kv_budget_mib <= 0:
+        raise SystemExit("tierlm bench decode --kv-cache-dtypes: name at least two values (e.g. auto,fp8_e4m3), "
+                         "with --agreement-prompts >= 1 and --kv-budget-mib > 0")
+    rows, info, outputs = kv_dtype_rows(ns, ctx, kv_dtypes)
+    notes = [f"every server gets {ns.kv_budget_mib:g} MiB of device KV (--max-total-tokens = budget / KV bytes per "
+             "token); pool tokens, bytes per token and the stored dtype are read back from /server_info",
+             f"decode tok/s: 1 stream, median of {ns.repeats}; aggregate: {ns.streams} streams "
+             f"{ns.stagger_ms:g} ms apart",
+             f"agreement: {ns.agreement_prompts} random {ns.prompt_tokens}-token prompts x {ns.new_tokens} greedy "
+             f"tokens, run one at a time; the share of tokens equal at their position to --kv-cache-dtype "
+             f"{kv_dtypes[0]} (a token that differs changes the continuation after it), and the continuations "
+             "identical end to end; per step: the share of those tokens each dtype predicts greedily when it reads "
+             f"{kv_dtypes[0]}'s continuation (prompt logprobs, top 1: the per-step error without its knock-on)"]
+    table = Table(f"KV cache dtype side by side: {ns.prompt_tokens}-token prompts, {ns.new_tokens} new tokens, "
+                  "greedy, same KV memory",
+                  [Column("kv_cache_dtype", "--kv-cache-dtype"), Column("kv_dtype", "stored as"),
+                   Column("bytes_per_token", "KV bytes/token"), Column("pool_tokens", "pool tokens"),
+                   Column("tokens_vs_first", "tokens vs first", "x"), Column("pool_bytes", "pool MiB", "mb"),
+                   Column("decode_tps", "decode tok/s"), Column("aggregate_tps", f"aggregate tok/s ({ns.streams})"),
+                   Column("agreement", "greedy agreement", "pct"), Column("identical", "identical"),
+                   Column("step_agreement", "per-step agreement", "pct")],
+                  rows, notes)
+    settings = {"prompt_tokens": ns.prompt_tokens, "new_tokens": ns.new_tokens, "streams": ns.streams,
+                "stagger_ms": ns.stagger_ms, "repeats": ns.repeats, "kv_cache_dtypes": kv_dtypes,
+                "kv_budget_mib": ns.kv_budget_mib, "agreement_prompts": ns.agreement_prompts,
+                "server_extra": ctx.server_extra}
+    return Report("decode", ctx.command, environment(ctx.model_label, info, ctx.load_at_start), settings, [table],
+                  [], raw={"greedy_outputs": outputs})
+
+
 # ---------------------------------------------------------------- report
 def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     if ns.prompt_tokens < 1 or ns.new_tokens < 2 or ns.streams < 1 or ns.repeats < 1:
         raise SystemExit("tierlm bench decode: need --prompt-tokens >= 1, --new-tokens >= 2, --streams >= 1, "
                          "--repeats >= 1")
+    if getattr(ns, "kv_cache_dtypes", None):
+        return run_kv_dtypes(ns, ctx)
     notes: list[str] = []
     bar = ctx.progress_bar(total=3 + (0 if ns.no_baseline else 2), desc="decode")
     bar.set_description("decode: memory bandwidth")

@@ -6,6 +6,12 @@ turn; the answer the server generated is appended before the next turn (as a cha
 pool (L1) holds only a fraction of all conversations, so with the radix cache alone most of a conversation is
 gone from L1 when its next turn arrives and is prefilled again; HiCache keeps it in host memory (L2) and, with
 a smaller host tier, in files (L3). The same prompts run on a fresh server per mode.
+
+``--schedule-policies fcfs,lpm`` runs every mode once per scheduling policy (--schedule-policy of the server) and
+adds a table comparing them. Ordering only matters when requests queue inside the server, so give it fewer
+running slots than requests in flight (``--max-running 2 --concurrency 16 --clients 16``): a client's next turn
+then arrives while its conversation is still in L1, and lpm admits it ahead of older requests whose
+conversations fcfs has to prefill again.
 """
 from __future__ import annotations
 
@@ -18,10 +24,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tierlm.runtime.server_args import SCHEDULE_POLICIES
 from tierlm.server.bench.context import BenchContext, random_tokens
 from tierlm.server.bench.report import Column, Report, Table, Target, environment, load_average
 from tierlm.server.bench.server_process import REQUEST_TIMEOUT_S, BenchServer, RequestResult, run_one, stream_generate
-from tierlm.server.bench.stats import percentile, ratio
+from tierlm.server.bench.stats import median, percentile, ratio
 
 MODES = ("radix", "hicache-l2", "hicache-l2+l3")
 TARGET_RATIO = 0.3  # HiCache mean TTFT vs radix-only (issue 6)
@@ -39,11 +46,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turn-tokens", type=int, default=32, help="new user tokens per round")
     g.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per round")
     g.add_argument("--l1-fraction", type=float, default=0.25,
-                   help="device pool as a share of all conversations' final length (at least --concurrency "
+                   help="device pool as a share of all conversations' final length (at least --max-running "
                         "requests)")
     g.add_argument("--hicache-ratio", type=float, default=2.0,
                    help="host tier of the L2+L3 mode, as a multiple of L1 (the L2 mode's host holds everything)")
     g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    g.add_argument("--max-running", type=int, default=None,
+                   help="the servers' --max-running-requests (default: --concurrency); below --concurrency, "
+                        "requests queue in the server and its --schedule-policy decides their order")
+    g.add_argument("--schedule-policies", default=None, metavar="P1,P2",
+                   help="run each mode once per server --schedule-policy (e.g. fcfs,lpm) and compare them; "
+                        f"choose from {','.join(SCHEDULE_POLICIES)} (default: the server's own, one run per mode)")
 
 
 def plan_sizes(ns: argparse.Namespace, page_size: int) -> dict[str, int]:
@@ -54,14 +67,22 @@ def plan_sizes(ns: argparse.Namespace, page_size: int) -> dict[str, int]:
     up = lambda n: -(-int(n) // page_size) * page_size  # noqa: E731
     # L1 must at least run `concurrency` requests side by side, or requests queue behind each other's decode
     # and TTFT measures the queue instead of the cache.
-    l1 = max(up(ns.l1_fraction * working_set), ns.concurrency * up(longest) + 2 * page_size)
+    l1 = max(up(ns.l1_fraction * working_set), running_slots(ns) * up(longest) + 2 * page_size)
     # The L2 mode's host tier holds every conversation with room for page fragments.
     l2_ratio = max(2.0, math.ceil(1.5 * working_set / l1))
     return {"working_set": working_set, "l1": l1, "longest": longest, "l2_ratio": l2_ratio}
 
 
-def mode_server_args(mode: str, ctx: BenchContext, ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
-    base = ["--max-total-tokens", str(sizes["l1"]), "--max-running-requests", str(ns.concurrency)]
+def running_slots(ns: argparse.Namespace) -> int:
+    """Requests the server runs side by side: --max-running, else --concurrency."""
+    return min(ns.max_running or ns.concurrency, ns.concurrency)
+
+
+def mode_server_args(mode: str, ctx: BenchContext, ns: argparse.Namespace, sizes: dict[str, int],
+                     policy: str | None = None) -> list[str]:
+    base = ["--max-total-tokens", str(sizes["l1"]), "--max-running-requests", str(running_slots(ns))]
+    if policy is not None:
+        base += ["--schedule-policy", policy]
     if mode == "radix":
         return ctx.server_args(*base)
     if mode == "hicache-l2":
@@ -92,17 +113,19 @@ async def _conversations(url: str, system: list[int], contexts: list[list[int]],
 
 
 def run_mode(mode: str, ns: argparse.Namespace, ctx: BenchContext, sizes: dict[str, int], prompts: dict[str, Any],
-             bar) -> tuple[dict[str, Any], dict[str, Any]]:
-    storage = ctx.work_dir / f"l3-{mode}" if mode == "hicache-l2+l3" else None
-    server = BenchServer(mode_server_args(mode, ctx, ns, sizes), storage_dir=storage, log_dir=ctx.work_dir,
-                         name=f"multiturn-{mode}")
+             bar, policy: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    label = mode if policy is None else f"{mode}/{policy}"
+    slug = label.replace("/", "-")
+    storage = ctx.work_dir / f"l3-{slug}" if mode == "hicache-l2+l3" else None
+    server = BenchServer(mode_server_args(mode, ctx, ns, sizes, policy), storage_dir=storage, log_dir=ctx.work_dir,
+                         name=f"multiturn-{slug}")
     with server:
-        bar.set_description(f"multiturn: starting {mode}")
+        bar.set_description(f"multiturn: starting {label}")
         server.start()
         info = server.info()
         rng = np.random.default_rng(ctx.seed + 99)
         run_one(server.url, random_tokens(rng, 16, ctx.vocab_size), 1)  # first HTTP request, off the clock
-        bar.set_description(f"multiturn: {mode}")
+        bar.set_description(f"multiturn: {label}")
         t0 = time.perf_counter()
         results = asyncio.run(_conversations(server.url, prompts["system"], prompts["contexts"], prompts["turns"],
                                              ns.answer_tokens, ns.concurrency, lambda: bar.update()))
@@ -111,7 +134,7 @@ def run_mode(mode: str, ns: argparse.Namespace, ctx: BenchContext, sizes: dict[s
         end = server.info().get("tiers", {})
         rss = server.rss_bytes()
     summary = summarize_mode(mode, results, wall, info, end, rss)
-    summary["load_avg_1m"] = load
+    summary.update(load_avg_1m=load, policy=policy, label=label)
     return summary, info
 
 
@@ -129,12 +152,14 @@ def summarize_mode(mode: str, results: list[tuple[int, int, RequestResult]], wal
         "l1_tokens": info.get("kv_pool", {}).get("total_tokens"),
         "l2_tokens": tiers.get("host", {}).get("total_tokens"),
         "mean_ttft_s": sum(ttfts) / len(ttfts), "p90_ttft_s": percentile(ttfts, 90),
+        "p50_ttft_s": median(ttfts), "p99_ttft_s": percentile(ttfts, 99),
         "mean_ttft_later_s": sum(r.ttft for r in later) / len(later) if later else None,
         "requests_per_s": len(res) / wall, "output_tps": sum(r.completion_tokens for r in res) / wall,
         "prompt_tps": prompt_total / wall, "wall_s": wall,
         "hit_device": sum(r.cached["device"] for r in res) / prompt_total,
         "hit_host": sum(r.cached["host"] for r in res) / prompt_total,
         "hit_storage": sum(r.cached["storage"] for r in res) / prompt_total,
+        "hit_all": sum(sum(r.cached.values()) for r in res) / prompt_total,
         "hit_tokens": {t: sum(r.cached[t] for r in res) for t in ("device", "host", "storage")},
         "prompt_tokens": prompt_total,
         "host_ram_bytes": int(host.get("used_pages", 0) * page_bytes) if host else None,
@@ -150,7 +175,14 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise SystemExit(f"tierlm bench multiturn: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
-    if min(ns.clients, ns.concurrency, ns.rounds, ns.turn_tokens, ns.answer_tokens) < 1 \
+    policies: list[str | None] = [None]
+    if ns.schedule_policies:
+        policies = [p.strip() for p in ns.schedule_policies.split(",") if p.strip()]
+        bad = [p for p in policies if p not in SCHEDULE_POLICIES]
+        if bad or not policies:
+            raise SystemExit(f"tierlm bench multiturn: unknown schedule policy {bad}; choose from "
+                             f"{', '.join(SCHEDULE_POLICIES)}")
+    if min(ns.clients, ns.concurrency, ns.rounds, ns.turn_tokens, ns.answer_tokens, ns.max_running or 1) < 1 \
             or not 0 < ns.l1_fraction <= 1:
         raise SystemExit("tierlm bench multiturn: --clients, --concurrency, --rounds, --turn-tokens, "
                          "--answer-tokens must be >= 1 and --l1-fraction in (0, 1]")
@@ -161,24 +193,26 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
                "contexts": [random_tokens(rng, ns.context_tokens, V) for _ in range(ns.clients)],
                "turns": [[random_tokens(rng, ns.turn_tokens, V) for _ in range(ns.rounds)]
                          for _ in range(ns.clients)]}
-    bar = ctx.progress_bar(total=len(modes) * ns.clients * ns.rounds, desc="multiturn")
+    bar = ctx.progress_bar(total=len(modes) * len(policies) * ns.clients * ns.rounds, desc="multiturn")
     summaries = []
     infos = []
     for mode in modes:
-        summary, info = run_mode(mode, ns, ctx, sizes, prompts, bar)
-        summaries.append(summary)
-        infos.append(info)
+        for policy in policies:
+            summary, info = run_mode(mode, ns, ctx, sizes, prompts, bar, policy)
+            summaries.append(summary)
+            infos.append(info)
     bar.close()
-    radix = next((s for s in summaries if s["mode"] == "radix"), None)
     for s in summaries:
+        radix = next((r for r in summaries if r["mode"] == "radix" and r["policy"] == s["policy"]), None)
         s["ttft_vs_radix"] = ratio(s["mean_ttft_s"], radix["mean_ttft_s"]) if radix else None
         s["later_vs_radix"] = ratio(s["mean_ttft_later_s"], radix["mean_ttft_later_s"]) if radix else None
         s["confirmed"] = confirm(s)
-    table = Table(
-        f"multi-turn: {ns.clients} clients x {ns.rounds} rounds, {ns.concurrency} in flight (context {ns.context_tokens}, turn "
+    tables = [Table(
+        f"multi-turn: {ns.clients} clients x {ns.rounds} rounds, {ns.concurrency} in flight, {running_slots(ns)} "
+        f"running (context {ns.context_tokens}, turn "
         f"{ns.turn_tokens}, answer {ns.answer_tokens} tokens), L1 = {sizes['l1']} of {sizes['working_set']} "
         f"working-set tokens",
-        [Column("mode", "mode"), Column("l1_tokens", "L1 tok"), Column("l2_tokens", "L2 tok"),
+        [Column("label", "mode"), Column("l1_tokens", "L1 tok"), Column("l2_tokens", "L2 tok"),
          Column("mean_ttft_s", "mean TTFT ms", "ms"), Column("p90_ttft_s", "p90 TTFT ms", "ms"),
          Column("mean_ttft_later_s", "mean TTFT r>=2 ms", "ms"), Column("ttft_vs_radix", "mean vs radix", "x"), Column("later_vs_radix", "r>=2 vs radix", "x"),
          Column("requests_per_s", "req/s"), Column("output_tps", "out tok/s"),
@@ -190,12 +224,39 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
         notes=["hit %: prompt tokens served from each tier / all prompt tokens, from the responses' "
                "cached_tokens_details", "round 1 of every conversation is cold in every mode (no earlier turn to "
                "reuse), so the mean over all rounds includes those cold prefills; r>=2 excludes them",
-               "load 1m: the machine's load average when the mode finished (other work slows a mode down)"])
+               "load 1m: the machine's load average when the mode finished (other work slows a mode down)"])]
+    if policies != [None]:
+        tables.append(policy_table(summaries))
     settings = {k: getattr(ns, k) for k in ("clients", "concurrency", "rounds", "system_tokens", "context_tokens", "turn_tokens",
                                             "answer_tokens", "l1_fraction", "hicache_ratio")}
-    settings.update(sizes, server_extra=ctx.server_extra)
-    return Report("multiturn", ctx.command, environment(ctx.model_label, infos[0], ctx.load_at_start), settings, [table],
-                  targets(summaries), raw={s["mode"]: s["per_request"] for s in summaries})
+    settings.update(sizes, server_extra=ctx.server_extra, max_running=running_slots(ns),
+                    schedule_policies=[p for p in policies if p])
+    return Report("multiturn", ctx.command, environment(ctx.model_label, infos[0], ctx.load_at_start), settings, tables,
+                  targets(summaries), raw={s["label"]: s["per_request"] for s in summaries})
+
+
+def policy_table(summaries: list[dict[str, Any]]) -> Table:
+    """One row per (mode, policy): cache hits and TTFT, each next to fcfs on the same mode."""
+    rows = []
+    for s in summaries:
+        base = next((r for r in summaries if r["mode"] == s["mode"] and r["policy"] == "fcfs"), None)
+        rows.append({"label": s["label"], "hit_all": s["hit_all"], "mean_ttft_s": s["mean_ttft_s"],
+                     "p50_ttft_s": s["p50_ttft_s"], "p99_ttft_s": s["p99_ttft_s"], "wall_s": s["wall_s"],
+                     "ttft_vs_fcfs": ratio(s["mean_ttft_s"], base["mean_ttft_s"]) if base else None,
+                     "p99_vs_fcfs": ratio(s["p99_ttft_s"], base["p99_ttft_s"]) if base else None,
+                     "hit_vs_fcfs": ratio(s["hit_all"], base["hit_all"]) if base else None,
+                     "wall_vs_fcfs": ratio(s["wall_s"], base["wall_s"]) if base else None})
+    return Table(
+        "schedule policies (server --schedule-policy), same prompts on a fresh server each",
+        [Column("label", "mode/policy"), Column("hit_all", "prefix hit", "pct"),
+         Column("mean_ttft_s", "mean TTFT ms", "ms"), Column("p50_ttft_s", "p50 TTFT ms", "ms"),
+         Column("p99_ttft_s", "p99 TTFT ms", "ms"), Column("ttft_vs_fcfs", "mean vs fcfs", "x"),
+         Column("p99_vs_fcfs", "p99 vs fcfs", "x"), Column("hit_vs_fcfs", "hit vs fcfs", "x"),
+         Column("wall_s", "wall s"), Column("wall_vs_fcfs", "wall vs fcfs", "x")],
+        rows,
+        notes=["prefix hit: prompt tokens served from any cache tier / all prompt tokens (from the responses)",
+               "TTFT counts from the send, so it includes the wait in the server's queue, which the policy orders",
+               "vs fcfs: ratio to the fcfs run of the same mode (below 1: faster, or for hits: fewer)"])
 
 
 def confirm(summary: dict[str, Any]) -> str:
@@ -212,10 +273,11 @@ def targets(summaries: list[dict[str, Any]]) -> list[Target]:
         if s["mode"] == "radix" or s["ttft_vs_radix"] is None:
             continue
         measured = f"{s['ttft_vs_radix']:.2f}x radix-only mean TTFT"
+        name = s.get("label") or s["mode"]
         if s["confirmed"] != "yes":
-            out.append(Target(f"{s['mode']} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured, None,
+            out.append(Target(f"{name} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured, None,
                               s["confirmed"]))
         else:
-            out.append(Target(f"{s['mode']} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured,
+            out.append(Target(f"{name} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured,
                               s["ttft_vs_radix"] <= TARGET_RATIO))
     return out

@@ -8,6 +8,7 @@ Page *indices* are runtime bookkeeping; page *contents* belong to the backend. M
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tierlm.backends.dtypes import kv_bytes_per_token
+from tierlm.backends.host_memory import allocate_host_bytes
 
 
 @dataclass
@@ -173,13 +175,19 @@ class HostKVPool:
     num_layers: int
     layout: str
     data: np.ndarray = field(repr=False, default=None)  # uint8
+    prefault: bool = True  # fault the memory in on a background thread (backends/host_memory.py)
+    faulted_in: threading.Event = field(repr=False, default=None)
 
     def __post_init__(self) -> None:
         if self.data is None:
+            flat, self.faulted_in = allocate_host_bytes(self.num_pages * self.page_bytes, self.prefault)
             if self.layout == "layer_first":
-                self.data = np.zeros((self.num_layers, self.num_pages, self.page_bytes // self.num_layers), np.uint8)
+                self.data = flat.reshape(self.num_layers, self.num_pages, self.page_bytes // self.num_layers)
             else:
-                self.data = np.zeros((self.num_pages, self.page_bytes), np.uint8)
+                self.data = flat.reshape(self.num_pages, self.page_bytes)
+        elif self.faulted_in is None:
+            self.faulted_in = threading.Event()
+            self.faulted_in.set()
 
     @property
     def total_bytes(self) -> int:

@@ -61,3 +61,12 @@ def backend_name(request) -> str:
     if request.param == "mlx" and not _mlx_importable():
         pytest.skip("mlx is not installed (pip install 'mlx[cpu]' mlx-lm on Linux)")
     return request.param
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> Path:
+    """The L3 folder a server started in this test uses (SGLang's env var); test files of the storage layer
+    itself define their own ``store`` (a FileKVStorage)."""
+    d = tmp_path / "hicache"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(d))
+    return d

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from disk_faults import inject_disk_fault
+from memory_storage import MemoryStorage
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache import file_storage as fs_mod
 from tierlm.runtime.hicache.file_storage import (
@@ -21,7 +22,7 @@ from tierlm.runtime.hicache.file_storage import (
     max_size_bytes_from_config, parse_extra_config,
 )
 from tierlm.runtime.hicache.page_keys import is_page_key, page_key, page_keys
-from tierlm.runtime.hicache.storage_base import STAT_FIELDS, KVStorage
+from tierlm.runtime.hicache.storage_base import STAT_FIELDS
 from tierlm.runtime.hicache.storage_io import StorageIO
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 
@@ -367,40 +368,22 @@ def test_default_storage_dir(monkeypatch, tmp_path):
 
 
 # --- background I/O ---
-class GatedStorage(KVStorage):
+class GatedStorage(MemoryStorage):
     """In-memory storage whose get/set wait for a gate, so tests control when I/O finishes."""
 
     def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
+        super().__init__()
         self.get_gate = threading.Semaphore(1000)
         self.set_gate = threading.Event()
         self.set_gate.set()
 
-    def exists(self, keys):
-        return [k in self.data for k in keys]
-
     def get(self, key):
         self.get_gate.acquire()
-        return self.data.get(key)
+        return super().get(key)
 
     def set(self, key, payload):
         self.set_gate.wait()
-        self.data[key] = bytes(payload)
-        return True
-
-    def delete(self, key):
-        return self.data.pop(key, None) is not None
-
-    def clear(self):
-        n = len(self.data)
-        self.data.clear()
-        return n
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
+        return super().set(key, payload)
 
 
 def test_storage_io_backup_then_prefetch_on_files(store):

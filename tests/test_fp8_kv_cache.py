@@ -16,11 +16,11 @@ import pytest
 
 from backend_driver import GreedyDriver, run_greedy
 from engine_harness import greedy, pool_is_clean, run, start_engine
+from test_hicache import PS
+from test_hicache import hicache_engine as hicache_engine_with_grammar
 from tierlm.backends.base import ForwardBatch, HostKVPool, ModelBackend, SamplingBatch
 from tierlm.runtime.errors import StartupError
 
-PS = 4
-DEVICE_TOKENS = 96  # 24 pages: a 60-token prefix plus a few other prompts overflow it
 
 
 def doc(seed: int, n: int = 60) -> list[int]:
@@ -37,20 +37,8 @@ def make_backend(name: str, model_dir: Path, kv_cache_dtype: str, dtype: str = "
     return MLXBackend(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "hicache"
-    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(d))
-    return d
-
-
 def hicache_engine(backend, model, storage=True, **kw):
-    kw = {"page_size": PS, "max_total_tokens": DEVICE_TOKENS, "enable_hierarchical_cache": True,
-          "hicache_ratio": 4.0, "grammar_backend": "none", **kw}
-    if storage:
-        kw.setdefault("hicache_storage_backend", "file")
-        kw.setdefault("hicache_storage_prefetch_policy", "wait_complete")
-    return start_engine(model, backend, **kw)
+    return hicache_engine_with_grammar(backend, model, storage, grammar_backend="none", **kw)
 
 
 # ------------------------------------------------------------------------------------------------ sizing

@@ -242,13 +242,6 @@ def test_multi_turn_continuation_reuses_the_whole_conversation(gpt_oss, backend_
 
 # ---------------------------------------------------------------- host (L2) and storage (L3) tiers
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "hicache"
-    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(d))
-    return d
-
-
 def _hicache_engine(model: Path, storage: bool):
     kw = dict(page_size=PS, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=4.0)
     if storage:

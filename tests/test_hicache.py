@@ -13,13 +13,6 @@ PS = 4
 DEVICE_TOKENS = 96  # 24 pages: a 60-token prefix plus a few other prompts overflow it
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "hicache"
-    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(d))
-    return d
-
-
 def hicache_engine(backend, model, storage=True, **kw):
     kw = {"page_size": PS, "max_total_tokens": DEVICE_TOKENS, "enable_hierarchical_cache": True,
           "hicache_ratio": 4.0, **kw}

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from engine_harness import greedy, pool_is_clean, run, start_engine
+from memory_storage import MemoryStorage
 from tierlm.runtime.hicache import file_storage as fs_mod
 from tierlm.runtime.hicache.file_storage import HEADER_SIZE, FileKVStorage
 from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_base import KVStorage
 from tierlm.runtime.hicache.storage_io import StorageIO
 from tierlm.runtime.hicache.storage_namespace import CACHE_FORMAT_VERSION, StorageNamespace
 
@@ -173,44 +173,20 @@ def test_read_fully_gathers_short_reads(tmp_path, monkeypatch):
 
 
 # --- StorageIO: prefetch into buffers ---
-class GatedStorage(KVStorage):
+class GatedStorage(MemoryStorage):
     """In memory; get_into of ``gate_key`` blocks until ``gate`` is set."""
 
     def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
+        super().__init__()
         self.gate = threading.Event()
         self.gate_key: str | None = None
         self.entered = threading.Event()
-
-    def exists(self, keys):
-        return [k in self.data for k in keys]
-
-    def get(self, key):
-        return self.data.get(key)
 
     def get_into(self, key, out, *, probe=False):
         if key == self.gate_key:
             self.entered.set()
             self.gate.wait()
         return super().get_into(key, out, probe=probe)
-
-    def set(self, key, payload):
-        self.data[key] = bytes(payload)
-        return True
-
-    def delete(self, key):
-        return self.data.pop(key, None) is not None
-
-    def clear(self):
-        n = len(self.data)
-        self.data.clear()
-        return n
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 def test_prefetch_into_buffers_then_bytes_past_them():

@@ -1,6 +1,8 @@
 """Turn the requests scheduled for one step into a ForwardBatch of flat numpy arrays."""
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 import numpy as np
 
 from tierlm.backends.base import ForwardBatch, SamplingBatch
@@ -8,14 +10,24 @@ from tierlm.runtime.logprobs import samples
 from tierlm.runtime.request import Req
 
 
-def build_forward_batch(items: list[tuple[Req, int]], page_size: int) -> tuple[ForwardBatch, list[Req]]:
-    """``items``: (request, number of new tokens) pairs. Returns the batch and the requests that sample."""
+def build_forward_batch(items: list[tuple[Req, int]], page_size: int,
+                        drafts: Mapping[Req, Sequence[int]] | None = None) -> tuple[ForwardBatch, list[Req]]:
+    """``items``: (request, number of new tokens) pairs. Returns the batch and, per sampled row, its request.
+
+    A request in ``drafts`` (speculative decoding) runs its last token and its draft tokens (n = 1 + drafts) and
+    samples at every one of those rows, so it appears 1 + len(drafts) times in the returned list.
+    """
+    drafts = drafts or {}
     R = len(items)
     q_lens = np.fromiter((n for _, n in items), np.int32, R)
     kv_lens = np.fromiter((r.kv_len + n for r, n in items), np.int32, R)
     ids: list[int] = []
     for r, n in items:
-        ids.extend(r.tokens(r.kv_len, r.kv_len + n) if n > 1 else (r.token_at(r.kv_len),))
+        if r in drafts:
+            ids.append(r.token_at(r.kv_len))
+            ids.extend(drafts[r])
+        else:
+            ids.extend(r.tokens(r.kv_len, r.kv_len + n) if n > 1 else (r.token_at(r.kv_len),))
     input_ids = np.asarray(ids, np.int64)
     ends = np.cumsum(q_lens).astype(np.int64)
     # positions: kv_len - q_len + arange(q_len) per request, vectorised
@@ -25,10 +37,18 @@ def build_forward_batch(items: list[tuple[Req, int]], page_size: int) -> tuple[F
     page_table = np.zeros((R, max_pages), np.int32)
     for i, (r, _) in enumerate(items):
         page_table[i, :len(r.pages)] = r.pages
-    # A request samples when this step reaches its last token (not one that only wants prompt logprobs).
-    sampling_reqs = [r for (r, n), kl in zip(items, kv_lens) if kl == r.seq_len and samples(r)]
-    sample_rows = np.asarray([e - 1 for (r, n), e, kl in zip(items, ends, kv_lens) if kl == r.seq_len and samples(r)],
-                             np.int64)
+    # A request samples when this step reaches its last token (not one that only wants prompt logprobs); one with
+    # drafts samples at each of its rows.
+    sampling_reqs: list[Req] = []
+    rows: list[int] = []
+    for (r, n), e, kl in zip(items, ends.tolist(), kv_lens.tolist()):
+        if r in drafts:
+            sampling_reqs.extend([r] * n)
+            rows.extend(range(e - n, e))
+        elif kl == r.seq_len and samples(r):
+            sampling_reqs.append(r)
+            rows.append(e - 1)
+    sample_rows = np.asarray(rows, np.int64)
     batch = ForwardBatch(input_ids=input_ids, positions=positions, q_lens=q_lens, kv_lens=kv_lens,
                          page_table=page_table, sample_indices=sample_rows,
                          sampling=sampling_batch(sampling_reqs), page_size=page_size)

@@ -12,6 +12,7 @@ StartupError that says how.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
-from tierlm.runtime.server_args import ATTENTION_BACKENDS, ServerArgs
+from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
+from tierlm.runtime.speculative.speculator import NgramSpeculator
 from tierlm.runtime.warm_up import warm_up
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class EngineParts:
     chat_template_source: str | None = None  # where the chat template came from; None: the model has none
     reasoning_parser_source: str = ""  # why args.reasoning_parser is what it is
     tool_call_parser_source: str = ""  # why args.tool_call_parser is what it is
+    attention: tuple[str, str] = ("", "")  # (attention implementation, why): check_attention_backend
 
     @property
     def grammar(self) -> GrammarManager:
@@ -103,6 +106,8 @@ class EngineParts:
             "chat_template": self.chat_template_source,
             "reasoning_parser": {"name": self.args.reasoning_parser, "chosen_by": self.reasoning_parser_source},
             "tool_call_parser": {"name": self.args.tool_call_parser, "chosen_by": self.tool_call_parser_source},
+            "speculative": self.scheduler.spec.info() if self.scheduler.spec is not None else None,
+            "attention_backend": {"name": self.attention[0], "chosen_by": self.attention[1]},
         }
 
     def close(self) -> None:
@@ -116,13 +121,13 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     facts = detect()  # before the weights load, so the memory plan counts them once
     decision = decide_backend(args, facts)
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
-    check_attention_backend(args, decision)
+    attention = check_attention_backend(args, decision)
     log_accepted_flags(args, decision)
     arch = check_model_architecture(decision, model_dir, args)  # fail fast: before the tokenizer and weights
     tokenizer, template_source = tokenizer_for(args, model_dir)
     parser_source = choose_reasoning_parser(args, model_dir, tokenizer)
     tool_parser_source = choose_tool_call_parser(args, model_dir, tokenizer)
-    backend = load_backend(decision, model_dir, args)
+    backend = load_backend(decision, model_dir, args, attention[0])
     info = backend.info
     log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
              info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
@@ -139,14 +144,16 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
                           grammar=grammar, max_prefill_tokens=args.max_prefill_tokens,
                           stream_interval=args.stream_interval, schedule_policy=args.schedule_policy,
-                          random_seed=args.random_seed)
+                          random_seed=args.random_seed, speculator=NgramSpeculator.create(args, metrics))
     scheduler.register_gauges(metrics)
     parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
                         chat_template_source=template_source, reasoning_parser_source=parser_source,
-                        tool_call_parser_source=tool_parser_source)
+                        tool_call_parser_source=tool_parser_source, attention=attention)
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
+        if scheduler.spec is not None:
+            scheduler.spec.measure_cost(backend, cache.page_size, cache.num_pages)
     return parts
 
 
@@ -168,17 +175,47 @@ def check_context_length(requested: int | None, model_max: int, env: Any) -> int
     return requested
 
 
-def check_attention_backend(args: ServerArgs, decision: Decision) -> None:
-    """--attention-backend must name the chosen backend's attention (ServerArgs.check() refused unknown names)."""
+def check_attention_backend(args: ServerArgs, decision: Decision, env: Any = None) -> tuple[str, str]:
+    """The attention implementation and why (logged; /server_info shows it). --attention-backend must name one of
+    the chosen backend's (ServerArgs.check() refused unknown names); tierlm_paged is torch_native's old name.
+    Default on torch: triton on CUDA when Triton is installed, else torch_native. triton off CUDA is a
+    StartupError, except under TRITON_INTERPRET=1 (Triton's CPU interpreter: how the tests run the kernels)."""
+    name, reason = resolve_attention_backend(args, decision, os.environ if env is None else env)
+    log.info("attention: %s (%s)", name if args.attention_backend in (None, name) else
+             f"{args.attention_backend} = {name}", reason)
+    return name, reason
+
+
+def resolve_attention_backend(args: ServerArgs, decision: Decision, env: Any) -> tuple[str, str]:
     name = args.attention_backend
+    if name is not None:
+        owner = ATTENTION_BACKENDS[name]
+        if owner != decision.backend:
+            own = next(n for n, b in ATTENTION_BACKENDS.items() if b == decision.backend)
+            raise StartupError(f"--attention-backend {name} belongs to the {owner} backend, but this server runs the "
+                               f"{decision.backend} backend; use --attention-backend {own} or drop the flag")
+    if decision.backend != "torch":
+        return name or "mlx_paged", "--attention-backend" if name else "the MLX backend's paged attention"
+    has_triton = importlib.util.find_spec("triton") is not None
+    interpret = str(env.get("TRITON_INTERPRET", "")).strip() == "1"
     if name is None:
-        return
-    owner = ATTENTION_BACKENDS[name]
-    if owner != decision.backend:
-        own = next(n for n, b in ATTENTION_BACKENDS.items() if b == decision.backend)
-        raise StartupError(f"--attention-backend {name} belongs to the {owner} backend, but this server runs the "
-                           f"{decision.backend} backend; use --attention-backend {own} or drop the flag")
-    log.info("attention: %s (--attention-backend)", name)
+        if decision.device != "cuda":
+            return "torch_native", f"default on {decision.device} (the Triton kernels need CUDA)"
+        if not has_triton:
+            return "torch_native", "default on CUDA without Triton installed (pip install triton for the kernels)"
+        return "triton", "default on CUDA with Triton installed: kernels that read KV pages in place"
+    name = ATTENTION_ALIASES.get(name, name)
+    if name == "triton":
+        if not has_triton:
+            raise StartupError("--attention-backend triton needs the triton package (it ships with torch on Linux "
+                               "CUDA: pip install triton); or use --attention-backend torch_native")
+        if decision.device != "cuda":
+            if not interpret:
+                raise StartupError(f"--attention-backend triton needs a CUDA device, but this server runs on "
+                                   f"{decision.device}; use --attention-backend torch_native or drop the flag "
+                                   "(TRITON_INTERPRET=1 runs the kernels in Triton's CPU interpreter, for tests)")
+            return name, f"--attention-backend, on {decision.device} in Triton's interpreter (TRITON_INTERPRET=1)"
+    return name, "--attention-backend"
 
 
 def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:
@@ -295,7 +332,11 @@ def check_model_architecture(decision: Decision, model_dir: Path, args: ServerAr
         raise StartupError(str(e)) from e
 
 
-def load_backend(decision: Decision, model_dir: Path, args: ServerArgs) -> ModelBackend:
+def load_backend(decision: Decision, model_dir: Path, args: ServerArgs, attention_backend: str | None = None
+                 ) -> ModelBackend:
+    """``attention_backend``: check_attention_backend's choice (resolved here when not given)."""
+    if attention_backend is None:
+        attention_backend = resolve_attention_backend(args, decision, os.environ)[0]
     try:
         if decision.backend == "mlx":
             from tierlm.backends.mlx.backend import MLXBackend
@@ -308,7 +349,7 @@ def load_backend(decision: Decision, model_dir: Path, args: ServerArgs) -> Model
         return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,
                             trust_remote_code=args.trust_remote_code, seed=args.random_seed,
                             trust_unverified_architecture=args.trust_unverified_architecture,
-                            kv_cache_dtype=args.kv_cache_dtype)
+                            kv_cache_dtype=args.kv_cache_dtype, attention_backend=attention_backend)
     except (UnverifiedArchitectureError, KVCacheDtypeError) as e:  # the message names the fix
         raise StartupError(str(e)) from e
 
@@ -345,7 +386,11 @@ def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes
         return HiCacheManager.create(args, backend, tiers.device_pages, tiers.host_pages)
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
-    return KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
+    cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
+    if cache.tree is not None:
+        cache.tree.set_eviction_policy(args.radix_eviction_policy)
+        log.info("radix cache: eviction policy %s (--radix-eviction-policy)", args.radix_eviction_policy)
+    return cache
 
 
 def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo) -> GrammarBackend | None:

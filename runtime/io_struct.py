@@ -52,6 +52,7 @@ class GenerateOutput:
     error: str | None = None  # set when the request failed inside the engine
     e2e_latency: float = 0.0
     logprobs: LogprobOutput | None = None  # the increment's logprobs, when the request asked (runtime/logprobs.py)
+    spec: dict[str, Any] | None = None  # speculative decoding counts (SGLang's spec_* meta_info), final output only
 
     def meta_info(self) -> dict[str, Any]:
         """SGLang's /generate meta_info."""
@@ -70,4 +71,5 @@ class GenerateOutput:
             "cached_tokens_details": self.cached.to_dict(),
             "finish_reason": fr,
             "e2e_latency": self.e2e_latency,
+            **(self.spec or {}),
         }

@@ -79,6 +79,16 @@ class KVCacheManager:
         req.admitted_once = True
         return True
 
+    def trim(self, req: Req, upto_len: int) -> None:
+        """Give back ``req``'s own pages past those holding positions < ``upto_len`` (speculative decoding: pages
+        that held only rejected drafts' KV). Tree pages are never trimmed."""
+        keep = max(-(-upto_len // self.page_size), req.tree_pages)
+        extra = req.pages[keep:]
+        if extra:
+            del req.pages[keep:]
+            self.allocator.free(extra)
+            self.in_use_pages -= len(extra)
+
     def _make_free(self, need: int) -> bool:
         short = need - self.allocator.num_free
         if short > 0 and self.tree is not None:

@@ -32,6 +32,8 @@ SGLANG_GAUGE_ALIASES = {
     "tierlm_num_running_requests": ("sglang:num_running_reqs", "The number of running requests."),
     "tierlm_num_waiting_requests": ("sglang:num_queue_reqs", "The number of requests in the waiting queue."),
     "tierlm_kv_pool_usage": ("sglang:token_usage", "The token usage."),
+    "tierlm_spec_accept_length": ("sglang:spec_accept_length", "The average acceptance length of speculative decoding."),
+    "tierlm_spec_accept_rate": ("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding."),
 }
 THROUGHPUT_WINDOW_S = 10.0  # sglang:gen_throughput: tokens generated over the last this many seconds
 HIT_RATE_WINDOW = 64  # sglang:cache_hit_rate: over the prompts of the last this many finished requests

@@ -77,6 +77,8 @@ class OutputProcessor:
         out.finish_reason = req.finish_reason
         out.matched_stop = req.matched_stop
         out.e2e_latency = time.perf_counter() - req.arrival
+        if req.spec is not None:
+            out.spec = req.spec.meta_info()
         self.metrics.record_finished(req.finish_reason, len(req.input_ids), len(req.output_ids),
                                      req.cached.to_dict(), out.e2e_latency,
                                      None if req.first_token_time is None else req.first_token_time - req.arrival)

@@ -1,9 +1,9 @@
 """Radix prefix cache at page granularity.
 
 Each edge holds whole pages of tokens and the device pages with their KV. A request locks the path it reads
-(``lock``/``unlock``), so locked pages are never evicted; unlocked leaves go least-recently-used first when
-the allocator runs dry. With HiCache, a node may also (or only) hold host pages; ``runtime/hicache``
-extends eviction to demote instead of drop.
+(``lock``/``unlock``), so locked pages are never evicted; unlocked leaves go in the order of the eviction
+policy (runtime/eviction_policy.py, least recently used by default) when the allocator runs dry. With HiCache,
+a node may also (or only) hold host pages; ``runtime/hicache`` extends eviction to demote instead of drop.
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from tierlm.runtime.eviction_policy import eviction_priority
+
 _clock = itertools.count()
+_tiebreak = itertools.count()  # heap entries with equal policy keys never compare nodes
 
 
 @dataclass(eq=False)
@@ -42,20 +45,32 @@ class MatchResult:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, free_device_pages: Callable[[list[int]], None]) -> None:
+    def __init__(self, page_size: int, free_device_pages: Callable[[list[int]], None],
+                 eviction_policy: str = "lru") -> None:
         self.page_size = page_size
         self._free_device_pages = free_device_pages
+        self.set_eviction_policy(eviction_policy)
         self.root = TreeNode(device_pages=[])
         self.root.lock_ref = 1  # the root is never evicted
         self.device_pages_cached = 0  # pages referenced by the tree (evictable + locked)
         self.device_pages_locked = 0
 
+    def set_eviction_policy(self, name: str) -> None:
+        """--radix-eviction-policy: the order unlocked nodes are evicted in (both tiers with HiCache)."""
+        self.eviction_policy = name
+        self.eviction_priority = eviction_priority(name)
+
     # ---------------------------------------------------------------- lookup
     def _page_key(self, tokens: Sequence[int], start: int) -> tuple:
         return tuple(tokens[start:start + self.page_size])
 
-    def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> MatchResult:
-        """Longest cached prefix of ``tokens`` in whole pages (at most ``max_pages``)."""
+    def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None, *,
+                     count_hit: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages (at most ``max_pages``); touches the nodes it passes.
+
+        This is the admission lookup: with ``count_hit`` every node of the device-resident match gets one more
+        ``hit_count`` (the eviction policies rank by it). Host and storage continuations are counted by HiCache
+        when they are loaded; a lookup that admits nothing (a prefetch probe) passes ``count_hit=False``."""
         ps = self.page_size
         n_pages = len(tokens) // ps if max_pages is None else min(len(tokens) // ps, max_pages)
         node = self.root
@@ -78,7 +93,16 @@ class RadixCache:
                 break
             node = child
             pos += k
+        if count_hit:
+            self.count_hit(device_node)
         return MatchResult(device_pages, device_node, host_pages, host_node)
+
+    def count_hit(self, node: TreeNode, upto: TreeNode | None = None) -> None:
+        """One more reuse of every node from ``node`` up to (not including) ``upto`` (default: the root)."""
+        upto = upto or self.root
+        while node is not upto and node is not self.root:
+            node.hit_count += 1
+            node = node.parent
 
     def peek_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[int, TreeNode]:
         """How many whole pages of ``tokens`` (at most ``max_pages``) ``match_prefix`` would find in memory
@@ -212,18 +236,22 @@ class RadixCache:
                 out.append(n)
         return out
 
+    def _heap_entry(self, node: TreeNode) -> tuple:
+        return (self.eviction_priority(node), next(_tiebreak), node)
+
     def evict(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` device pages from unlocked leaves, LRU first. Returns pages freed."""
-        heap = [n for n in self._device_leaves() if n.lock_ref == 0]
+        """Free at least ``num_pages`` device pages from unlocked leaves in eviction-policy order. Returns pages
+        freed."""
+        heap = [self._heap_entry(n) for n in self._device_leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
-            node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[-1]
             freed += self._evict_node(node)
             parent = node.parent
             if parent is not self.root and parent.lock_ref == 0 and parent.device_pages is not None and \
                     not any(c.device_pages is not None for c in parent.children.values()):
-                heapq.heappush(heap, parent)
+                heapq.heappush(heap, self._heap_entry(parent))
         return freed
 
     def _evict_node(self, node: TreeNode) -> int:

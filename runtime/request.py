@@ -25,6 +25,7 @@ class PendingPrefetch:
     handle: PrefetchHandle
     started_at: float
     known_pages: int  # how many of its pages the storage's index knows; the rest are probed
+    waited: bool = False  # the scheduler already waited briefly for it once (HiCacheManager.ready_to_admit)
 
 @dataclass(eq=False)
 class Req:
@@ -44,6 +45,10 @@ class Req:
     prefetch: PendingPrefetch | None = None  # HiCache: set while its L3 pages are read in the background
     grammar: Any = None  # runtime/grammar/manager.RequestGrammar of a structured-output request
     logprobs: LogprobState | None = None  # set by runtime/logprobs.init_logprobs when the request asks for any
+    # speculative decoding (runtime/speculative/): counts, the drafter's per-request index, output tokens it has seen
+    spec: Any = None  # SpecStats once the request took part in a verify step
+    spec_state: Any = None
+    spec_seen: int = 0
     # output
     detokenizer: IncrementalDetokenizer | None = None  # set by OutputProcessor.init_request
     stop_checker: StopChecker | None = None

@@ -21,6 +21,7 @@ from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
 from tierlm.runtime.schedule_policy import SchedulePolicy
+from tierlm.runtime.speculative.speculator import NgramSpeculator
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class Scheduler:
                  chunked_prefill_size: int, metrics: EngineMetrics, outputs: OutputProcessor,
                  emit: Callable[[Req, GenerateOutput], None], grammar: GrammarManager | None = None,
                  max_prefill_tokens: int | None = None, stream_interval: int = 1, schedule_policy: str = "fcfs",
-                 random_seed: int = 0) -> None:
+                 random_seed: int = 0, speculator: NgramSpeculator | None = None) -> None:
         self.backend = backend
         self.cache = cache
         self.page_size = cache.page_size
@@ -50,6 +51,8 @@ class Scheduler:
         # --schedule-policy: the order waiting requests are offered for admission (self.waiting keeps arrival order)
         self.policy = SchedulePolicy(schedule_policy, cache, seed=random_seed)
         log.info("schedule policy %s", self.policy.describe())
+        self.spec = speculator  # --speculative-algorithm NGRAM: draft tokens verified in this batch
+        self._drafts: dict[Req, list[int]] = {}  # this step's draft tokens per request
 
     # ------------------------------------------------------------ queue control
     def add(self, req: Req) -> None:
@@ -83,33 +86,61 @@ class Scheduler:
         items = self._schedule()
         if not items:
             return False
-        batch, sampling_reqs = build_forward_batch(items, self.page_size)
-        batch.sampling.token_bitmask = self.grammar.fill_bitmask(sampling_reqs)  # None: no constrained row
-        scored = add_logprob_rows(batch, items, sampling_reqs)
+        drafts = self._drafts
+        batch, row_reqs = build_forward_batch(items, self.page_size, drafts)
+        batch.sampling.token_bitmask = self.grammar.fill_bitmask(row_reqs)  # None: no constrained row
+        scored = add_logprob_rows(batch, items, row_reqs)
         result = self.backend.forward(batch)
-        tokens = result.next_token_ids
-        record_logprobs(result, sampling_reqs, scored)
+        tokens = result.next_token_ids.tolist()
+        record_logprobs(result, row_reqs, scored)
         now = time.perf_counter()
         for req, n in items:
+            if req in drafts:
+                continue  # its kv_len grows by the tokens it accepts (_take_verified)
             req.kv_len += n
             if n > 1:
                 self.cache.cache_unfinished(req)
         self.steps += 1
-        for req, tok in zip(sampling_reqs, tokens.tolist()):
-            self.outputs.on_token(req, tok, now)
-            self._grammar_token(req, tok)
+        i = 0
+        while i < len(row_reqs):
+            req = row_reqs[i]
+            d = drafts.get(req)
+            if d is None:
+                self.outputs.on_token(req, tokens[i], now)
+                self._grammar_token(req, tokens[i])
+                if req.spec is not None:
+                    self.spec.record(req, 0, 0)  # a verify step that had no draft to check
+                added, i = 1, i + 1
+            else:
+                added = self._take_verified(req, d, tokens[i:i + 1 + len(d)], now)
+                i += 1 + len(d)
             if req.finished:
                 self.running.remove(req)
                 self._finish(req, req.finish_reason)
-            elif req.stream and self._stream_now(req):
+            elif req.stream and self._stream_now(req, added):
                 self.emit(req, self.outputs.delta(req))
         self._finish_prefill_only(items)
         return True
 
-    def _stream_now(self, req: Req) -> bool:
-        """--stream-interval: the first token at once, then every N tokens; the final increment carries the rest."""
-        n = len(req.output_ids)
-        return n == 1 or n % self.stream_interval == 0
+    def _take_verified(self, req: Req, drafts: list[int], outputs: list[int], now: float) -> int:
+        """Keep the greedy outputs of a verify step up to the first wrong draft, one token at a time through the
+        stop rules; roll the KV of the rest back. Returns the number of tokens added."""
+        added = 0
+        for j, tok in enumerate(outputs):
+            self.outputs.on_token(req, tok, now)
+            added += 1
+            if req.finished or j == len(drafts) or drafts[j] != tok:
+                break
+        req.kv_len += added  # the inputs at rows 0..added-1 (last token, accepted drafts) are the sequence's
+        self.spec.record(req, len(drafts), added - 1)
+        self.cache.trim(req, req.kv_len + 1)  # pages that only hold rejected drafts' KV go back to the pool
+        return added
+
+    def _stream_now(self, req: Req, added: int = 1) -> bool:
+        """--stream-interval: the first token at once, then every N tokens; the final increment carries the rest.
+        A verify step adds several tokens: an increment when they reach or cross a multiple of N."""
+        n, k = len(req.output_ids), self.stream_interval
+        return n - added == 0 or n // k > (n - added) // k
 
     def _finish_prefill_only(self, items: list[tuple[Req, int]]) -> None:
         """Requests that only wanted prompt logprobs (max_tokens=0) end when their prefill is done."""
@@ -120,7 +151,9 @@ class Scheduler:
 
     def _schedule(self) -> list[tuple[Req, int]]:
         items: dict[Req, int] = {}
-        # 1. every running request that decodes gets its next token (pages permitting)
+        # 1. every running request that decodes gets its next token (pages permitting), with draft tokens to
+        #    verify when speculative decoding has some for it
+        drafts = self._drafts = {}
         for req in list(self.running):
             if req not in self.running or req.remaining_prefill != 1:
                 continue  # retracted meanwhile, or still prefilling
@@ -129,8 +162,13 @@ class Scheduler:
                 if victim is None:
                     break
                 items.pop(victim, None)
+                drafts.pop(victim, None)
             else:
                 items[req] = 1
+                d = self.spec.drafts(req) if self.spec is not None else None
+                if d and self.cache.reserve(req, req.kv_len + 1 + len(d)):
+                    drafts[req] = d
+                    items[req] = 1 + len(d)
         # 2. prefill chunks within the token budget: in-progress chunked requests first, then new ones
         budget = self.prefill_budget
         for req in self.running:
@@ -226,6 +264,8 @@ class Scheduler:
         if req.finish_reason is None:
             req.finish_reason = reason
         self.cache.release(req, cache_kv=True)
+        if self.spec is not None:
+            self.spec.finish(req)
         self.emit(req, self.outputs.final(req))
 
     def fail_all(self, message: str) -> None:

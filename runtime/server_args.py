@@ -9,12 +9,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# --attention-backend values: tierlm's attention implementations, and the backend each one belongs to.
-ATTENTION_BACKENDS = {"tierlm_paged": "torch", "mlx_paged": "mlx"}
+# --attention-backend values: tierlm's attention implementations, and the backend each one belongs to. torch:
+# triton (kernels reading KV pages in place; CUDA), torch_native (SDPA over gathered pages; the reference);
+# tierlm_paged: the old name of torch_native, still accepted (ATTENTION_ALIASES).
+ATTENTION_BACKENDS = {"triton": "torch", "torch_native": "torch", "tierlm_paged": "torch", "mlx_paged": "mlx"}
+ATTENTION_ALIASES = {"tierlm_paged": "torch_native"}
 # --kv-cache-dtype values (SGLang's names) tierlm stores KV pages in; "auto" is the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 # --schedule-policy values: the order waiting requests are admitted in (runtime/schedule_policy.py).
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "lof")
+# --radix-eviction-policy values: which unlocked cache pages go first when a tier (device or host) is full
+# (runtime/eviction_policy.py).
+RADIX_EVICTION_POLICIES = ("lru", "lfu", "slru", "loop")
+# --speculative-algorithm values tierlm implements (runtime/speculative/); SGLang's others are refused.
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 
 
 @dataclass
@@ -78,7 +87,20 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None  # accepted and logged: tierlm has no CUDA graphs yet
     enable_metrics: bool = False  # accepted: /metrics is always on
     enable_cache_report: bool = False  # accepted: usage always reports cached_tokens
-    speculative_algorithm: str | None = None  # refused: speculative decoding is not implemented yet
+    # lru | lfu | slru | loop: eviction order of unlocked pages in the device and host tiers; loop (tierlm's own,
+    # SGLang's default is lru) keeps part of a reuse cycle larger than the host tier (docs/performance.md)
+    radix_eviction_policy: str = "loop"
+    # speculative decoding (runtime/speculative/): NGRAM drafts verified in the scheduler's batch, SGLang's flags
+    speculative_algorithm: str | None = None  # None | NGRAM (EAGLE, EAGLE3, NEXTN, STANDALONE are refused)
+    speculative_num_draft_tokens: int | None = None  # positions verified per step, the current token included;
+    # None -> --speculative-ngram-max-match-window-size (SGLang's rule)
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 1  # tierlm verifies one chain of drafts: only 1 (SGLang: 10, a tree)
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 10 * 1000 * 1000
     # SGLang flags given with nothing to change in tierlm (server/cli_args.py ACCEPTED_SGLANG_FLAGS and the neutral
     # values of refused ones): flag -> what was given and why nothing changes; logged at startup
     accepted_sglang_flags: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -146,9 +168,13 @@ class ServerArgs:
                              "aware) or fcfs")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"--schedule-policy {self.schedule_policy}: use one of {', '.join(SCHEDULE_POLICIES)}")
-        if self.speculative_algorithm is not None:
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: speculative decoding is not "
-                             "implemented yet in tierlm; drop the flag")
+        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
+            raise ValueError(f"--radix-eviction-policy {self.radix_eviction_policy}: use one of "
+                             f"{', '.join(RADIX_EVICTION_POLICIES)}")
+        self._check_speculative()
+        if self.attention_backend == "flashinfer":
+            raise ValueError("--attention-backend flashinfer: not implemented in tierlm; use triton (CUDA: kernels "
+                             "that read KV pages in place) or torch_native, or drop the flag to get the default")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             names = ", ".join(f"{n} ({b} backend)" for n, b in ATTENTION_BACKENDS.items())
             raise ValueError(f"--attention-backend {self.attention_backend}: not an attention implementation of "
@@ -164,3 +190,40 @@ class ServerArgs:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Positions one verify step runs per request (the current token and its drafts): SGLang's default is the
+        longest match window."""
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens
+        return self.speculative_ngram_max_match_window_size
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo.upper() != "NGRAM":
+            raise ValueError(f"--speculative-algorithm {algo}: tierlm implements NGRAM only (drafts looked up in the "
+                             "tokens already seen, no draft model); EAGLE, EAGLE3, NEXTN and STANDALONE need a draft "
+                             "model tierlm cannot run yet")
+        self.speculative_algorithm = "NGRAM"
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(f"--speculative-ngram-min-match-window-size ({lo}) and -max- ({hi}) must satisfy "
+                             "1 <= min <= max")
+        if self.speculative_ngram_min_bfs_breadth != 1 or self.speculative_ngram_max_bfs_breadth != 1:
+            raise ValueError("--speculative-ngram-min/max-bfs-breadth: tierlm verifies one chain of draft tokens per "
+                             "request (a tree of breadth 1), so both must be 1 (SGLang's default max is 10: drop the "
+                             "flag or pass 1)")
+        if self.speculative_ngram_match_type not in NGRAM_MATCH_TYPES:
+            raise ValueError(f"--speculative-ngram-match-type must be BFS or PROB, got "
+                             f"{self.speculative_ngram_match_type!r}")
+        if self.num_draft_tokens < 2:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 2 (the current token and at least one "
+                             f"draft), got {self.num_draft_tokens}")
+        if self.speculative_ngram_branch_length < 1:
+            raise ValueError(f"--speculative-ngram-branch-length must be >= 1, got "
+                             f"{self.speculative_ngram_branch_length}")
+        if self.speculative_ngram_capacity < 1:
+            raise ValueError(f"--speculative-ngram-capacity must be >= 1, got {self.speculative_ngram_capacity}")

@@ -27,10 +27,9 @@ REFUSED_SGLANG_FLAGS: dict[str, str] = {
     "--enable-torch-compile": "torch.compile is not used by tierlm yet; drop the flag",
     "--disaggregation-mode": "prefill/decode disaggregation is not implemented; drop the flag",
     "--is-embedding": "tierlm serves generative models only; embeddings are not implemented",
-    "--speculative-draft-model-path": "speculative decoding is not implemented yet; drop the flag",
-    "--speculative-num-steps": "speculative decoding is not implemented yet; drop the flag",
-    "--speculative-eagle-topk": "speculative decoding is not implemented yet; drop the flag",
-    "--speculative-num-draft-tokens": "speculative decoding is not implemented yet; drop the flag",
+    "--speculative-draft-model-path": "draft-model speculative decoding (EAGLE) is not implemented; use --speculative-algorithm NGRAM",
+    "--speculative-num-steps": "draft-model speculative decoding (EAGLE) is not implemented; use --speculative-algorithm NGRAM",
+    "--speculative-eagle-topk": "draft-model speculative decoding (EAGLE) is not implemented; use --speculative-algorithm NGRAM",
     "--pipeline-parallel-size": "pipeline parallelism is not implemented; run one instance per device behind sglang-router",
     "--expert-parallel-size": "expert parallelism is not implemented; drop the flag",
     "--nccl-init-addr": "tierlm runs on one node; start one instance per node and put sglang-router in front",
@@ -202,7 +201,10 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                         help="dtype of the KV pages in every tier: auto (the model's), bf16/bfloat16, fp8_e4m3, "
                              "fp8_e5m2 (8-bit: half the bytes of bf16, dequantized when attention reads them)")
     compat.add_argument("--attention-backend", default=None,
-                        help="tierlm_paged (torch) or mlx_paged (MLX); default: the chosen backend's own")
+                        help="torch backend: triton (kernels that read KV pages in place; CUDA) or torch_native "
+                             "(SDPA over gathered pages; tierlm_paged is its old name); MLX: mlx_paged. Default: "
+                             "triton on CUDA when Triton is installed, else torch_native (mlx_paged on MLX); "
+                             "flashinfer is refused")
     compat.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=_DEFAULTS.tp_size, help="only 1")
     compat.add_argument("--data-parallel-size", "--dp-size", dest="dp_size", type=int, default=_DEFAULTS.dp_size, help="only 1")
     compat.add_argument("--disable-cuda-graph", action="store_true", help="accepted (tierlm has no CUDA graphs yet)")
@@ -211,7 +213,31 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     compat.add_argument("--enable-metrics", action="store_true", help="accepted: /metrics is always on")
     compat.add_argument("--enable-cache-report", action="store_true",
                         help="accepted: usage always reports cached_tokens")
-    compat.add_argument("--speculative-algorithm", default=None, help="refused: not implemented yet")
+    compat.add_argument("--radix-eviction-policy", default=_DEFAULTS.radix_eviction_policy,
+                        help="which unlocked cached pages go first when the device or host tier is full: lru, lfu "
+                             "(fewest hits first), slru (pages hit twice are kept over the rest), loop (tierlm's own: "
+                             "never-reused pages first, then pages reused once newest first, so reuse cycling "
+                             "through more than the tier holds keeps part of the cycle)")
+    spec = p.add_argument_group("speculative decoding (docs/speculative.md)")
+    spec.add_argument("--speculative-algorithm", default=None,
+                      help="NGRAM: draft tokens looked up in the tokens already seen, verified in one forward")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                      help="positions verified per step, the current token included (default: the max match window)")
+    spec.add_argument("--speculative-ngram-min-match-window-size", type=int,
+                      default=_DEFAULTS.speculative_ngram_min_match_window_size)
+    spec.add_argument("--speculative-ngram-max-match-window-size", type=int,
+                      default=_DEFAULTS.speculative_ngram_max_match_window_size)
+    spec.add_argument("--speculative-ngram-min-bfs-breadth", type=int,
+                      default=_DEFAULTS.speculative_ngram_min_bfs_breadth, help="only 1 (one chain of drafts)")
+    spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int,
+                      default=_DEFAULTS.speculative_ngram_max_bfs_breadth, help="only 1 (one chain of drafts)")
+    spec.add_argument("--speculative-ngram-match-type", default=_DEFAULTS.speculative_ngram_match_type,
+                      help="BFS (the most recent continuation) or PROB (the most frequent one)")
+    spec.add_argument("--speculative-ngram-branch-length", type=int,
+                      default=_DEFAULTS.speculative_ngram_branch_length,
+                      help="tokens kept after each n-gram in the shared store")
+    spec.add_argument("--speculative-ngram-capacity", type=int, default=_DEFAULTS.speculative_ngram_capacity,
+                      help="tokens the shared n-gram store of recent requests holds (LRU)")
     for flag, reason in REFUSED_SGLANG_FLAGS.items():
         compat.add_argument(flag, action=_RefuseFlag, nargs="?", default=argparse.SUPPRESS,
                             help=f"refused: {reason}")
@@ -231,7 +257,8 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                     choices=["layer_first", "page_first", "page_first_direct"])
     hc.add_argument("--hicache-io-backend", default=_DEFAULTS.hicache_io_backend, choices=["kernel", "direct"])
     hc.add_argument("--hicache-storage-backend", default=None,
-                    help="file (SGLang's other backends, mooncake, hf3fs, nixl, ..., are refused)")
+                    help="file (a folder) or mooncake (Mooncake Store shared by several servers: "
+                         "pip install 'tierlm[mooncake]'); SGLang's others, hf3fs, nixl, ..., are refused")
     hc.add_argument("--hicache-storage-prefetch-policy", default=_DEFAULTS.hicache_storage_prefetch_policy,
                     choices=["best_effort", "wait_complete", "timeout"])
     hc.add_argument("--hicache-storage-backend-extra-config", default=None,
@@ -265,9 +292,14 @@ def _check_cli_only(args: ServerArgs) -> None:
         )
     if args.hicache_size < 0:
         raise ValueError(f"--hicache-size must be >= 0 GB, got {args.hicache_size}")
-    if args.hicache_storage_backend not in (None, "file"):
-        raise ValueError(f"--hicache-storage-backend {args.hicache_storage_backend}: only file is implemented "
-                         "(a folder, docs/hicache.md); mooncake, hf3fs, nixl, aibrix and the others are not")
+    if args.hicache_storage_backend is not None:
+        from tierlm.runtime.hicache import storage_registry
+
+        if args.hicache_storage_backend not in storage_registry.BACKENDS:
+            others = [n for n in storage_registry.names() if n != "file"]
+            raise ValueError(f"--hicache-storage-backend {args.hicache_storage_backend}: only file is implemented "
+                             f"(a folder) and {', '.join(others)} (shared stores), docs/hicache.md; "
+                             "hf3fs, nixl, aibrix and SGLang's other backends are not")
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (storage is the third tier)")
     if args.hicache_storage_backend_extra_config and not args.hicache_storage_backend:

@@ -507,6 +507,12 @@ class NativeMetaInfo(BaseModel):
     cached_tokens_details: CachedTokensDetails
     finish_reason: NativeFinishReason | None
     e2e_latency: float | None = None
+    # with --speculative-algorithm NGRAM, on requests that took part in verify steps (docs/speculative.md)
+    spec_verify_ct: int | None = None
+    spec_draft_token_num: int | None = None
+    spec_accept_token_num: int | None = None
+    spec_accept_rate: float | None = None
+    spec_accept_length: float | None = None
     # with return_logprob (docs/logprobs.md): (logprob or null, token id, text or null) per token
     input_token_logprobs: list[LogprobEntry] | None = None
     output_token_logprobs: list[LogprobEntry] | None = None

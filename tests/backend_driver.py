@@ -6,11 +6,29 @@ step ``i * stagger``, so steps really mix prefill chunks with other requests' de
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from tierlm.backends.base import ForwardBatch, ModelBackend, SamplingBatch
+
+
+# The device the torch backend runs on in the tests: TIERLM_TEST_DEVICE=cuda puts it on the GPU
+# (scripts/device_check.sh); unset, each test keeps its own default (cpu).
+TEST_DEVICE = os.environ.get("TIERLM_TEST_DEVICE", "").strip().lower()
+
+
+def device_under_test(default: str = "cpu") -> str:
+    """TIERLM_TEST_DEVICE, else ``default``. With cuda and no GPU visible, the calling test is skipped."""
+    device = TEST_DEVICE or default
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("TIERLM_TEST_DEVICE=cuda, but torch.cuda.is_available() is False: no GPU here")
+    return device
 
 
 @dataclass

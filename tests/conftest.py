@@ -1,6 +1,7 @@
 """Shared fixtures: tiny seeded models per family, the real stories260K model when ../shared is present."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,17 @@ STORIES_FIRST_40 = [int(x) for x in (
     "411 322 265 282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426").split()]
 STORIES_TEXT = (", there was a little girl named Lily. She loved to play outside in the park. "
                 "One day, she saw a big, red ball.")
+
+
+def pytest_collection_modifyitems(config, items):
+    """TIERLM_TEST_DEVICE=cuda checks the torch backend on the GPU: every case parametrized with MLX is skipped."""
+    if os.environ.get("TIERLM_TEST_DEVICE", "").strip().lower() != "cuda":
+        return
+    skip = pytest.mark.skip(reason="TIERLM_TEST_DEVICE=cuda: the MLX backend does not run on CUDA")
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "mlx" in [v for v in params.values() if isinstance(v, str)]:
+            item.add_marker(skip)
 
 
 def _mlx_importable() -> bool:

@@ -6,6 +6,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
+from backend_driver import TEST_DEVICE, device_under_test
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.sampling_params import SamplingParams
@@ -23,8 +24,14 @@ class Result:
 
 
 def start_engine(model_path, backend: str = "torch", **kw) -> Engine:
-    """An engine on ``backend`` ("torch" | "mlx"), chosen the way users do: the TIERLM_BACKEND variable."""
+    """An engine on ``backend`` ("torch" | "mlx"), chosen the way users do: the TIERLM_BACKEND variable.
+    With TIERLM_TEST_DEVICE set, a torch engine runs on that device (float32 unless ``dtype`` is given, the
+    dtype of the references); without it, on the engine's own choice."""
     kw.setdefault("warmup", False)
+    if backend == "torch" and TEST_DEVICE and "device" not in kw:
+        kw["device"] = device_under_test()
+        if kw["device"] == "cuda":
+            kw.setdefault("dtype", "float32")
     engine = Engine(ServerArgs(model_path=str(model_path), **kw))
     old = os.environ.get("TIERLM_BACKEND")
     os.environ["TIERLM_BACKEND"] = backend
@@ -73,3 +80,26 @@ def pool_is_clean(engine: Engine) -> bool:
     return device_ok and host_ok
 
 
+def disconnect_after(engine: Engine, ids: list[int], params: SamplingParams, increments: int = 1) -> None:
+    """Stream a request and go away after ``increments`` increments, as a client that disconnects."""
+    async def main():
+        gen = engine.generate(GenerateRequest(rid=f"t{next(_ids)}", input_ids=list(ids), sampling_params=params,
+                                              stream=True))
+        n = 0
+        async for _ in gen:
+            n += 1
+            if n == increments:
+                break
+        await gen.aclose()
+
+    asyncio.run(main())
+
+
+def settles_clean(engine: Engine, timeout: float = 10.0) -> bool:
+    """Wait until the scheduler has no work left; True when the pools are then clean (no page leaked)."""
+    import time
+
+    deadline = time.time() + timeout
+    while not (pool_is_clean(engine) and not engine.parts.scheduler.has_work()) and time.time() < deadline:
+        time.sleep(0.01)
+    return pool_is_clean(engine) and not engine.parts.scheduler.has_work()

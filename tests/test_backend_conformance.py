@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend_driver import GreedyDriver, run_greedy
+from backend_driver import GreedyDriver, device_under_test, run_greedy
 from conftest import STORIES_FIRST_40, STORIES_PROMPT
 from model_factory import build_tiny_model, reference_greedy
 from tierlm.backends.base import HostKVPool, ModelBackend
@@ -43,7 +43,7 @@ def make_backend(name: str, model_dir: Path, dtype: str = "float32") -> ModelBac
         if name == "torch":
             from tierlm.backends.torch.backend import TorchBackend
 
-            _BACKENDS[key] = TorchBackend(model_dir, dtype=dtype, device="cpu")
+            _BACKENDS[key] = TorchBackend(model_dir, dtype=dtype, device=device_under_test())
         else:
             from tierlm.backends.mlx.backend import MLXBackend
 

@@ -13,6 +13,7 @@ from tierlm.backends.model_source.synthetic import SPECS, ensure_synthetic_model
 from tierlm.server.bench import command as bench_cmd
 from tierlm.server.bench import multiturn as bench_multiturn
 from tierlm.server.bench import prefix as bench_prefix
+from tierlm.server.bench import shared_docs
 from tierlm.server.bench import stats
 from tierlm.server.bench.report import Column, Report, Table, Target, render_table
 from tierlm.server.bench.server_process import RequestResult, parse_prometheus
@@ -197,3 +198,66 @@ def test_multiturn_l1_runs_the_concurrent_requests_but_not_the_working_set() -> 
     assert sizes["l1"] >= 2 * sizes["longest"]  # two requests fit side by side
     assert sizes["l1"] < sizes["working_set"]  # ...but not every conversation
     assert sizes["l2_ratio"] * sizes["l1"] >= sizes["working_set"]  # the L2 mode's host tier holds them all
+
+
+# ---------------------------------------------------------------- spec (NGRAM speculative decoding)
+def test_spec_rows_flag_different_outputs_and_random_copy_rows() -> None:
+    from tierlm.server.bench import spec as bench_spec
+
+    assert bench_spec.copy_prompt([5, 6, 7, 8], 2, lead=[1]) == [1, 5, 6, 7, 8, 5, 6]
+    assert bench_spec.ngram_copied([1, 2, 3, 4, 5], [4, 5, 9], n=2) == pytest.approx(1 / 3)  # (4,5) is in the prompt
+    a = [RequestResult(sent=0.0, output_ids=[1, 2, 3]), RequestResult(sent=0.0, output_ids=[4, 5])]
+    b = [RequestResult(sent=0.0, output_ids=[1, 2, 3]), RequestResult(sent=0.0, output_ids=[4, 6])]
+    assert bench_spec.compare_outputs(a, a) == ("yes (2/2)", True)
+    text, ok = bench_spec.compare_outputs(a, b)
+    assert not ok and "prompt 1 at token 1" in text
+    row = {"workload": "copy-text", "speedup": 2.5, "plain_tps": 10.0, "ngram_tps": 25.0, "accept_length": 3.0,
+           "same_ok": True, "spec_reported": True}
+    assert bench_spec.spec_targets([row], random_weights=False)[0].met is True
+    assert bench_spec.spec_targets([row], random_weights=True)[0].met is None  # random weights do not copy
+    assert bench_spec.spec_targets([{**row, "same_ok": False}], random_weights=False)[0].met is None
+    slow = {**row, "workload": "ordinary", "speedup": 0.9}
+    assert bench_spec.spec_targets([slow], random_weights=False)[0].met is False
+
+
+@pytest.mark.slow
+def test_spec_bench_runs_both_servers_with_the_same_output(tiny_llama, capsys) -> None:
+    rep = _run_json(capsys, ["spec", "--model-path", str(tiny_llama), "--new-tokens", "8", "--prompts", "2",
+                             "--passage-tokens", "16", "--copy-tokens", "8", "--verify-context", "16",
+                             "--verify-runs", "2"])
+    assert rep["benchmark"] == "spec"
+    spec_table, verify_table = rep["tables"]
+    rows = {r["workload"]: r for r in spec_table["rows"]}
+    assert list(rows) == ["ordinary", "copy-text", "copy-self"]  # ordinary first: the n-gram store is empty
+    for r in rows.values():
+        assert r["same_output"] == "yes (2/2)" and r["same_ok"]  # greedy NGRAM output == plain output
+        assert r["spec_reported"] and r["verify_ct"] > 0 and r["accept_length"] >= 1.0
+        assert 0.0 <= r["accept_rate"] <= 1.0
+    outs = rep["raw"]["outputs"]
+    assert outs["plain"] == outs["ngram"]
+    assert all(len(o) == 8 for run in outs["plain"]["copy-self"] for o in run)
+    prompts = rep["raw"]["prompts"]["copy-text"]
+    # (BOS,) the passage, then its first 8 tokens again
+    assert all(p[-8:] in (p[0:8], p[1:9]) and len(p) > 16 for p in prompts)
+    assert rep["settings"]["speculative"] is not None  # /server_info of the NGRAM server
+    assert [r["k"] for r in verify_table["rows"]] == list(range(9))
+    assert verify_table["rows"][0]["vs_decode"] == 1.0
+    assert [t["name"] for t in rep["targets"]] == ["ordinary decode tok/s with NGRAM",
+                                                   "copy-text decode tok/s with NGRAM",
+                                                   "copy-self decode tok/s with NGRAM",
+                                                   "verify forward of 1 + 4 tokens"]
+
+
+def test_shared_docs_workload_and_eviction_policy_list() -> None:
+    ns = bench_cmd.build_parser().parse_args(["multiturn", "--synthetic", "tiny", "--workload", "shared-docs",
+                                              "--docs", "4", "--doc-tokens", "64", "--requests", "12",
+                                              "--radix-eviction-policies", "lru,lfu"])
+    sizes = shared_docs.plan_sizes(ns, 16, bench_multiturn.running_slots(ns))
+    assert sizes["l1"] >= 2 * sizes["longest"] and sizes["l2_ratio"] * sizes["l1"] < sizes["working_set"]
+    p = shared_docs.prompts(ns, 0, 1000)
+    assert p["contexts"][0] == p["contexts"][4] != p["contexts"][1] and len(p["turns"]) == 12
+    uses = shared_docs.document_uses([(c, 0, None) for c in range(12)], 4)
+    assert [r for _, r, _ in uses] == [0] * 4 + [1] * 4 + [2] * 4
+    assert bench_multiturn._policy_list(ns.radix_eviction_policies, ("lru", "lfu"), "x") == ["lru", "lfu"]
+    with pytest.raises(SystemExit):
+        bench_multiturn._policy_list("lru,mru", ("lru", "lfu"), "radix eviction policy")

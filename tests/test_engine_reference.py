@@ -1,9 +1,7 @@
 """The whole engine (scheduler, radix cache, torch backend) reproduces transformers' greedy output."""
-import time
-
 import pytest
 
-from engine_harness import greedy, pool_is_clean, run, start_engine
+from engine_harness import disconnect_after, greedy, pool_is_clean, run, settles_clean, start_engine
 from model_factory import reference_greedy
 
 PROMPTS = [[5], list(range(10, 17)), list(range(40, 73)), [(i * 7) % 280 + 3 for i in range(61)]]
@@ -70,23 +68,9 @@ def test_disabled_radix_cache_never_hits(tiny_llama, backend_name):
 
 
 def test_abort_frees_pages(tiny_llama, backend_name):
-    import asyncio
-
-    from tierlm.runtime.io_struct import GenerateRequest
-
     engine = start_engine(tiny_llama, backend_name, page_size=4, max_total_tokens=1024)
     try:
-        async def main():
-            gen = engine.generate(GenerateRequest(rid="x", input_ids=list(range(3, 30)),
-                                                  sampling_params=greedy(500), stream=True))
-            async for _ in gen:
-                break  # the client goes away after the first increment
-            await gen.aclose()
-
-        asyncio.run(main())
-        deadline = time.time() + 10
-        while not (pool_is_clean(engine) and not engine.parts.scheduler.has_work()) and time.time() < deadline:
-            time.sleep(0.01)
-        assert pool_is_clean(engine) and not engine.parts.scheduler.has_work()
+        disconnect_after(engine, list(range(3, 30)), greedy(500))  # the client goes away after the first increment
+        assert settles_clean(engine)
     finally:
         engine.shutdown()

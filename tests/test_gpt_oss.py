@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend_driver import GreedyDriver, run_greedy
+from backend_driver import GreedyDriver, device_under_test, run_greedy
 from engine_harness import greedy, pool_is_clean, run, start_engine
 from model_factory import GPT_OSS_TINY, build_tiny_gpt_oss, quantize_mxfp4, reference_greedy
 
@@ -47,7 +47,7 @@ def make_backend(name: str, model_dir: Path):
         if name == "torch":
             from tierlm.backends.torch.backend import TorchBackend
 
-            _BACKENDS[key] = TorchBackend(model_dir, dtype="float32", device="cpu")
+            _BACKENDS[key] = TorchBackend(model_dir, dtype="float32", device=device_under_test())
         else:
             from tierlm.backends.mlx.backend import MLXBackend
 

@@ -421,3 +421,55 @@ def test_a_detached_borrowed_page_is_written_from_its_copy(store, when):
     st = io.stats()
     assert st["backups_done"] == 1 and st["backups_stale"] == 0
     assert not list(store.dir.glob(".tmp-*"))
+
+
+class _Handle:
+    """A prefetch handle whose read finishes ``delay`` seconds after it starts (None: never); records its waits."""
+
+    def __init__(self, delay: float | None) -> None:
+        self._event = threading.Event()
+        self.waits: list[float | None] = []
+        if delay is not None:
+            threading.Timer(delay, self._event.set).start()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return self._event.wait(timeout)
+
+
+def _offer(handle: _Handle, budget: float = 5.0):
+    """HiCacheManager.ready_to_admit for a waiting request whose L3 read is ``handle`` (the manager's state stubbed)."""
+    import time
+    from types import SimpleNamespace
+
+    from tierlm.runtime.hicache.controller import HiCacheManager
+    from tierlm.runtime.request import PendingPrefetch
+
+    mgr = SimpleNamespace(prefetch_policy="timeout", _prefetch_budget=lambda pf: budget)
+    req = SimpleNamespace(prefetch=PendingPrefetch(0, handle, time.perf_counter(), 4))
+    return lambda: HiCacheManager.ready_to_admit(mgr, req)
+
+
+def test_a_read_that_lands_within_milliseconds_is_admitted_on_the_first_offer():
+    """The scheduler waits briefly once instead of letting the request sit out a whole forward of the others."""
+    handle = _Handle(0.003)
+    assert _offer(handle)() is True and len(handle.waits) == 1
+
+
+def test_a_hung_read_costs_one_short_wait_then_never_blocks_the_scheduler():
+    from tierlm.runtime.hicache.controller import ADMISSION_WAIT_S
+
+    handle = _Handle(None)
+    offer = _offer(handle)
+    assert [offer(), offer(), offer()] == [False, False, False]
+    assert handle.waits == [ADMISSION_WAIT_S]  # one bounded wait, on the first offer only
+
+
+def test_the_admission_wait_never_outlasts_the_prefetch_budget():
+    handle = _Handle(None)
+    _offer(handle, budget=0.001)()
+    assert len(handle.waits) <= 1 and all(w <= 0.001 for w in handle.waits)

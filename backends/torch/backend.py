@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierlm.backends.base import SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, ModelBackend, ModelInfo
+from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
+                                  ModelBackend, ModelInfo)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
@@ -27,8 +28,10 @@ class TorchBackend(ModelBackend):
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, seed: int = 0, trust_unverified_architecture: bool = False,
-                 kv_cache_dtype: str = "auto") -> None:
-        """``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3, fp8_e5m2): what KV pages are stored in."""
+                 kv_cache_dtype: str = "auto", attention_backend: str = paged_attention.TORCH_NATIVE) -> None:
+        """``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3, fp8_e5m2): what KV pages are stored in.
+        ``attention_backend``: "torch_native" (SDPA over gathered pages) or "triton" (triton_attention.py), as
+        the composition root chose it."""
         self.model_dir = Path(model_dir)
         # Before any weights load: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
         self.architecture_check = check_architecture(self.model_dir, self.name, trust_unverified_architecture,
@@ -58,8 +61,31 @@ class TorchBackend(ModelBackend):
         )
         self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
         self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
+        self.attention_backend = self._check_attention_backend(attention_backend)
         self.pool: TorchKVPool | None = None
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
+
+    def _check_attention_backend(self, name: str) -> str:
+        if name == "tierlm_paged":  # torch_native's old name
+            name = paged_attention.TORCH_NATIVE
+        if name not in (paged_attention.TORCH_NATIVE, paged_attention.TRITON):
+            raise ValueError(f"attention backend {name!r}: the torch backend has triton and torch_native")
+        if name == paged_attention.TRITON:
+            try:  # fails here, not at the first step
+                from tierlm.backends.torch import triton_attention  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"--attention-backend triton: Triton does not import ({e}); use "
+                                  "--attention-backend torch_native") from e
+
+            fp8 = self.kv_torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            cc = torch.cuda.get_device_capability(self.torch_device) if self.torch_device.type == "cuda" else None
+            if fp8 and cc is not None and cc < (8, 9):  # Triton converts fp8 in registers from sm_89 (Ada, Hopper)
+                raise KVCacheDtypeError(
+                    f"--kv-cache-dtype {self.info.kv_dtype} with --attention-backend triton needs a GPU with fp8 "
+                    f"(compute capability 8.9+; this one is {cc[0]}.{cc[1]}): use --kv-cache-dtype bf16 or "
+                    "--attention-backend torch_native")
+        log.debug("torch attention: %s", name)
+        return name
 
     # --- sizing ---
     def weight_bytes(self) -> int:
@@ -89,7 +115,7 @@ class TorchBackend(ModelBackend):
         assert self.pool is not None, "init_kv_pool() first"
         dev = self.torch_device
         meta = paged_attention.StepMeta(batch.q_lens, batch.kv_lens, batch.positions, batch.page_table,
-                                        batch.page_size, dev)
+                                        batch.page_size, dev, self.attention_backend)
         input_ids = torch.from_numpy(batch.input_ids).to(dev)[None]
         positions = torch.from_numpy(batch.positions).to(dev)[None]
         rows = np.asarray(batch.sample_indices, np.int64)

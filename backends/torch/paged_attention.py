@@ -10,6 +10,10 @@ Per layer, transformers passes ``sliding_window`` (sliding layers of mistral, qw
 keys at p-window+1..p, transformers' ``sliding_window_overlay``) and, for gpt-oss, ``s_aux`` (attention sinks:
 one learned logit per head that joins the softmax and carries no value). The pool keeps every layer's K/V for
 all positions, so a sliding layer always finds its window, whatever position a cached prefix ends at.
+
+``--attention-backend``: this file's SDPA over gathered pages is ``torch_native`` (the reference); with
+``triton`` the same two groups go to the kernels of ``triton_attention.py``, which read the pages in place
+(StepMeta then builds per-request lengths and page-table rows instead of masks and gathers).
 """
 from __future__ import annotations
 
@@ -21,6 +25,21 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "tierlm_paged"
+# --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
+# reference) and "triton" (triton_attention.py: kernels that read pages in place through the page table).
+TORCH_NATIVE, TRITON = "torch_native", "triton"
+
+
+@dataclass
+class _TritonGroup:
+    """One kernel launch's requests: decode (q_len 1) or extend (q_len >= 1), per-request int32 tensors."""
+    decode: bool
+    q_start: torch.Tensor  # [n] first flat row of each request's queries
+    q_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    page_table: torch.Tensor  # [n, P]
+    max_q_len: int
+    max_kv_len: int
 
 
 @dataclass
@@ -45,14 +64,25 @@ class StepMeta:
     """Per-step index tensors for the pool writes and the two attention groups."""
 
     def __init__(self, q_lens: np.ndarray, kv_lens: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
-                 page_size: int, device: torch.device) -> None:
+                 page_size: int, device: torch.device, attention_backend: str = TORCH_NATIVE) -> None:
         self.device = device
+        self.page_size = page_size
+        self.attention_backend = attention_backend
         req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         slots = page_table[req_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size
         self.slot_mapping = torch.from_numpy(slots).to(device)
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
         decode = q_lens == 1
+        # A step that is one fresh prefill (no cached prefix) can attend over its own K/V directly.
+        self.single_fresh_prefill = len(q_lens) == 1 and int(q_lens[0]) == int(kv_lens[0]) and q_lens[0] > 1
         self.groups: list[_Group] = []
+        self.triton_groups: list[_TritonGroup] = []
+        if attention_backend == TRITON:  # no masks, no page gathers: per-request lengths and page-table rows
+            for is_decode, sel in ((True, np.nonzero(decode)[0]), (False, np.nonzero(~decode)[0])):
+                if len(sel):
+                    self.triton_groups.append(self._triton_group(is_decode, sel, q_lens, kv_lens, starts, page_table))
+            self.identity_rows = False
+            return
         for sel in (np.nonzero(decode)[0], np.nonzero(~decode)[0]):
             if len(sel):
                 self.groups.append(self._group(sel, q_lens, kv_lens, starts, page_table, page_size))
@@ -61,8 +91,13 @@ class StepMeta:
         g0 = self.groups[0]
         self.identity_rows = len(self.groups) == 1 and g0.all_valid and g0.G * g0.Q == len(positions) and \
             bool((g0.rows_np == np.arange(len(positions))).all())
-        # A step that is one fresh prefill (no cached prefix) can attend over its own K/V directly.
-        self.single_fresh_prefill = len(q_lens) == 1 and int(q_lens[0]) == int(kv_lens[0]) and q_lens[0] > 1
+
+    def _triton_group(self, is_decode, sel, q_lens, kv_lens, starts, page_table) -> _TritonGroup:
+        kl = kv_lens[sel]
+        P = max(1, -(-int(kl.max()) // self.page_size))
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self.device)  # noqa: E731
+        return _TritonGroup(is_decode, t(starts[sel]), t(q_lens[sel]), t(kl), t(page_table[sel][:, :P]),
+                            int(q_lens[sel].max()), int(kl.max()))
 
     def _group(self, sel, q_lens, kv_lens, starts, page_table, page_size) -> _Group:
         ql, kl, st = q_lens[sel], kv_lens[sel], starts[sel]
@@ -131,6 +166,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
     H, D = q.shape[0], q.shape[2]
     out = torch.empty((q.shape[1], H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
+    if meta.attention_backend == TRITON:
+        _triton_groups(meta, pool, layer, q.transpose(0, 1), out, scaling, sliding_window, s_aux)
+        return out[None], None
     k_pages, v_pages = pool.k_pages[layer], pool.v_pages[layer]  # [pages, page_size, Hkv, D]
     for g in meta.groups:
         qg = q if meta.identity_rows else q.index_select(1, g.rows_flat)
@@ -149,6 +187,31 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         else:
             out.index_copy_(0, g.dst_rows, og.index_select(0, g.valid_idx))
     return out[None], None
+
+
+_ta = None  # backends/torch/triton_attention.py, once imported
+
+
+def _triton_groups(meta: StepMeta, pool, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float,
+                   sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+    """One Triton launch per group over the pool's pages in place: q [T, H, D] (a view), out [T, H, D]."""
+    global _ta
+    if _ta is None:  # imported on first use: triton is optional, and torch_native never needs it
+        from tierlm.backends.torch import triton_attention
+        _ta = triton_attention
+    ta = _ta
+    k, v = pool.k[layer], pool.v[layer]  # [slots, Hkv, D] as stored
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    for g in meta.triton_groups:
+        if g.decode:
+            ta.decode(q, k, v, out, g.q_start, g.kv_lens, g.page_table, meta.page_size, g.max_kv_len, scale,
+                      pool.kv_dtype, sliding_window, sinks)
+        else:
+            ta.extend(q, k, v, out, g.q_start, g.q_lens, g.kv_lens, g.page_table, meta.page_size, g.max_q_len,
+                      scale, pool.kv_dtype, sliding_window, sinks)
 
 
 # Extra q/k features that carry the sink shift; 8 keeps the head dim a multiple of 8 for fused SDPA kernels.

@@ -23,10 +23,11 @@ import numpy as np
 
 from tierlm.backends.base import HostKVPool, ModelBackend
 from tierlm.runtime.errors import RequestError, StartupError
+from tierlm.runtime.hicache import storage_registry
 from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
 from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_base import BorrowedPage
+from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
 from tierlm.runtime.hicache.storage_io import (DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, PrefetchHandle,
                                                StorageIO)
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
@@ -52,6 +53,10 @@ PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
 WAIT_COMPLETE_PER_PAGE_S = 0.05
 # A request whose pages the index does not know waits this long for the probe (one stat when nothing is there).
 PROBE_WAIT_S = 0.05
+# The first time a request with a read in flight is offered for admission, the scheduler waits this long at most
+# for it: page-cache reads of a prompt's pages land within milliseconds, and admitting it now instead of after the
+# next forward of the running requests saves that whole step. Once per request, so a hung disk costs this once.
+ADMISSION_WAIT_S = 0.02
 CLOSE_TIMEOUT_S = 3.0  # shutdown: flush queued L3 writes and stop the I/O threads within this, whatever the disk
 
 
@@ -60,7 +65,7 @@ class HiCacheManager(KVCacheManager):
                  write_policy: str, layout: str, storage: FileKVStorage | None = None,
                  storage_io: StorageIO | None = None,
                  prefetch_policy: str = "timeout", prefetch_timeout: tuple[float, float] = (
-                     PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)) -> None:
+                     PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S), eviction_policy: str = "lru") -> None:
         super().__init__(num_pages, page_size, enable_radix=False)
         self.backend = backend
         self.write_policy = write_policy
@@ -76,7 +81,8 @@ class HiCacheManager(KVCacheManager):
         self._pending_backups: dict[str, tuple[int, BorrowedPage]] = {}  # queued L3 writes from host pages
         self._pending_lock = threading.Lock()
         self.tree = HiRadixCache(page_size, self.allocator.free, self._free_host_pages,
-                                 backup_node=self._backup_node, on_new_node=self._on_new_node)
+                                 backup_node=self._backup_node, on_new_node=self._on_new_node,
+                                 eviction_policy=eviction_policy)
         self.storage = storage
         self.storage_io = storage_io
         self.loaded_host_pages = 0
@@ -106,14 +112,17 @@ class HiCacheManager(KVCacheManager):
             storage, storage_io, timeout = _open_storage(args, backend, page_bytes)
         mgr = cls(backend, num_pages, ps, host_pages, write_policy=args.hicache_write_policy,
                   layout=args.hicache_mem_layout, storage=storage, storage_io=storage_io,
-                  prefetch_policy=args.hicache_storage_prefetch_policy, prefetch_timeout=timeout)
-        log.info("HiCache host pool (L2): %d pages x %d tokens = %d tokens, %.1f MiB, layout %s, write policy %s",
-                 host_pages, ps, host_pages * ps, mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy)
+                  prefetch_policy=args.hicache_storage_prefetch_policy, prefetch_timeout=timeout,
+                  eviction_policy=args.radix_eviction_policy)
+        log.info("HiCache host pool (L2): %d pages x %d tokens = %d tokens, %.1f MiB, layout %s, write policy %s, "
+                 "eviction policy %s (--radix-eviction-policy, device and host tiers)", host_pages, ps, host_pages * ps,
+                 mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy, args.radix_eviction_policy)
         if storage is not None:
             st = storage.stats()
-            log.info("HiCache storage (L3): file backend at %s, %d pages already stored (%.1f MiB), "
-                     "prefetch policy %s, I/O time limit %g s", storage.dir, st["files"], st["bytes"] / 2**20,
-                     args.hicache_storage_prefetch_policy, storage_io.io_timeout_s)
+            log.info("HiCache storage (L3): %s backend at %s, %d pages already stored (%.1f MiB), "
+                     "prefetch policy %s, I/O time limit %g s", args.hicache_storage_backend, storage.dir,
+                     st.get("files", 0), st.get("bytes", 0) / 2**20, args.hicache_storage_prefetch_policy,
+                     storage_io.io_timeout_s)
         return mgr
 
     # ------------------------------------------------------------ write policies
@@ -173,7 +182,7 @@ class HiCacheManager(KVCacheManager):
             return
         tokens = req.input_ids
         max_pages = cacheable_prefix_len(req) // self.page_size  # respects a prompt-logprob start
-        m = self.tree.match_prefix(tokens, max_pages)
+        m = self.tree.match_prefix(tokens, max_pages, count_hit=False)  # not an admission: no hit counted
         have = len(m.device_pages) + len(m.host_pages)
         if have >= max_pages:
             return
@@ -260,7 +269,12 @@ class HiCacheManager(KVCacheManager):
         pf = req.prefetch
         if pf is None or self.prefetch_policy == "best_effort":
             return True
-        return pf.handle.done or time.perf_counter() - pf.started_at >= self._prefetch_budget(pf)
+        left = pf.started_at + self._prefetch_budget(pf) - time.perf_counter()
+        if not pf.handle.done and left > 0 and not pf.waited:
+            pf.waited = True
+            pf.handle.wait(min(left, ADMISSION_WAIT_S))
+            left = pf.started_at + self._prefetch_budget(pf) - time.perf_counter()
+        return pf.handle.done or left <= 0
 
     def _prefetch_budget(self, pf: PendingPrefetch) -> float:
         """Seconds a request waits for its L3 pages; bounded under every policy, so no request waits forever."""
@@ -274,11 +288,12 @@ class HiCacheManager(KVCacheManager):
 
     def _extend_match(self, req: Req, tokens: list[int], m: MatchResult
                       ) -> tuple[TreeNode, list[int], CachedTokens]:
-        """Device pages in place, then the host continuation copied back, then pages read from storage."""
-        for node in _path(self.tree, m.last_node):
-            node.hit_count += 1
-            if self.write_policy == "write_through_selective" and node.hit_count >= 2 and node.host_pages is None:
-                self._backup_node(node)
+        """Device pages in place, then the host continuation copied back, then pages read from storage. Every
+        node reused counts one hit: the device match's in ``match_prefix``, loaded ones where they are loaded."""
+        if self.write_policy == "write_through_selective":
+            for node in _path(self.tree, m.last_node):
+                if node.hit_count >= 2 and node.host_pages is None:
+                    self._backup_node(node)
         node, pages = m.last_node, list(m.device_pages)
         n_dev, n_host, n_store = len(pages), 0, 0
         if m.host_pages:
@@ -307,6 +322,7 @@ class HiCacheManager(KVCacheManager):
         for node in nodes:
             k = len(node.host_pages)
             self.tree.attach_device_pages(node, dev[i:i + k])
+            node.hit_count += 1
             i += k
         self.loaded_host_pages += n
         return m.host_last_node, dev
@@ -357,6 +373,7 @@ class HiCacheManager(KVCacheManager):
         tree_pages, last = self.tree.insert_with_host(tokens[:total * self.page_size], pages + dev, host_pages, have)
         # Pages another path inserted meanwhile cannot exist (same thread), so the tree adopted ours.
         assert tree_pages[have:] == dev
+        self.tree.count_hit(last, upto=node)  # the nodes now holding the pages read from storage
         self.loaded_storage_pages += n
         return last, tree_pages, n
 
@@ -472,10 +489,11 @@ def _path_between(tree: HiRadixCache, upper: TreeNode, lower: TreeNode) -> list[
 
 
 def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int
-                  ) -> tuple[FileKVStorage, StorageIO, tuple[float, float]]:
-    if args.hicache_storage_backend != "file":
-        raise StartupError(f"--hicache-storage-backend {args.hicache_storage_backend!r} is not available; "
-                           "tierlm ships the 'file' backend")
+                  ) -> tuple[KVStorage, StorageIO, tuple[float, float]]:
+    try:
+        storage_registry.check_name(args.hicache_storage_backend)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
     try:
         cfg = parse_extra_config(args.hicache_storage_backend_extra_config)
     except ValueError as e:
@@ -488,7 +506,7 @@ def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int
                            f"must be a positive number of seconds, got {io_timeout!r}")
     # Host pages are always written to files in page-first byte order, whatever the host layout.
     ns = StorageNamespace.from_fields({**backend.kv_namespace(), "page_size": args.page_size, "layout": "page_first"})
-    storage = FileKVStorage.from_extra_config(ns, page_bytes, cfg)
+    storage = storage_registry.open_storage(args.hicache_storage_backend, args, ns, page_bytes, cfg)
     # The write backlog holds page copies: 256 MiB, or 16 pages where pages are larger than 16 MiB.
     backlog = max(DEFAULT_MAX_PENDING_WRITE_BYTES, 16 * page_bytes)
     return storage, StorageIO(storage, num_threads=1, max_pending_write_bytes=backlog, io_timeout_s=io_timeout), timeout

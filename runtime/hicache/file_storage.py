@@ -1,11 +1,7 @@
 """L3 file storage: one file per KV page under <root>/<namespace id prefix>/, verified on every read.
 
-File format (little-endian), 128-byte header then the raw payload, never pickle:
-  0  magic b"TLMKV" | 5 format version u16 | 7 namespace id (32 raw bytes) | 39 key (32 raw bytes)
-  71 payload length u64 | 79..95 zero | 96 XXH3-128 (big-endian digest) over header[0:96] + payload
-  112..127 zero | 128 payload
-The key (the SHA-256 chain of page_keys.py) is the page's identity; the XXH3-128 checksum only has to catch
-damage, so it runs at memory speed (tens of GB/s) where SHA-256 ran at ~1 GB/s (format version 1).
+File format: the 128-byte page header of page_header.py (magic, version, namespace, key, length, XXH3-128),
+then the raw payload, never pickle.
 Writes go to a unique temp file in the same folder, are fsynced and os.replace()d into place, so a reader (in
 any process) sees either no file or a complete one under the final name. A read that finds a bad magic,
 version, namespace, key, length or checksum is a miss: logged, counted in ``errors`` and the file removed.
@@ -29,16 +25,15 @@ import re
 import secrets
 import shutil
 import stat
-import struct
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-import xxhash
-
 from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache import page_header
+from tierlm.runtime.hicache.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
 from tierlm.runtime.hicache.page_keys import is_page_key
 from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
@@ -46,13 +41,7 @@ from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 logger = logging.getLogger(__name__)
 
 STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
-MAGIC = b"TLMKV"
-FILE_FORMAT_VERSION = 2  # 1: SHA-256 payload checksum; 2: XXH3-128
-HEADER_SIZE = 128
-_FIELDS = struct.Struct("<5sH32s32sQ")  # magic, version, namespace id, key, payload length
-_CHECKSUM_OFFSET = 96
-_CHECKSUM_END = 112  # XXH3-128 digest, 16 bytes; the rest of the header is zero
-_ZERO_TAIL = bytes(HEADER_SIZE - _CHECKSUM_END)
+FILE_FORMAT_VERSION = page_header.FORMAT_VERSION  # 1: SHA-256 payload checksum; 2: XXH3-128
 _HAVE_PREADV = hasattr(os, "preadv")
 _UTIME_FD = os.utime in os.supports_fd
 FILE_SUFFIX = ".kv"
@@ -289,9 +278,7 @@ class FileKVStorage(KVStorage):
             self._note_present(key, self.file_bytes)
             self._touch(path)
             return True
-        header = _FIELDS.pack(MAGIC, FILE_FORMAT_VERSION, self._ns_raw, bytes.fromhex(key), self.page_bytes)
-        header = header.ljust(_CHECKSUM_OFFSET, b"\0")
-        header += _checksum(header, views) + _ZERO_TAIL
+        header = page_header.pack_header(self._ns_raw, key, views)
         tmp = self.dir / f"{TEMP_PREFIX}{key}-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
         try:
             try:
@@ -423,28 +410,8 @@ class FileKVStorage(KVStorage):
     def _verify(self, key: str, header: bytearray, got: int, size: int, views: list[memoryview]) -> str | None:
         """Why the file is unusable, or None when it is the intact page ``key`` of this namespace. ``got`` bytes
         of the ``size``-byte file were read into ``header`` and then ``views``."""
-        if got < HEADER_SIZE:
-            return f"truncated header ({got} of {HEADER_SIZE} bytes)"
-        magic, version, ns_raw, key_raw, length = _FIELDS.unpack_from(header)
-        if magic != MAGIC:
-            return "bad magic"
-        if version != FILE_FORMAT_VERSION:
-            return f"file format version {version}, this tierlm reads {FILE_FORMAT_VERSION}"
-        if ns_raw != self._ns_raw:
-            return f"written by namespace {ns_raw.hex()[:16]}, not {self.namespace.folder_name}"
-        if key_raw.hex() != key:
-            return f"holds page {key_raw.hex()[:12]}.. under the name of {key[:12]}.."
-        if length != self.page_bytes:
-            return f"payload length {length} in header, expected {self.page_bytes}"
-        if got - HEADER_SIZE < length:
-            return f"truncated payload ({got - HEADER_SIZE} of {length} bytes)"
-        if size > HEADER_SIZE + length:
-            return f"file is longer than the {length}-byte payload its header states"
-        if header[_CHECKSUM_END:] != _ZERO_TAIL:
-            return "reserved header bytes are not zero"
-        if _checksum(memoryview(header)[:_CHECKSUM_OFFSET], views) != header[_CHECKSUM_OFFSET:_CHECKSUM_END]:
-            return "checksum mismatch"
-        return None
+        return page_header.verify(header, got, size, key=key, ns_raw=self._ns_raw,
+                                  ns_label=self.namespace.folder_name, page_bytes=self.page_bytes, views=views)
 
     def _discard(self, key: str, path: Path, st: os.stat_result, reason: str) -> None:
         logger.warning("L3 file %s is damaged (%s): removed it, serving a miss", path, reason)
@@ -617,14 +584,6 @@ class _Stale(Exception):
     """The memory a page was written from was reused before the write finished: the file must not be published."""
 
 
-def _checksum(header: bytes | memoryview, views: list[memoryview]) -> bytes:
-    """XXH3-128 over the first 96 header bytes and the payload: the payload's integrity check."""
-    h = xxhash.xxh3_128(header)
-    for view in views:
-        h.update(view)
-    return h.digest()
-
-
 def _byte_views(payload: Any) -> list[memoryview]:
     """A page as flat byte views: one buffer, or a list/tuple of buffers whose concatenation is the page."""
     if isinstance(payload, BorrowedPage):
@@ -678,3 +637,9 @@ def _unlink_quietly(path: Path) -> bool:
     except OSError as e:
         logger.warning("could not remove %s: %s", path, e)
         return False
+
+
+def open_storage(args: Any, namespace: StorageNamespace, page_bytes: int,
+                 extra_config: Mapping[str, Any]) -> FileKVStorage:
+    """The 'file' backend of storage_registry.py: the folder of SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR."""
+    return FileKVStorage.from_extra_config(namespace, page_bytes, extra_config)

@@ -1,8 +1,9 @@
 """HiRadixCache: the radix tree with a host tier (L2) under the device tier (L1).
 
 A node's pages live on the device, on the host, or both. Evicting a device leaf demotes it to the host when it
-has (or can get) a host copy instead of dropping it; the host tier has its own LRU over host-only leaves. The
-controller (``controller.py``) decides when pages are backed up (write policy) and loads host pages back.
+has (or can get) a host copy instead of dropping it; the host tier evicts host-only leaves on its own, in the
+order of the same eviction policy (--radix-eviction-policy, runtime/eviction_policy.py). The controller
+(``controller.py``) decides when pages are backed up (write policy) and loads host pages back.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ class HiRadixCache(RadixCache):
     def __init__(self, page_size: int, free_device_pages: Callable[[list[int]], None],
                  free_host_pages: Callable[[list[int]], None],
                  backup_node: Callable[[TreeNode], bool],
-                 on_new_node: Callable[[TreeNode], None]) -> None:
-        super().__init__(page_size, free_device_pages)
+                 on_new_node: Callable[[TreeNode], None], eviction_policy: str = "lru") -> None:
+        super().__init__(page_size, free_device_pages, eviction_policy)
         self._free_host_pages = free_host_pages
         self._backup_node = backup_node  # give a device node a host copy; False when the host tier is full
         self._on_new_node_cb = on_new_node
@@ -103,8 +104,8 @@ class HiRadixCache(RadixCache):
 
     # ---------------------------------------------------------------- host eviction
     def evict_host(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` host pages: host-only leaves first (LRU), then host copies of device
-        nodes (they stay on the device). Locked nodes are never touched."""
+        """Free at least ``num_pages`` host pages: host-only leaves first, then host copies of device nodes (they
+        stay on the device), each in eviction-policy order. Locked nodes are never touched."""
         freed = 0
         heap = []
         stack = [self.root]
@@ -113,16 +114,16 @@ class HiRadixCache(RadixCache):
             stack.extend(n.children.values())
             if n is not self.root and n.host_pages is not None and n.device_pages is None and not n.children \
                     and n.lock_ref == 0:
-                heap.append(n)
+                heap.append(self._heap_entry(n))
         heapq.heapify(heap)
         while freed < num_pages and heap:
-            node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[-1]
             freed += self._drop_host(node)
             parent = node.parent
             del parent.children[self._page_key(node.key, 0)]
             if parent is not self.root and parent.host_pages is not None and parent.device_pages is None \
                     and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+                heapq.heappush(heap, self._heap_entry(parent))
         if freed < num_pages:
             both = []
             stack = [self.root]
@@ -131,7 +132,7 @@ class HiRadixCache(RadixCache):
                 stack.extend(n.children.values())
                 if n is not self.root and n.host_pages is not None and n.device_pages is not None:
                     both.append(n)
-            for node in sorted(both):
+            for node in sorted(both, key=self.eviction_priority):
                 if freed >= num_pages:
                     break
                 freed += self._drop_host(node)

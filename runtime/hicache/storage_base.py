@@ -1,5 +1,6 @@
 """The L3 storage contract: a namespaced key -> page-bytes store that a HiCache controller can back up to and
-prefetch from. Backends (file today; a remote store such as mooncake later) implement ``KVStorage``.
+prefetch from. Backends (file_storage.py, mooncake_storage.py) implement ``KVStorage`` and are chosen by name
+in storage_registry.py.
 
 Rules every backend keeps: ``get`` (and ``get_into``) returns either the exact bytes that ``set`` stored for
 that key in this namespace or None (never partial or foreign bytes); a damaged entry is a miss, counted in

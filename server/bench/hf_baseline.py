@@ -42,8 +42,10 @@ class HFBaseline:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the benchmark has its own progress bar
-        self.dtype = resolve_dtype(dtype, torch.device("cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        # the device a tierlm server picks by default: the GPU when there is one, so the ratio compares like with like
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
         self.threads = torch.get_num_threads()
@@ -57,10 +59,13 @@ class HFBaseline:
 
     @torch.inference_mode()
     def _generate(self, prompts: torch.Tensor, new_tokens: int) -> float:
+        prompts = prompts.to(self.device)
         t0 = time.perf_counter()
         out = self.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                                   temperature=None, top_p=None, top_k=None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         assert out.shape[1] == prompts.shape[1] + new_tokens, "generate stopped early"
         return elapsed

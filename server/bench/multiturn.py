@@ -12,6 +12,10 @@ adds a table comparing them. Ordering only matters when requests queue inside th
 running slots than requests in flight (``--max-running 2 --concurrency 16 --clients 16``): a client's next turn
 then arrives while its conversation is still in L1, and lpm admits it ahead of older requests whose
 conversations fcfs has to prefill again.
+
+``--radix-eviction-policies lru,lfu,slru`` does the same per server --radix-eviction-policy (the order the device
+and host tiers evict in) and adds a table of hits per tier and TTFT per policy; ``--workload shared-docs``
+(shared_docs.py) swaps the conversations for one-shot questions over a few shared documents.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tierlm.runtime.server_args import SCHEDULE_POLICIES
+from tierlm.runtime.server_args import RADIX_EVICTION_POLICIES, SCHEDULE_POLICIES
+from tierlm.server.bench import shared_docs
 from tierlm.server.bench.context import BenchContext, random_tokens
 from tierlm.server.bench.report import Column, Report, Table, Target, environment, load_average
 from tierlm.server.bench.server_process import REQUEST_TIMEOUT_S, BenchServer, RequestResult, run_one, stream_generate
@@ -33,6 +38,7 @@ from tierlm.server.bench.stats import median, percentile, ratio
 MODES = ("radix", "hicache-l2", "hicache-l2+l3")
 TARGET_RATIO = 0.3  # HiCache mean TTFT vs radix-only (issue 6)
 TIER_OF_MODE = {"hicache-l2": "host", "hicache-l2+l3": "storage"}  # the tier a mode adds, which must be hit
+L3_VS_L2_TARGET = 1.1  # hicache-l2+l3 mean TTFT of rounds >= 2 vs hicache-l2's, with L2 hits (issue 20)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policies", default=None, metavar="P1,P2",
                    help="run each mode once per server --schedule-policy (e.g. fcfs,lpm) and compare them; "
                         f"choose from {','.join(SCHEDULE_POLICIES)} (default: the server's own, one run per mode)")
+    g.add_argument("--radix-eviction-policies", default=None, metavar="P1,P2",
+                   help="run each mode once per server --radix-eviction-policy (e.g. lru,lfu,slru) and compare hits "
+                        f"per tier; choose from {','.join(RADIX_EVICTION_POLICIES)} (default: the server's own)")
+    shared_docs.add_arguments(g)
 
 
 def plan_sizes(ns: argparse.Namespace, page_size: int) -> dict[str, int]:
@@ -79,10 +89,12 @@ def running_slots(ns: argparse.Namespace) -> int:
 
 
 def mode_server_args(mode: str, ctx: BenchContext, ns: argparse.Namespace, sizes: dict[str, int],
-                     policy: str | None = None) -> list[str]:
+                     policy: str | None = None, eviction: str | None = None) -> list[str]:
     base = ["--max-total-tokens", str(sizes["l1"]), "--max-running-requests", str(running_slots(ns))]
     if policy is not None:
         base += ["--schedule-policy", policy]
+    if eviction is not None:
+        base += ["--radix-eviction-policy", eviction]
     if mode == "radix":
         return ctx.server_args(*base)
     if mode == "hicache-l2":
@@ -113,12 +125,12 @@ async def _conversations(url: str, system: list[int], contexts: list[list[int]],
 
 
 def run_mode(mode: str, ns: argparse.Namespace, ctx: BenchContext, sizes: dict[str, int], prompts: dict[str, Any],
-             bar, policy: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    label = mode if policy is None else f"{mode}/{policy}"
+             bar, policy: str | None = None, eviction: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    label = "/".join([mode] + [p for p in (policy, eviction) if p is not None])
     slug = label.replace("/", "-")
     storage = ctx.work_dir / f"l3-{slug}" if mode == "hicache-l2+l3" else None
-    server = BenchServer(mode_server_args(mode, ctx, ns, sizes, policy), storage_dir=storage, log_dir=ctx.work_dir,
-                         name=f"multiturn-{slug}")
+    server = BenchServer(mode_server_args(mode, ctx, ns, sizes, policy, eviction), storage_dir=storage,
+                         log_dir=ctx.work_dir, name=f"multiturn-{slug}")
     with server:
         bar.set_description(f"multiturn: starting {label}")
         server.start()
@@ -133,8 +145,10 @@ def run_mode(mode: str, ns: argparse.Namespace, ctx: BenchContext, sizes: dict[s
         load = load_average()  # other work on the machine skews one mode against another: shown per mode
         end = server.info().get("tiers", {})
         rss = server.rss_bytes()
+    if ns.workload == "shared-docs":
+        results = shared_docs.document_uses(results, ns.docs)
     summary = summarize_mode(mode, results, wall, info, end, rss)
-    summary.update(load_avg_1m=load, policy=policy, label=label)
+    summary.update(load_avg_1m=load, policy=policy, eviction=eviction, label=label)
     return summary, info
 
 
@@ -175,43 +189,50 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise SystemExit(f"tierlm bench multiturn: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
-    policies: list[str | None] = [None]
-    if ns.schedule_policies:
-        policies = [p.strip() for p in ns.schedule_policies.split(",") if p.strip()]
-        bad = [p for p in policies if p not in SCHEDULE_POLICIES]
-        if bad or not policies:
-            raise SystemExit(f"tierlm bench multiturn: unknown schedule policy {bad}; choose from "
-                             f"{', '.join(SCHEDULE_POLICIES)}")
-    if min(ns.clients, ns.concurrency, ns.rounds, ns.turn_tokens, ns.answer_tokens, ns.max_running or 1) < 1 \
-            or not 0 < ns.l1_fraction <= 1:
+    policies = _policy_list(ns.schedule_policies, SCHEDULE_POLICIES, "schedule policy")
+    evictions = _policy_list(ns.radix_eviction_policies, RADIX_EVICTION_POLICIES, "radix eviction policy")
+    if min(ns.clients, ns.concurrency, ns.rounds, ns.turn_tokens, ns.answer_tokens, ns.max_running or 1, ns.docs,
+           ns.doc_tokens, ns.requests) < 1 or not 0 < ns.l1_fraction <= 1:
         raise SystemExit("tierlm bench multiturn: --clients, --concurrency, --rounds, --turn-tokens, "
-                         "--answer-tokens must be >= 1 and --l1-fraction in (0, 1]")
-    sizes = plan_sizes(ns, ctx.page_size)
-    rng = np.random.default_rng(ctx.seed)
-    V = ctx.vocab_size
-    prompts = {"system": random_tokens(rng, ns.system_tokens, V),
-               "contexts": [random_tokens(rng, ns.context_tokens, V) for _ in range(ns.clients)],
-               "turns": [[random_tokens(rng, ns.turn_tokens, V) for _ in range(ns.rounds)]
-                         for _ in range(ns.clients)]}
-    bar = ctx.progress_bar(total=len(modes) * len(policies) * ns.clients * ns.rounds, desc="multiturn")
+                         "--answer-tokens, --docs, --doc-tokens, --requests must be >= 1 and --l1-fraction in (0, 1]")
+    docs = ns.workload == "shared-docs"
+    if docs:
+        sizes = shared_docs.plan_sizes(ns, ctx.page_size, running_slots(ns))
+        prompts = shared_docs.prompts(ns, ctx.seed, ctx.vocab_size)
+    else:
+        sizes = plan_sizes(ns, ctx.page_size)
+        prompts = conversation_prompts(ns, ctx.seed, ctx.vocab_size)
+    per_run = sum(len(t) for t in prompts["turns"])
+    bar = ctx.progress_bar(total=len(modes) * len(policies) * len(evictions) * per_run, desc="multiturn")
     summaries = []
     infos = []
     for mode in modes:
         for policy in policies:
-            summary, info = run_mode(mode, ns, ctx, sizes, prompts, bar, policy)
-            summaries.append(summary)
-            infos.append(info)
+            for eviction in evictions:
+                summary, info = run_mode(mode, ns, ctx, sizes, prompts, bar, policy, eviction)
+                summaries.append(summary)
+                infos.append(info)
     bar.close()
+    same_variant = lambda a, b: a["policy"] == b["policy"] and a["eviction"] == b["eviction"]  # noqa: E731
     for s in summaries:
-        radix = next((r for r in summaries if r["mode"] == "radix" and r["policy"] == s["policy"]), None)
+        radix = next((r for r in summaries if r["mode"] == "radix" and same_variant(r, s)), None)
         s["ttft_vs_radix"] = ratio(s["mean_ttft_s"], radix["mean_ttft_s"]) if radix else None
         s["later_vs_radix"] = ratio(s["mean_ttft_later_s"], radix["mean_ttft_later_s"]) if radix else None
         s["confirmed"] = confirm(s)
+        l2 = next((r for r in summaries if r["mode"] == "hicache-l2" and same_variant(r, s)), None)
+        s["later_vs_l2"] = ratio(s["mean_ttft_later_s"], l2["mean_ttft_later_s"]) \
+            if l2 and s["mode"] == "hicache-l2+l3" else None
+    if docs:
+        title = (f"shared documents: {ns.requests} requests over {ns.docs} documents x {ns.doc_tokens} tokens "
+                 f"(question {ns.turn_tokens}, answer {ns.answer_tokens} tokens), {ns.concurrency} in flight, "
+                 f"L1 = {sizes['l1']} of {sizes['working_set']} tokens, L2 = {ns.hicache_ratio:g} x L1; r>=2: a "
+                 "document's later uses")
+    else:
+        title = (f"multi-turn: {ns.clients} clients x {ns.rounds} rounds, {ns.concurrency} in flight, "
+                 f"{running_slots(ns)} running (context {ns.context_tokens}, turn {ns.turn_tokens}, answer "
+                 f"{ns.answer_tokens} tokens), L1 = {sizes['l1']} of {sizes['working_set']} working-set tokens")
     tables = [Table(
-        f"multi-turn: {ns.clients} clients x {ns.rounds} rounds, {ns.concurrency} in flight, {running_slots(ns)} "
-        f"running (context {ns.context_tokens}, turn "
-        f"{ns.turn_tokens}, answer {ns.answer_tokens} tokens), L1 = {sizes['l1']} of {sizes['working_set']} "
-        f"working-set tokens",
+        title,
         [Column("label", "mode"), Column("l1_tokens", "L1 tok"), Column("l2_tokens", "L2 tok"),
          Column("mean_ttft_s", "mean TTFT ms", "ms"), Column("p90_ttft_s", "p90 TTFT ms", "ms"),
          Column("mean_ttft_later_s", "mean TTFT r>=2 ms", "ms"), Column("ttft_vs_radix", "mean vs radix", "x"), Column("later_vs_radix", "r>=2 vs radix", "x"),
@@ -227,19 +248,42 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
                "load 1m: the machine's load average when the mode finished (other work slows a mode down)"])]
     if policies != [None]:
         tables.append(policy_table(summaries))
-    settings = {k: getattr(ns, k) for k in ("clients", "concurrency", "rounds", "system_tokens", "context_tokens", "turn_tokens",
-                                            "answer_tokens", "l1_fraction", "hicache_ratio")}
+    if evictions != [None]:
+        tables.append(eviction_table(summaries))
+    keys = ("docs", "doc_tokens", "requests") if docs else ("clients", "rounds", "system_tokens", "context_tokens")
+    settings = {k: getattr(ns, k) for k in ("workload", *keys, "concurrency", "turn_tokens", "answer_tokens",
+                                            "l1_fraction", "hicache_ratio")}
     settings.update(sizes, server_extra=ctx.server_extra, max_running=running_slots(ns),
-                    schedule_policies=[p for p in policies if p])
+                    schedule_policies=[p for p in policies if p], radix_eviction_policies=[p for p in evictions if p])
     return Report("multiturn", ctx.command, environment(ctx.model_label, infos[0], ctx.load_at_start), settings, tables,
-                  targets(summaries), raw={s["label"]: s["per_request"] for s in summaries})
+                  [] if docs else targets(summaries), raw={s["label"]: s["per_request"] for s in summaries})
+
+
+def _policy_list(value: str | None, allowed: tuple[str, ...], what: str) -> list[str | None]:
+    """``--schedule-policies`` / ``--radix-eviction-policies``: the names, or [None] (the server's own)."""
+    if not value:
+        return [None]
+    names = [p.strip() for p in value.split(",") if p.strip()]
+    bad = [p for p in names if p not in allowed]
+    if bad or not names:
+        raise SystemExit(f"tierlm bench multiturn: unknown {what} {bad}; choose from {', '.join(allowed)}")
+    return names
+
+
+def conversation_prompts(ns: argparse.Namespace, seed: int, vocab: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {"system": random_tokens(rng, ns.system_tokens, vocab),
+            "contexts": [random_tokens(rng, ns.context_tokens, vocab) for _ in range(ns.clients)],
+            "turns": [[random_tokens(rng, ns.turn_tokens, vocab) for _ in range(ns.rounds)]
+                      for _ in range(ns.clients)]}
 
 
 def policy_table(summaries: list[dict[str, Any]]) -> Table:
     """One row per (mode, policy): cache hits and TTFT, each next to fcfs on the same mode."""
     rows = []
     for s in summaries:
-        base = next((r for r in summaries if r["mode"] == s["mode"] and r["policy"] == "fcfs"), None)
+        base = next((r for r in summaries if r["mode"] == s["mode"] and r["policy"] == "fcfs"
+                     and r.get("eviction") == s.get("eviction")), None)
         rows.append({"label": s["label"], "hit_all": s["hit_all"], "mean_ttft_s": s["mean_ttft_s"],
                      "p50_ttft_s": s["p50_ttft_s"], "p99_ttft_s": s["p99_ttft_s"], "wall_s": s["wall_s"],
                      "ttft_vs_fcfs": ratio(s["mean_ttft_s"], base["mean_ttft_s"]) if base else None,
@@ -257,6 +301,29 @@ def policy_table(summaries: list[dict[str, Any]]) -> Table:
         notes=["prefix hit: prompt tokens served from any cache tier / all prompt tokens (from the responses)",
                "TTFT counts from the send, so it includes the wait in the server's queue, which the policy orders",
                "vs fcfs: ratio to the fcfs run of the same mode (below 1: faster, or for hits: fewer)"])
+
+
+def eviction_table(summaries: list[dict[str, Any]]) -> Table:
+    """One row per (mode, eviction policy): hits per tier and TTFT, next to lru on the same mode."""
+    rows = []
+    for s in summaries:
+        base = next((r for r in summaries if r["mode"] == s["mode"] and r["eviction"] == "lru"
+                     and r["policy"] == s["policy"]), None)
+        rows.append({k: s[k] for k in ("label", "hit_device", "hit_host", "hit_storage", "hit_all", "mean_ttft_s",
+                                       "mean_ttft_later_s", "later_vs_l2", "load_avg_1m")}
+                    | {"later_vs_lru": ratio(s["mean_ttft_later_s"], base["mean_ttft_later_s"]) if base else None})
+    return Table(
+        "radix eviction policies (server --radix-eviction-policy: device and host tiers), same prompts on a fresh "
+        "server each",
+        [Column("label", "mode/policy"), Column("hit_device", "hit L1", "pct"), Column("hit_host", "hit L2", "pct"),
+         Column("hit_storage", "hit L3", "pct"), Column("hit_all", "hit all", "pct"),
+         Column("mean_ttft_s", "mean TTFT ms", "ms"), Column("mean_ttft_later_s", "TTFT r>=2 ms", "ms"),
+         Column("later_vs_lru", "r>=2 vs lru", "x"), Column("later_vs_l2", "r>=2 vs hicache-l2", "x"),
+         Column("load_avg_1m", "load 1m")],
+        rows,
+        notes=["hit Ln: prompt tokens served from that tier / all prompt tokens (from the responses)",
+               "r>=2 vs hicache-l2: the L2+L3 row's TTFT of rounds >= 2 over the hicache-l2 row's with the same "
+               f"policy (issue 20: <= {L3_VS_L2_TARGET}x with L2 hits > 0)"])
 
 
 def confirm(summary: dict[str, Any]) -> str:
@@ -280,4 +347,10 @@ def targets(summaries: list[dict[str, Any]]) -> list[Target]:
         else:
             out.append(Target(f"{name} mean TTFT", f"<= {TARGET_RATIO}x radix-only", measured,
                               s["ttft_vs_radix"] <= TARGET_RATIO))
+    for s in summaries:
+        if s.get("later_vs_l2") is not None:
+            host = s["hit_tokens"]["host"]
+            out.append(Target(f"{s['label']} TTFT r>=2 vs hicache-l2", f"<= {L3_VS_L2_TARGET}x, L2 hits > 0",
+                              f"{s['later_vs_l2']:.2f}x, {host} tokens from L2",
+                              s["later_vs_l2"] <= L3_VS_L2_TARGET and host > 0))
     return out

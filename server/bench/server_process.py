@@ -186,6 +186,7 @@ class RequestResult:
     cached: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     token_times: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens so far) per event
     output_ids: list[int] = field(default_factory=list)
+    meta_info: dict[str, Any] = field(default_factory=dict)  # the last event's meta_info (final counts, spec_*)
 
     @property
     def ttft(self) -> float:
@@ -238,6 +239,8 @@ async def stream_generate(client: httpx.AsyncClient, url: str, input_ids: list[i
                 res.token_times.append((now, len(ids)))
             res.output_ids = ids
             meta = event.get("meta_info") or {}
+            if meta:
+                res.meta_info = meta
             res.prompt_tokens = meta.get("prompt_tokens", res.prompt_tokens)
             res.completion_tokens = meta.get("completion_tokens", res.completion_tokens)
             details = meta.get("cached_tokens_details")
@@ -245,6 +248,14 @@ async def stream_generate(client: httpx.AsyncClient, url: str, input_ids: list[i
                 res.cached = {k: int(details.get(k, 0)) for k in ("device", "host", "storage")}
     res.done = time.perf_counter()
     return res
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    """The server's token ids of ``text`` (POST /tokenize, special tokens such as BOS added as for a prompt)."""
+    r = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60.0)
+    if r.status_code != 200:
+        raise BenchServerError(f"/tokenize answered {r.status_code}: {r.text[:500]}")
+    return [int(t) for t in r.json()["tokens"]]
 
 
 def run_one(url: str, input_ids: list[int], max_new_tokens: int) -> RequestResult:

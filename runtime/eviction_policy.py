@@ -1,0 +1,49 @@
+"""--radix-eviction-policy: the order unlocked cached nodes leave a tier (device eviction in RadixCache.evict,
+host eviction in HiRadixCache.evict_host). A policy maps a TreeNode to a sort key; the smallest key goes first.
+
+SGLang's names and keys: lru = last access; lfu = (hits, last access); slru = (hit at least twice, last access),
+i.e. a probation segment (nodes reused at most once) that always goes before the protected one. tierlm adds loop
+(loop-resistant; measured in docs/performance.md, "Host tier eviction policy"). ``hit_count``
+counts request admissions that reused the node from any tier (runtime/radix_cache.py, runtime/hicache).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from tierlm.runtime.radix_cache import TreeNode
+
+Priority = Callable[["TreeNode"], tuple]
+
+
+def lru(node: TreeNode) -> tuple:
+    return (node.last_access,)
+
+
+def lfu(node: TreeNode) -> tuple:
+    return (node.hit_count, node.last_access)
+
+
+def slru(node: TreeNode) -> tuple:
+    return (1 if node.hit_count >= 2 else 0, node.last_access)
+
+
+def loop(node: TreeNode) -> tuple:
+    """tierlm's own, loop-resistant: never-reused nodes go first (oldest first), then nodes reused once, newest
+    first, then the rest (oldest first). Reuse that comes back in a cycle larger than the tier (chat clients
+    taking turns, documents asked about in turn) then keeps the part of the cycle that got in first, where lru,
+    lfu and slru evict every node just before it returns; one-shot nodes still leave in lru order, so a tier
+    full of stale one-shot pages never locks out new ones (pure LRU insertion, LIP, does)."""
+    h = node.hit_count
+    return (0, node.last_access) if h == 0 else (1, -node.last_access) if h == 1 else (2, node.last_access)
+
+
+POLICIES: dict[str, Priority] = {"lru": lru, "lfu": lfu, "slru": slru, "loop": loop}
+
+
+def eviction_priority(name: str) -> Priority:
+    """The sort key of policy ``name`` (ServerArgs has checked the name; a wrong one here is a bug)."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown radix eviction policy {name!r}; use one of {', '.join(POLICIES)}") from None

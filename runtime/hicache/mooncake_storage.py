@@ -1,0 +1,574 @@
+"""L3 on Mooncake Store: KV pages in a distributed in-memory store shared by several tierlm servers.
+
+``--hicache-storage-backend mooncake`` (install: ``pip install 'tierlm[mooncake]'``). Objects are named
+``tierlm_<namespace id>_<page key>``: the same SHA-256 page keys as the file tier, under the full namespace id
+(model fingerprint, KV dtype, page size, layout, format version), so two servers of the same model share pages
+and servers of different models never read each other's. Each value is the 128-byte page header of
+page_header.py followed by the payload, verified on every read before it reaches the host pool: a short,
+foreign or damaged value is a miss, counted in ``errors``, and removed from the store.
+
+Configuration as SGLang's mooncake_store backend reads it, first match wins:
+  1. --hicache-storage-backend-extra-config with ``master_server_address`` (and the other keys below);
+  2. the JSON file named by $SGLANG_HICACHE_MOONCAKE_CONFIG_PATH;
+  3. the environment: MOONCAKE_MASTER (required there), MOONCAKE_TE_META_DATA_SERVER, MOONCAKE_PROTOCOL,
+     MOONCAKE_DEVICE, MOONCAKE_GLOBAL_SEGMENT_SIZE, MOONCAKE_LOCAL_BUFFER_SIZE, MOONCAKE_LOCAL_HOSTNAME
+     (or LOCAL_HOSTNAME).
+Keys and SGLang's defaults: local_hostname "localhost", metadata_server "P2PHANDSHAKE" (or an http:// metadata
+URL), global_segment_size 4 GiB (an int of bytes or "<n>gb": the memory this server lends to the store; 0
+lends none), local_buffer_size 16 MiB, protocol "tcp" ("rdma" with device_name), master_server_address
+"host:port" of ``mooncake_master``.
+
+Faults: the connection is made on a background thread (a Mooncake client gives up on an unreachable master
+only after ~90 s). Startup waits ``connect_wait_s`` (extra-config, default 5 s) for it; past that the server
+starts with L3 offline (health "degraded", logged), keeps retrying every ``retry_interval_s`` and brings the
+tier online when the master answers. A failed call (master gone while serving) is counted, marks the tier
+degraded and returns a miss / an unstored page; a call to a dead master takes seconds to fail, so after a
+failure only one call per ``retry_interval_s`` tries the store, the others are answered at once; the first call
+that succeeds again brings the tier back (a restarted master has lost every page: they are stored again as used).
+All calls run on storage_io.py's threads, never on the scheduler's: ``known()`` answers from memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache import page_header
+from tierlm.runtime.hicache.page_header import HEADER_SIZE
+from tierlm.runtime.hicache.page_keys import is_page_key
+from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
+from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'tierlm[mooncake]'"
+CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+DEFAULT_GLOBAL_SEGMENT_SIZE = 4 * 1024**3  # SGLang's defaults
+DEFAULT_LOCAL_BUFFER_SIZE = 16 * 1024**2
+DEFAULT_LOCAL_HOSTNAME = "localhost"
+DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
+DEFAULT_PROTOCOL = "tcp"
+DEFAULT_DEVICE_NAME = ""
+DEFAULT_CONNECT_WAIT_S = 5.0
+DEFAULT_RETRY_INTERVAL_S = 5.0
+CLOSE_WAIT_S = 2.0
+MAX_KNOWN_KEYS = 1 << 20  # keys remembered as stored (for known(), which must not touch the network)
+KEY_PREFIX = "tierlm"
+CONFIG_KEYS = ("master_server_address", "local_hostname", "metadata_server", "global_segment_size",
+               "local_buffer_size", "protocol", "device_name")
+TIERLM_KEYS = ("connect_wait_s", "retry_interval_s")  # tierlm's own, extra-config only
+SGLANG_IGNORED_KEYS = ("master_metrics_port", "check_server", "extra_backend_tag", "standalone_storage",
+                       "client_server_address", "enable_ssd_offload", "ssd_offload_path")
+_ENV = {  # config key -> environment variable (SGLang's names)
+    "master_server_address": "MOONCAKE_MASTER",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device_name": "MOONCAKE_DEVICE",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
+    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+}
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from an int or SGLang's "<n>gb" string (GiB)."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, str):
+            s = value.strip().lower()
+            n = int(s[:-2].strip()) * 1024**3 if s.endswith("gb") else int(s)
+        else:
+            n = int(value)
+    except (TypeError, ValueError):
+        raise StartupError(f"mooncake {name} must be a number of bytes or \"<n>gb\", got {value!r}") from None
+    if n < 0:
+        raise StartupError(f"mooncake {name} must be >= 0 bytes, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    master_server_address: str
+    local_hostname: str = DEFAULT_LOCAL_HOSTNAME
+    metadata_server: str = DEFAULT_METADATA_SERVER
+    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
+    protocol: str = DEFAULT_PROTOCOL
+    device_name: str = DEFAULT_DEVICE_NAME
+    source: str = "extra-config"  # where it came from, for the log
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any], source: str) -> "MooncakeConfig":
+        master = cfg.get("master_server_address")
+        if not master or not isinstance(master, str):
+            raise StartupError(f"mooncake: {source} has no master_server_address (\"host:port\" of mooncake_master)")
+        protocol = str(cfg.get("protocol") or DEFAULT_PROTOCOL)
+        if protocol not in ("tcp", "rdma"):
+            raise StartupError(f"mooncake protocol must be tcp or rdma, got {protocol!r} ({source})")
+        return cls(
+            master_server_address=master,
+            local_hostname=str(cfg.get("local_hostname") or DEFAULT_LOCAL_HOSTNAME),
+            metadata_server=str(cfg.get("metadata_server") or DEFAULT_METADATA_SERVER),
+            global_segment_size=parse_size(cfg.get("global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE),
+                                           "global_segment_size"),
+            local_buffer_size=parse_size(cfg.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE), "local_buffer_size"),
+            protocol=protocol,
+            device_name=str(cfg.get("device_name") or DEFAULT_DEVICE_NAME),
+            source=source,
+        )
+
+    @classmethod
+    def resolve(cls, extra_config: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> "MooncakeConfig":
+        """SGLang's order: extra-config with master_server_address, then $SGLANG_HICACHE_MOONCAKE_CONFIG_PATH,
+        then the MOONCAKE_* environment variables."""
+        extra = dict(extra_config or {})
+        env = os.environ if env is None else env
+        if extra.get("master_server_address") is not None:
+            return cls.from_mapping(extra, "--hicache-storage-backend-extra-config")
+        path = env.get(CONFIG_PATH_ENV, "").strip()
+        if path:
+            try:
+                with open(os.path.expanduser(path), encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as e:
+                raise StartupError(f"mooncake: cannot read the JSON config {path} (${CONFIG_PATH_ENV}): {e}") from e
+            if not isinstance(cfg, dict):
+                raise StartupError(f"mooncake: {path} (${CONFIG_PATH_ENV}) must hold a JSON object")
+            return cls.from_mapping(cfg, f"${CONFIG_PATH_ENV} ({path})")
+        if not env.get("MOONCAKE_MASTER"):
+            raise StartupError(
+                "--hicache-storage-backend mooncake needs the address of mooncake_master: "
+                "--hicache-storage-backend-extra-config '{\"master_server_address\": \"host:50051\"}', "
+                f"a JSON file named by ${CONFIG_PATH_ENV}, or MOONCAKE_MASTER=host:50051 (docs/hicache.md)")
+        cfg = {key: env[var] for key, var in _ENV.items() if env.get(var)}
+        if "local_hostname" not in cfg and env.get("LOCAL_HOSTNAME"):
+            cfg["local_hostname"] = env["LOCAL_HOSTNAME"]
+        return cls.from_mapping(cfg, "MOONCAKE_* environment variables")
+
+    def describe(self) -> str:
+        d = asdict(self)
+        return ", ".join(f"{k}={d[k]!r}" for k in CONFIG_KEYS)
+
+
+def import_store_class() -> type:
+    """mooncake.store.MooncakeDistributedStore, or a StartupError with the install command."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        msg = str(e)
+        if "ibverbs" in msg:
+            raise StartupError(f"--hicache-storage-backend mooncake: the mooncake package needs the libibverbs "
+                               f"shared library, even over TCP ({msg}): apt-get install -y libibverbs1") from e
+        raise StartupError(f"--hicache-storage-backend mooncake needs the Mooncake Store client ({msg}): "
+                           f"{INSTALL_HINT}") from e
+    return MooncakeDistributedStore
+
+
+class MooncakeKVStorage(KVStorage):
+    """KVStorage on Mooncake Store; see the module docstring. ``store_class``: MooncakeDistributedStore (tests)."""
+
+    name = "mooncake"
+
+    def __init__(self, config: MooncakeConfig, namespace: StorageNamespace, page_bytes: int, *,
+                 connect_wait_s: float = DEFAULT_CONNECT_WAIT_S, retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+                 store_class: type | None = None, max_known: int = MAX_KNOWN_KEYS) -> None:
+        if not isinstance(page_bytes, int) or page_bytes < 1:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        self.config = config
+        self.namespace = namespace
+        self.page_bytes = page_bytes
+        self.value_bytes = HEADER_SIZE + page_bytes
+        self.retry_interval_s = float(retry_interval_s)
+        self._ns_raw = namespace.id_bytes
+        self._prefix = f"{KEY_PREFIX}_{self._ns_raw.hex()}_"
+        self.location = f"mooncake://{config.master_server_address}/{namespace.folder_name}"
+        self.dir = self.location  # what the controller's log and tiers_info show for the file tier's folder
+        self._store_class = store_class or import_store_class()
+        self._store: Any = None  # the connected client; None while offline
+        self._lock = threading.Lock()
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._max_known = max_known
+        self._counts = dict(reads=0, writes=0, bytes_read=0, bytes_written=0, misses=0, errors=0, evictions=0)
+        self._read_ns = 0
+        self._retry_at: float | None = None  # after a failed call: when the next call may try the store
+        self._degraded: str | None = "connecting to the Mooncake master"
+        self._last_error: str | None = None
+        self._closed = False
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._thread = threading.Thread(target=self._connect_loop, name="tierlm-mooncake-connect", daemon=True)
+        self._thread.start()
+        if not self._connected.wait(connect_wait_s):
+            logger.warning(
+                "L3 Mooncake store OFFLINE at startup: master %s did not answer within %g s; serving without L3 and "
+                "retrying in the background (start mooncake_master, check master_server_address)",
+                config.master_server_address, connect_wait_s)
+
+    # --- connection ---
+    def _connect_loop(self) -> None:
+        c, attempt = self.config, 0
+        while not self._stop.is_set():
+            attempt += 1
+            t0 = time.monotonic()
+            # A Mooncake client retries an unreachable master for ~90 s inside setup(), and may hold the GIL
+            # meanwhile (seen with 0.3.13): setup() is only called once the master's port accepts connections.
+            reachable = _port_open(c.master_server_address)
+            if reachable is not True:
+                why = f"Mooncake master {c.master_server_address} unreachable ({reachable})"
+                with self._lock:
+                    self._degraded = self._last_error = why
+                logger.log(logging.WARNING if attempt == 1 else logging.DEBUG,
+                           "L3 Mooncake store offline: %s; retrying every %g s", why, self.retry_interval_s)
+                self._stop.wait(self.retry_interval_s)
+                continue
+            store = self._store_class()
+            try:
+                rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
+                                 c.protocol, c.device_name, c.master_server_address)
+            except Exception as e:  # noqa: BLE001 - the client raises RuntimeError and friends
+                rc = f"{type(e).__name__}: {e}"
+            if rc == 0:
+                with self._lock:
+                    if self._closed:
+                        _close_quietly(store)
+                        return
+                    self._store = store
+                    self._degraded = None
+                self._connected.set()
+                logger.info("L3 Mooncake store online: connected to master %s in %.2f s (attempt %d)",
+                            c.master_server_address, time.monotonic() - t0, attempt)
+                return
+            why = f"cannot connect to Mooncake master {c.master_server_address} (setup returned {rc})"
+            with self._lock:
+                self._degraded = self._last_error = why
+            logger.log(logging.WARNING if attempt == 1 else logging.DEBUG,
+                       "L3 Mooncake store offline: %s; retrying every %g s", why, self.retry_interval_s)
+            self._stop.wait(self.retry_interval_s)
+
+    @property
+    def online(self) -> bool:
+        return self._store is not None
+
+    def raw_store(self) -> Any:
+        """The Mooncake client (None while offline): tests and tools reach the stored objects through it."""
+        return self._store
+
+    def object_key(self, key: str) -> str:
+        return self._prefix + key
+
+    # --- KVStorage ---
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        store = self._client()
+        if store is None or not keys:
+            return [False] * len(keys)
+        res = self._call(lambda: store.batch_is_exist([self.object_key(k) for k in keys]), "batch_is_exist")
+        if res is None:
+            return [False] * len(keys)
+        out = [r == 1 for r in res]
+        if any(r < 0 for r in res):
+            self._failed(f"batch_is_exist of {len(keys)} keys returned errors {sorted(set(r for r in res if r < 0))}")
+        else:
+            self._ok()
+        with self._lock:
+            for key, hit in zip(keys, out):
+                if hit:
+                    self._remember_locked(key)
+                else:
+                    self._known.pop(key, None)
+        return out
+
+    def known(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._known for key in keys]
+
+    def get(self, key: str) -> bytes | None:
+        return self._read(key, absent_is_miss=True)
+
+    def probe(self, key: str) -> bytes | None:
+        return self._read(key, absent_is_miss=False)
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        store = self._client()
+        if store is None:
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        t0 = time.perf_counter_ns()
+        values = self._call(lambda: store.get_batch([self.object_key(k) for k in keys]), "get_batch")
+        if values is None:
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        if any(values):  # the client answers b"" for a failure too: only a value proves the store works
+            self._ok()
+        return [self._accept(k, v, True, t0) for k, v in zip(keys, values)]
+
+    def _read(self, key: str, absent_is_miss: bool) -> bytes | None:
+        self._check_open()
+        self._check_key(key)
+        store = self._client()
+        if store is None:
+            self._count(misses=int(absent_is_miss))
+            return None
+        t0 = time.perf_counter_ns()
+        value = self._call(lambda: store.get(self.object_key(key)), "get")
+        if value is None:
+            self._count(misses=1)
+            return None
+        if value:  # the client answers b"" for a failure too: only a value proves the store works
+            self._ok()
+        return self._accept(key, value, absent_is_miss, t0)
+
+    def _accept(self, key: str, value: bytes, absent_is_miss: bool, t0: int) -> bytes | None:
+        """The verified payload of ``value`` read for ``key``; None (a miss) when absent or unusable."""
+        if not value:  # the client answers b"" for an absent key
+            with self._lock:
+                self._known.pop(key, None)
+                self._counts["misses"] += int(absent_is_miss)
+            return None
+        view = memoryview(value)
+        payload = view[HEADER_SIZE:]
+        problem = page_header.verify(view[:HEADER_SIZE], len(value), len(value), key=key, ns_raw=self._ns_raw,
+                                     ns_label=self.namespace.folder_name, page_bytes=self.page_bytes,
+                                     views=[payload])
+        if problem is not None:
+            self._discard(key, problem)
+            return None
+        with self._lock:
+            self._remember_locked(key)
+            self._counts["reads"] += 1
+            self._counts["bytes_read"] += self.page_bytes
+            self._read_ns += time.perf_counter_ns() - t0
+        return bytes(payload)
+
+    def set(self, key: str, payload: Any) -> bool:
+        """Store a page (a buffer, a list of buffers, or a BorrowedPage) as header + payload, without joining the
+        buffers. A key already stored (by this or another server) is left as it is: True."""
+        self._check_open()
+        self._check_key(key)
+        valid = payload.valid if isinstance(payload, BorrowedPage) else None
+        views = _byte_views(payload)
+        nbytes = sum(v.nbytes for v in views)
+        if nbytes != self.page_bytes:
+            raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {self.page_bytes}")
+        store = self._client()
+        if store is None:
+            return False
+        with self._lock:
+            if key in self._known:
+                self._known.move_to_end(key)
+                return True
+        header = page_header.pack_header(self._ns_raw, key, views)
+        if valid is not None and not valid():
+            return False
+        obj = self.object_key(key)
+        rc = self._call(lambda: store.put_parts(obj, header, *views), "put")
+        if rc is None:
+            return False
+        if rc != 0:
+            if self._call(lambda: store.is_exist(obj), "is_exist") == 1:  # stored meanwhile by another server
+                self._ok()
+                with self._lock:
+                    self._remember_locked(key)
+                return True
+            self._failed(f"put of {obj[:40]}.. returned {rc}")
+            return False
+        if valid is not None and not valid():  # the page's memory was reused while it was sent: do not keep it
+            self._call(lambda: store.remove(obj, True), "remove")
+            return False
+        self._ok()
+        with self._lock:
+            self._remember_locked(key)
+            self._counts["writes"] += 1
+            self._counts["bytes_written"] += self.value_bytes
+        return True
+
+    def delete(self, key: str) -> bool:
+        self._check_open()
+        self._check_key(key)
+        with self._lock:
+            self._known.pop(key, None)
+        store = self._store
+        if store is None:
+            return False
+        rc = self._call(lambda: store.remove(self.object_key(key), True), "remove")
+        return rc == 0
+
+    def clear(self) -> int:
+        """Remove every object of this namespace from the whole store (every server sharing it loses them)."""
+        self._check_open()
+        with self._lock:
+            self._known.clear()
+        store = self._store
+        if store is None:
+            logger.warning("L3 Mooncake store %s is offline: nothing cleared there", self.location)
+            return 0
+        removed = self._call(lambda: store.remove_by_regex(f"^{self._prefix}[0-9a-f]{{64}}$", True), "remove_by_regex")
+        removed = max(0, removed or 0)
+        logger.info("cleared L3 Mooncake store %s: removed %d pages", self.location, removed)
+        return removed
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {"files": len(self._known), "bytes": len(self._known) * self.value_bytes}
+            out.update(self._counts)
+            out["read_seconds"] = self._read_ns / 1e9
+        out["max_bytes"] = None  # the store's size is the sum of the segments its clients lend
+        out["backend"] = self.name  # tiers.storage in /server_info
+        out["master"] = self.config.master_server_address
+        out["connected"] = self.online
+        return out
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return {"state": "online" if self._degraded is None else "degraded",
+                    "last_error": self._last_error or self._degraded}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, self._store = self._store, None
+        self._stop.set()
+        if store is not None:  # unmounting from a dead master takes the client ~10 s: shutdown waits 2 s at most
+            t = threading.Thread(target=_close_quietly, args=(store,), name="tierlm-mooncake-close", daemon=True)
+            t.start()
+            t.join(CLOSE_WAIT_S)
+
+    # --- internals ---
+    def _client(self) -> Any:
+        """The connected client, or None while offline or while calls fail: after a failed call (the master
+        is gone: a call then takes seconds to fail) only one call per retry_interval_s tries again, the
+        others are answered at once as misses / unstored pages."""
+        store = self._store
+        if store is None or self._retry_at is None:
+            return store
+        now = time.monotonic()
+        with self._lock:
+            if self._retry_at is not None and now < self._retry_at:
+                return None
+            if self._retry_at is not None:
+                self._retry_at = now + self.retry_interval_s  # this caller tries; the rest wait for it
+        return store
+
+    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+        """fn() or None when the client raised (counted as a failure)."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            self._failed(f"{what} raised {type(e).__name__}: {e}")
+            return None
+
+    def _failed(self, what: str) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+            first = self._degraded is None
+            self._degraded = self._last_error = what
+            self._retry_at = time.monotonic() + self.retry_interval_s
+        logger.log(logging.WARNING if first else logging.DEBUG,
+                   "L3 Mooncake store degraded: %s; serving from the memory tiers until a call succeeds again "
+                   "(master %s)", what, self.config.master_server_address)
+
+    def _ok(self) -> None:
+        if self._degraded is None:
+            return
+        with self._lock:
+            was, self._degraded = self._degraded, None
+            self._retry_at = None
+        if was is not None:
+            logger.info("L3 Mooncake store %s is back online (last error: %s)", self.location, was)
+
+    def _discard(self, key: str, reason: str) -> None:
+        logger.warning("L3 Mooncake object %s is unusable (%s): removed it, serving a miss",
+                       self.object_key(key)[:48] + "..", reason)
+        with self._lock:
+            self._known.pop(key, None)
+            self._counts["errors"] += 1
+            self._counts["misses"] += 1
+        store = self._store
+        if store is not None:
+            try:
+                store.remove(self.object_key(key), True)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("could not remove %s: %s", key, e)
+
+    def _remember_locked(self, key: str) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        while len(self._known) > self._max_known:
+            self._known.popitem(last=False)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counts[name] += d
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"MooncakeKVStorage {self.location} is closed; open a new one")
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not is_page_key(key):
+            raise ValueError(f"storage keys come from page_keys() (64 lowercase hex), got {key!r}")
+
+
+def _byte_views(payload: Any) -> list[memoryview]:
+    if isinstance(payload, BorrowedPage):
+        return list(payload.views)
+    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+    return [memoryview(p).cast("B") for p in parts]
+
+
+def _port_open(address: str, timeout: float = 1.0) -> bool | str:
+    """True when host:port accepts a TCP connection (or the address is not one host:port, e.g. Mooncake's HA
+    form "etcd://host:port;..."), else why not."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address or ";" in address:
+        return True
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout):
+            return True
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _close_quietly(store: Any) -> None:
+    try:
+        store.close()
+    except Exception as e:  # noqa: BLE001
+        logger.debug("closing the Mooncake client: %s", e)
+
+
+def open_storage(args: Any, namespace: StorageNamespace, page_bytes: int,
+                 extra_config: Mapping[str, Any]) -> MooncakeKVStorage:
+    """The 'mooncake' backend of storage_registry.py."""
+    cfg = dict(extra_config or {})
+    store_class = import_store_class()  # the install hint before any config question
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS) - set(TIERLM_KEYS) - set(SGLANG_IGNORED_KEYS))
+    if unknown:
+        logger.warning("mooncake storage ignores extra-config keys %s (it knows %s)", unknown,
+                       list(CONFIG_KEYS + TIERLM_KEYS))
+    try:
+        connect_wait = float(cfg.get("connect_wait_s", DEFAULT_CONNECT_WAIT_S))
+        retry = float(cfg.get("retry_interval_s", DEFAULT_RETRY_INTERVAL_S))
+    except (TypeError, ValueError) as e:
+        raise StartupError(f"mooncake connect_wait_s / retry_interval_s must be numbers of seconds: {e}") from e
+    config = MooncakeConfig.resolve(cfg)
+    logger.info("L3 Mooncake store config from %s: %s", config.source, config.describe())
+    return MooncakeKVStorage(config, namespace, page_bytes, connect_wait_s=connect_wait,
+                             retry_interval_s=max(0.1, retry), store_class=store_class)

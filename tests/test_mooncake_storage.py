@@ -1,0 +1,344 @@
+"""The Mooncake Store L3 backend against a real mooncake_master on loopback TCP, and the storage registry.
+
+Needs ``pip install 'tierlm[mooncake]'`` and Debian's libibverbs1 (the master loads it even over TCP); the
+tests that need them skip with that hint where they are absent. Objects live in the memory of the clients
+that lend a segment: a ``holder`` client lends one here, and the engines lend none, so pages outlive an engine.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tierlm.runtime.errors import StartupError
+from tierlm.runtime.hicache import storage_registry
+from tierlm.runtime.hicache.page_keys import page_keys
+from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+
+PAGE_BYTES = 4096
+SEGMENT = 64 * 2**20
+HINT = "pip install 'tierlm[mooncake]' and apt-get install -y libibverbs1"
+
+
+def ns(model: str = "model-a") -> StorageNamespace:
+    return StorageNamespace.from_fields({"model": model, "dtype": "bfloat16", "page_size": 4, "layout": "page_first",
+                                         "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+                                         "backend_layout": "test"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _master_binary() -> str | None:
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    try:
+        import mooncake
+    except ImportError:
+        return None
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    return str(path) if path.exists() else None
+
+
+def _start_master(rpc: int) -> subprocess.Popen:
+    """mooncake_master on 127.0.0.1:rpc (and a free metrics port), listening when this returns."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"mooncake is not importable ({e}): {HINT}")
+    binary = _master_binary()
+    if binary is None:
+        pytest.skip(f"no mooncake_master binary: {HINT}")
+    proc = subprocess.Popen([binary, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", f"-metrics_port={_free_port()}",
+                             "-metrics_host=127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace")[-500:]
+            if "libibverbs" in err:
+                pytest.skip(f"mooncake_master needs libibverbs1: {HINT}")
+            pytest.fail(f"mooncake_master exited with {proc.returncode}: {err}")
+        try:
+            socket.create_connection(("127.0.0.1", rpc), 0.2).close()
+            return proc
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("mooncake_master did not listen within 10 s")
+            time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _holder(address: str):
+    """A client lending the store memory: objects live in the segments of the clients that lend one."""
+    from mooncake.store import MooncakeDistributedStore
+
+    holder = MooncakeDistributedStore()
+    assert holder.setup("127.0.0.1", "P2PHANDSHAKE", SEGMENT, 16 * 2**20, "tcp", "", address) == 0
+    return holder
+
+
+@pytest.fixture(scope="module")
+def master():
+    """A mooncake_master on free loopback ports (address "127.0.0.1:port"), and a client lending it memory."""
+    rpc = _free_port()
+    proc = _start_master(rpc)
+    address = f"127.0.0.1:{rpc}"
+    holder = _holder(address)
+    yield address
+    holder.close()
+    _stop(proc)
+
+
+def open_mooncake(master: str, namespace: StorageNamespace | None = None, **cfg):
+    extra = {"master_server_address": master, "local_hostname": "127.0.0.1", "global_segment_size": 0, **cfg}
+    return storage_registry.open_storage("mooncake", None, namespace or ns(), PAGE_BYTES, extra)
+
+
+def page(i: int) -> bytes:
+    return bytes((i * 7 + j) % 256 for j in range(PAGE_BYTES))
+
+
+def keys(n: int, seed: int) -> list[str]:
+    return page_keys([seed * 1000 + t for t in range(4 * n)], 4)
+
+
+# ---------------------------------------------------------------- registry (no mooncake needed)
+def test_registry_names_and_refusal() -> None:
+    assert {"file", "mooncake"} <= set(storage_registry.names())
+    with pytest.raises(ValueError, match="file, mooncake"):
+        storage_registry.check_name("hf3fs")
+    from tierlm.runtime.hicache.file_storage import open_storage as file_open
+
+    assert storage_registry.factory("file") is file_open
+
+
+def test_config_follows_sglang_order(tmp_path: Path) -> None:
+    from tierlm.runtime.hicache.mooncake_storage import DEFAULT_GLOBAL_SEGMENT_SIZE, MooncakeConfig
+
+    env = {"MOONCAKE_MASTER": "envhost:1", "MOONCAKE_PROTOCOL": "rdma", "MOONCAKE_DEVICE": "mlx5_0",
+           "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb", "LOCAL_HOSTNAME": "me"}
+    c = MooncakeConfig.resolve({}, env)
+    assert (c.master_server_address, c.protocol, c.device_name, c.global_segment_size, c.local_hostname) == (
+        "envhost:1", "rdma", "mlx5_0", 2 * 2**30, "me")
+    f = tmp_path / "mc.json"
+    f.write_text(json.dumps({"master_server_address": "filehost:2", "metadata_server": "http://m:8080/metadata"}))
+    c = MooncakeConfig.resolve({}, {**env, "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": str(f)})
+    assert (c.master_server_address, c.metadata_server, c.global_segment_size) == (
+        "filehost:2", "http://m:8080/metadata", DEFAULT_GLOBAL_SEGMENT_SIZE)
+    c = MooncakeConfig.resolve({"master_server_address": "x:3"}, env)
+    assert (c.master_server_address, c.protocol, c.metadata_server) == ("x:3", "tcp", "P2PHANDSHAKE")
+    with pytest.raises(StartupError, match="MOONCAKE_MASTER"):
+        MooncakeConfig.resolve({}, {})
+
+
+# ---------------------------------------------------------------- against a real master
+def test_contract_round_trip(master) -> None:
+    s = open_mooncake(master)
+    try:
+        assert s.health()["state"] == "online"
+        ks = keys(3, seed=1)
+        assert s.exists(ks) == [False] * 3 and s.known(ks) == [False] * 3
+        assert s.get(ks[0]) is None
+        assert s.set(ks[0], page(0)) and s.set(ks[0], page(0))  # the second is a no-op
+        assert s.set(ks[1], [memoryview(page(1))[:100], memoryview(page(1))[100:]])  # buffers, not joined
+        assert s.get(ks[0]) == page(0) and s.get(ks[1]) == page(1)
+        assert s.known(ks) == [True, True, False] and s.batch_exists_prefix(ks) == 2
+        out = [bytearray(1000), bytearray(PAGE_BYTES - 1000)]
+        assert s.get_into(ks[1], out) and bytes(out[0] + out[1]) == page(1)
+        assert s.probe(ks[2]) is None
+        st = s.stats()
+        assert (st["writes"], st["reads"], st["misses"], st["errors"]) == (2, 3, 1, 0)
+        assert s.delete(ks[0]) and s.get(ks[0]) is None
+    finally:
+        s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.get(ks[1])
+
+
+def test_batches_and_sharing_between_instances(master) -> None:
+    a, b = open_mooncake(master), open_mooncake(master)
+    try:
+        ks = keys(5, seed=2)
+        assert a.batch_set(ks[:4], [page(i) for i in range(4)]) == [True] * 4
+        assert b.known(ks) == [False] * 5  # b has no record yet: the prefetch thread probes
+        assert b.exists(ks) == [True] * 4 + [False]
+        assert b.batch_get(ks) == [page(i) for i in range(4)] + [None]
+        assert b.known(ks) == [True] * 4 + [False]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_another_namespace_never_sees_the_pages(master) -> None:
+    a, other = open_mooncake(master, ns("model-a")), open_mooncake(master, ns("model-b"))
+    try:
+        ks = keys(2, seed=3)
+        assert a.set(ks[0], page(3))
+        assert other.exists(ks) == [False, False] and other.get(ks[0]) is None
+        # a value written under another namespace's header (here: copied under a's name) is refused
+        raw = a.raw_store()
+        assert other.set(ks[1], page(4))
+        raw.upsert(a.object_key(ks[1]), raw.get(other.object_key(ks[1])))
+        errors = a.stats()["errors"]
+        assert a.get(ks[1]) is None and a.stats()["errors"] == errors + 1
+    finally:
+        a.close()
+        other.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "short", "garbage"])
+def test_a_damaged_value_is_a_counted_miss(master, damage: str) -> None:
+    s = open_mooncake(master)
+    try:
+        k = keys(1, seed={"flip": 4, "short": 5, "garbage": 6}[damage])[0]
+        assert s.set(k, page(5))
+        raw, obj = s.raw_store(), s.object_key(k)
+        value = bytearray(raw.get(obj))
+        if damage == "flip":
+            value[-1] ^= 0xFF
+        elif damage == "short":
+            value = value[: len(value) - 10]
+        else:
+            value = bytearray(b"not a page" * 10)
+        assert raw.upsert(obj, bytes(value)) == 0
+        before = s.stats()
+        assert s.get(k) is None
+        after = s.stats()
+        assert (after["errors"], after["misses"]) == (before["errors"] + 1, before["misses"] + 1)
+        assert raw.is_exist(obj) != 1  # removed, so the next backup stores it again
+        assert s.set(k, page(5)) and s.get(k) == page(5)
+    finally:
+        s.close()
+
+
+def test_master_down_at_startup_then_up_and_killed_while_serving() -> None:
+    """Offline at startup (no wait on the scheduler), online once the master answers, and a master killed while
+    serving makes calls fail fast as misses (counted, degraded) instead of hanging."""
+    pytest.importorskip("mooncake.store", reason=HINT)
+    rpc = _free_port()
+    t0 = time.monotonic()
+    s = open_mooncake(f"127.0.0.1:{rpc}", connect_wait_s=0.3, retry_interval_s=0.2)
+    proc = holder = None
+    try:
+        assert time.monotonic() - t0 < 2
+        k = keys(1, seed=7)[0]
+        assert s.health()["state"] == "degraded" and not s.stats()["connected"]
+        assert "unreachable" in s.health()["last_error"]
+        assert s.exists([k]) == [False] and s.get(k) is None and s.set(k, page(1)) is False
+        proc = _start_master(rpc)
+        holder = _holder(f"127.0.0.1:{rpc}")
+        deadline = time.monotonic() + 10
+        while not s.stats()["connected"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.health()["state"] == "online"
+        assert s.set(k, page(1)) and s.get(k) == page(1)
+        s.retry_interval_s = 30.0  # after the failure below, no call tries the dead master again in this test
+        holder.close()
+        holder = None
+        _stop(proc)
+        proc = None
+        # get() answers b"" (absent) on any failure; the exists RPC reports it (and may take seconds to fail)
+        assert s.get(k) is None and s.exists([k]) == [False]
+        assert s.health()["state"] == "degraded" and s.stats()["errors"] >= 1
+        t1 = time.monotonic()
+        assert s.get(k) is None and s.exists([k]) == [False] and s.set(keys(1, seed=8)[0], page(2)) is False
+        assert time.monotonic() - t1 < 0.5  # the next ones do not wait on the dead master
+    finally:
+        t2 = time.monotonic()
+        s.close()
+        assert time.monotonic() - t2 < 3  # shutdown does not wait out the dead master
+        if holder is not None:
+            holder.close()
+        if proc is not None:
+            _stop(proc)
+
+
+def test_missing_package_names_the_install_command(monkeypatch) -> None:
+    import builtins
+
+    from tierlm.runtime.hicache import mooncake_storage
+
+    real = builtins.__import__
+
+    def no_mooncake(name, *a, **kw):
+        if name.startswith("mooncake"):
+            raise ImportError("No module named 'mooncake'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mooncake)
+    with pytest.raises(StartupError, match=r"pip install 'tierlm\[mooncake\]'"):
+        mooncake_storage.import_store_class()
+
+
+# ---------------------------------------------------------------- a server on the shared store
+def test_engine_storage_hit_after_restart(master, tiny_llama, store) -> None:
+    """A second engine on the same master serves the prompt from Mooncake with exactly the cold output."""
+    from engine_harness import greedy, run
+    from test_hicache import doc, hicache_engine
+
+    extra = json.dumps({"master_server_address": master, "local_hostname": "127.0.0.1", "global_segment_size": 0})
+    kw = {"hicache_storage_backend": "mooncake", "hicache_storage_backend_extra_config": extra}
+    prompt = doc(11) + [3]
+    engine = hicache_engine("torch", tiny_llama, **kw)
+    try:
+        cold, = run(engine, [prompt], greedy(12))
+    finally:
+        engine.shutdown()
+    engine = hicache_engine("torch", tiny_llama, **kw)
+    try:
+        hot, = run(engine, [prompt], greedy(12))
+        assert hot.last.cached.storage == 60 and hot.token_ids == cold.token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_engine_starts_with_l3_offline_when_the_master_is_down(tiny_llama, store) -> None:
+    """No master: the server starts anyway, serves correctly from L1/L2, and /server_info says L3 is offline."""
+    pytest.importorskip("mooncake.store", reason=HINT)
+    from engine_harness import greedy, run
+    from model_factory import reference_greedy
+    from test_hicache import doc, hicache_engine
+
+    extra = json.dumps({"master_server_address": f"127.0.0.1:{_free_port()}", "connect_wait_s": 0.2})
+    engine = hicache_engine("torch", tiny_llama, hicache_storage_backend="mooncake",
+                            hicache_storage_backend_extra_config=extra)
+    try:
+        prompt = doc(12) + [4]
+        out, = run(engine, [prompt], greedy(6))
+        assert out.token_ids == reference_greedy(tiny_llama, prompt, 6)
+        tiers = json.loads(json.dumps(engine.server_info(), default=str))["tiers"]["storage"]
+        assert (tiers["backend"], tiers["state"], tiers["connected"]) == ("mooncake", "degraded", False)
+        assert "unreachable" in tiers["last_error"]
+    finally:
+        engine.shutdown()
+
+
+def test_clear_removes_this_namespace_only(master) -> None:
+    a, other = open_mooncake(master, ns("model-c")), open_mooncake(master, ns("model-d"))
+    try:
+        ks = keys(3, seed=9)
+        assert a.batch_set(ks, [page(i) for i in range(3)]) == [True] * 3
+        assert other.set(ks[0], page(9))
+        assert a.clear() == 3
+        assert a.exists(ks) == [False] * 3 and other.get(ks[0]) == page(9)
+    finally:
+        a.close()
+        other.close()

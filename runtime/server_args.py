@@ -154,7 +154,8 @@ class ServerArgs:
             flag = "--tp-size" if self.tp_size != 1 else "--dp-size"
             value = self.tp_size if self.tp_size != 1 else self.dp_size
             raise ValueError(f"{flag} {value}: tierlm runs one model copy on one device (only 1 works); to use "
-                             "several devices start one tierlm instance per device and put sglang-router in front")
+                             "several devices start one tierlm instance per device and put sglang-router in front "
+                             "(docs/scale-out.md)")
         if self.quantization is not None:
             raise ValueError(f"--quantization {self.quantization}: tierlm cannot quantize weights at load time; drop "
                              "the flag (a checkpoint that is already quantized, e.g. gpt-oss mxfp4, loads as it is)")

@@ -65,21 +65,38 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     return JSONResponse(_model_card(engine).model_dump())
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
-    args = engine_of(request).args
-    return JSONResponse({
+    """SGLang's shape. sglang-router asks /model_info first (then /get_model_info) and labels the worker with
+    model_type and architectures (docs/scale-out.md)."""
+    engine = engine_of(request)
+    args = engine.args
+    body = {
         "model_path": args.model_path,
         "tokenizer_path": args.tokenizer_path or args.model_path,
         "served_model_name": args.model_name,
         "is_generation": True,
-    })
+    }
+    architecture = engine.server_info().get("architecture") if engine.ready else None
+    if architecture:
+        body["architectures"] = [architecture]
+    return JSONResponse(body)
 
 
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def server_info(engine: EngineAPI = Depends(ready_engine)) -> Response:
-    return JSONResponse(engine.server_info())
+    """tierlm's report, plus SGLang's top-level copies of the server args (SGLang puts them at the top level;
+    sglang-router reads model_path, served_model_name, tp_size and dp_size there). Keys the report already has
+    at the top level (model_path: the resolved path, max_running_requests, ...) keep tierlm's value; the nested
+    ``server_args`` stays as it was. served_model_name is the name requests must use, as in SGLang, where it
+    defaults to the model path: sglang-router registers the worker under it."""
+    info = engine.server_info()
+    for key, value in info.get("server_args", {}).items():
+        info.setdefault(key, value)
+    info["served_model_name"] = model_name(engine)
+    return JSONResponse(info)
 
 
 @router.get("/get_load")

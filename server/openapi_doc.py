@@ -98,6 +98,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/models/{model_id}"): Operation(
         # {model_id:path} matches any text but a line break (model paths contain "/")
         "retrieveModel", "One model by name", _json(_ref(ModelCard)), (404,), (("model_id", r"^[^\n]*$"),)),
+    ("get", "/model_info"): Operation(
+        "modelInfo", "Model path, names and architecture (SGLang; sglang-router reads it)", _json(_ref(ModelInfo)), ()),
     ("get", "/get_model_info"): Operation("getModelInfo", "Model path and names (SGLang)", _json(_ref(ModelInfo)), ()),
     ("get", "/server_info"): Operation(
         "serverInfo", "Settings, backend, pool sizes per cache tier", _json(_ref(ServerInfo)), (503,)),

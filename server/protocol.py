@@ -426,6 +426,7 @@ class ModelInfo(BaseModel):
     tokenizer_path: str | None
     served_model_name: str
     is_generation: bool
+    architectures: list[str] | None = Field(default=None, description="the model's architecture once it is loaded")
 
 
 class ServerInfo(BaseModel):

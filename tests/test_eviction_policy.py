@@ -142,6 +142,8 @@ def _memory_hits(tiny_llama, policy: str, prompts: list[list[int]], l3, skip: in
         hits = {"device": 0, "host": 0, "storage": 0}
         for i, prompt in enumerate(prompts):
             out, = run(engine, [prompt], greedy(1))
+            # every L3 write done before the next request: which tier serves it must not depend on the machine's load
+            assert engine.parts.cache.storage_io.flush(timeout=30)
             for tier in hits:
                 hits[tier] += getattr(out.last.cached, tier) if i >= skip else 0
         assert pool_is_clean(engine)

@@ -34,7 +34,7 @@ def gpt_oss_mxfp4(tiny_models_root) -> Path:
 def backend_name(request, monkeypatch) -> str:
     if request.param == "mlx":
         pytest.importorskip("mlx.core", reason="mlx is not installed; `pip install 'mlx[cpu]' mlx-lm`")
-    monkeypatch.setenv("TIERLM_BACKEND", request.param)  # what the engine fixtures start
+    monkeypatch.setenv("TIERLM_BACKEND", request.param)  # what make_backend and start_engine(..., backend_name) use
     return request.param
 
 
@@ -190,7 +190,7 @@ def _prefilled(engine) -> int:
 
 
 def test_engine_batched_greedy_matches_reference(gpt_oss, backend_name):
-    engine = start_engine(gpt_oss, page_size=PS, chunked_prefill_size=16, max_total_tokens=2048)
+    engine = start_engine(gpt_oss, backend_name, page_size=PS, chunked_prefill_size=16, max_total_tokens=2048)
     try:
         ps = prompts([5, 30, 61], seed=3)
         results = run(engine, ps, greedy(24))
@@ -205,7 +205,7 @@ def test_shared_system_prompt_is_reused_to_its_last_whole_page(gpt_oss, backend_
     """System prompt of 42 tokens (5x the window), then different user turns: the second request reuses
     40 of its 47 prompt tokens (the system prompt's whole pages), not just a window-sized prefix."""
     system, user_a, user_b = prompts([42, 5, 5], seed=11)
-    engine = start_engine(gpt_oss, page_size=PS, max_total_tokens=2048)
+    engine = start_engine(gpt_oss, backend_name, page_size=PS, max_total_tokens=2048)
     try:
         cold = run(engine, [system + user_a], greedy(16))[0]
         before = _prefilled(engine)
@@ -224,7 +224,7 @@ def test_multi_turn_continuation_reuses_the_whole_conversation(gpt_oss, backend_
     """Turn 2 = turn 1's prompt + its answer + a new user message: everything turn 1 computed (its prompt and
     all but the last generated token, cut to whole pages) is reused: 56 of 63 prompt tokens."""
     turn1, new_text = prompts([42, 6], seed=12)
-    engine = start_engine(gpt_oss, page_size=PS, max_total_tokens=2048)
+    engine = start_engine(gpt_oss, backend_name, page_size=PS, max_total_tokens=2048)
     try:
         first = run(engine, [turn1], greedy(15))[0]
         turn2 = turn1 + first.token_ids + new_text
@@ -242,11 +242,11 @@ def test_multi_turn_continuation_reuses_the_whole_conversation(gpt_oss, backend_
 
 # ---------------------------------------------------------------- host (L2) and storage (L3) tiers
 
-def _hicache_engine(model: Path, storage: bool):
+def _hicache_engine(model: Path, backend: str, storage: bool):
     kw = dict(page_size=PS, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=4.0)
     if storage:
         kw.update(hicache_storage_backend="file", hicache_storage_prefetch_policy="wait_complete")
-    return start_engine(model, **kw)
+    return start_engine(model, backend, **kw)
 
 
 def _doc(seed: int, n: int = 60) -> list[int]:
@@ -257,7 +257,7 @@ def test_host_tier_hit_gives_the_cold_output(gpt_oss, backend_name, store):
     """The 60-token prefix is pushed out of the 24-page device pool into host memory and comes back whole
     (every layer's pages, sliding ones included): 60 tokens reused, same tokens as cold."""
     prompt = _doc(1) + [9, 9]
-    engine = _hicache_engine(gpt_oss, storage=False)
+    engine = _hicache_engine(gpt_oss, backend_name, storage=False)
     try:
         cold, = run(engine, [prompt], greedy(12))
         for i in range(3):
@@ -274,12 +274,12 @@ def test_host_tier_hit_gives_the_cold_output(gpt_oss, backend_name, store):
 
 def test_storage_tier_hit_after_restart_gives_the_cold_output(gpt_oss, backend_name, store):
     prompt = _doc(2) + [7]
-    engine = _hicache_engine(gpt_oss, storage=True)
+    engine = _hicache_engine(gpt_oss, backend_name, storage=True)
     try:
         cold, = run(engine, [prompt], greedy(12))
     finally:
         engine.shutdown()  # flushes queued L3 writes
-    engine = _hicache_engine(gpt_oss, storage=True)
+    engine = _hicache_engine(gpt_oss, backend_name, storage=True)
     try:
         hot, = run(engine, [prompt], greedy(12))
         assert (hot.last.cached.storage, hot.last.cached.total) == (60, 60)

@@ -40,7 +40,8 @@ class KVCacheManager:
             return
         tokens = req.tokens(0, req.seq_len)
         # all but the last token, and no prompt position whose logprob row is still to be scored
-        m = self.tree.match_prefix(tokens, cacheable_prefix_len(req) // self.page_size)
+        # a retracted request coming back is not a new reuse: its hits counted at its first admission
+        m = self.tree.match_prefix(tokens, cacheable_prefix_len(req) // self.page_size, count_hit=not req.admitted_once)
         node, pages, cached = self._extend_match(req, tokens, m)
         self.tree.lock(node)
         req.last_node = node

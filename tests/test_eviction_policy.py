@@ -165,3 +165,30 @@ def test_loop_lets_new_documents_in_after_a_burst_of_one_shot_prompts(tiny_llama
     for policy in ("lru", "loop"):
         hits = _memory_hits(tiny_llama, policy, junk + docs, (monkeypatch, tmp_path), skip=len(junk))
         assert hits["storage"] == 0 and hits["device"] + hits["host"] == 12 * 40, policy
+
+
+def test_a_retracted_request_coming_back_is_not_a_new_reuse() -> None:
+    """hit_count counts admissions that reuse a node; a request retracted for lack of pages and admitted again
+    already counted its hits the first time."""
+    from tierlm.runtime.kv_cache_manager import KVCacheManager
+    from tierlm.runtime.request import Req
+    from tierlm.runtime.sampling_params import SamplingParams
+
+    cache = KVCacheManager(num_pages=64, page_size=4)
+    prompt = list(range(10, 31))  # 5 whole pages reusable (a request always computes its last token)
+
+    def admit(admitted_once: bool) -> Req:
+        req = Req(rid="r", input_ids=list(prompt), sampling_params=SamplingParams(max_new_tokens=1))
+        req.admitted_once = admitted_once
+        cache.match(req)
+        assert cache.reserve(req, len(prompt))
+        req.kv_len = len(prompt)
+        return req
+
+    cache.release(admit(False), cache_kv=True)  # cold: its pages enter the tree, nothing reused
+    node = cache.tree.match_prefix(prompt[:20], count_hit=False).last_node
+    assert node.hit_count == 0
+    cache.release(admit(False), cache_kv=True)  # a new request reusing them: one hit
+    assert node.hit_count == 1
+    cache.release(admit(True), cache_kv=True)  # the same request back after a retraction: no new hit
+    assert node.hit_count == 1

@@ -296,17 +296,18 @@ class HiCacheManager(KVCacheManager):
                     self._backup_node(node)
         node, pages = m.last_node, list(m.device_pages)
         n_dev, n_host, n_store = len(pages), 0, 0
+        count = not req.admitted_once  # a retracted request coming back is not a new reuse
         if m.host_pages:
-            node, loaded = self._load_from_host(m)
+            node, loaded = self._load_from_host(m, count)
             pages += loaded
             n_host = len(loaded)
         if req.prefetch is not None:
             pf, req.prefetch = req.prefetch, None
-            node, pages, n_store = self._load_from_storage(tokens, node, pages, pf)
+            node, pages, n_store = self._load_from_storage(tokens, node, pages, pf, count)
         ps = self.page_size
         return node, pages, CachedTokens(device=n_dev * ps, host=n_host * ps, storage=n_store * ps)
 
-    def _load_from_host(self, m: MatchResult) -> tuple[TreeNode, list[int]]:
+    def _load_from_host(self, m: MatchResult, count_hit: bool = True) -> tuple[TreeNode, list[int]]:
         """Copy the host-only continuation of a match back to device pages; returns (deepest node, pages)."""
         nodes = _path_between(self.tree, m.last_node, m.host_last_node)
         n = len(m.host_pages)
@@ -322,13 +323,13 @@ class HiCacheManager(KVCacheManager):
         for node in nodes:
             k = len(node.host_pages)
             self.tree.attach_device_pages(node, dev[i:i + k])
-            node.hit_count += 1
+            node.hit_count += count_hit
             i += k
         self.loaded_host_pages += n
         return m.host_last_node, dev
 
-    def _load_from_storage(self, tokens: list[int], node: TreeNode, pages: list[int], pf: PendingPrefetch
-                           ) -> tuple[TreeNode, list[int], int]:
+    def _load_from_storage(self, tokens: list[int], node: TreeNode, pages: list[int], pf: PendingPrefetch,
+                           count_hit: bool = True) -> tuple[TreeNode, list[int], int]:
         start, handle = pf.start_page, pf.handle
         if self.prefetch_policy == "wait_complete":
             handle.wait(max(0.0, pf.started_at + self._prefetch_budget(pf) - time.perf_counter()))
@@ -373,7 +374,8 @@ class HiCacheManager(KVCacheManager):
         tree_pages, last = self.tree.insert_with_host(tokens[:total * self.page_size], pages + dev, host_pages, have)
         # Pages another path inserted meanwhile cannot exist (same thread), so the tree adopted ours.
         assert tree_pages[have:] == dev
-        self.tree.count_hit(last, upto=node)  # the nodes now holding the pages read from storage
+        if count_hit:
+            self.tree.count_hit(last, upto=node)  # the nodes now holding the pages read from storage
         self.loaded_storage_pages += n
         return last, tree_pages, n
 

@@ -32,9 +32,6 @@ class TreeNode:
     def touch(self) -> None:
         self.last_access = next(_clock)
 
-    def __lt__(self, other: "TreeNode") -> bool:
-        return self.last_access < other.last_access
-
 
 @dataclass
 class MatchResult:

@@ -323,8 +323,9 @@ class HiCacheManager(KVCacheManager):
         for node in nodes:
             k = len(node.host_pages)
             self.tree.attach_device_pages(node, dev[i:i + k])
-            node.hit_count += count_hit
             i += k
+        if count_hit:
+            self.tree.count_hit(m.host_last_node, upto=m.last_node)  # the nodes loaded back from the host
         self.loaded_host_pages += n
         return m.host_last_node, dev
 

@@ -34,8 +34,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache import page_header
 from tierlm.runtime.hicache.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
-from tierlm.runtime.hicache.page_keys import is_page_key
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
+from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage, byte_views, check_page_key
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 
 logger = logging.getLogger(__name__)
@@ -200,7 +199,7 @@ class FileKVStorage(KVStorage):
     def get_into(self, key: str, out: Sequence[Any], *, probe: bool = False) -> bool:
         self._check_open()
         self._check_key(key)
-        views = _byte_views(out)
+        views = byte_views(out)
         total = sum(v.nbytes for v in views)
         if total != self.page_bytes:
             raise ValueError(f"get_into got buffers of {total} bytes, this storage stores {self.page_bytes}")
@@ -269,7 +268,7 @@ class FileKVStorage(KVStorage):
         self._check_open()
         self._check_key(key)
         valid = payload.valid if isinstance(payload, BorrowedPage) else None
-        views = _byte_views(payload)
+        views = byte_views(payload)
         nbytes = sum(v.nbytes for v in views)
         if nbytes != self.page_bytes:
             raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {self.page_bytes}")
@@ -402,10 +401,7 @@ class FileKVStorage(KVStorage):
         if self._closed:
             raise RuntimeError(f"FileKVStorage at {self.dir} is closed; open a new one")
 
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not is_page_key(key):
-            raise ValueError(f"storage keys come from page_keys() (64 lowercase hex), got {key!r}")
+    _check_key = staticmethod(check_page_key)
 
     def _verify(self, key: str, header: bytearray, got: int, size: int, views: list[memoryview]) -> str | None:
         """Why the file is unusable, or None when it is the intact page ``key`` of this namespace. ``got`` bytes
@@ -582,14 +578,6 @@ class FileKVStorage(KVStorage):
 
 class _Stale(Exception):
     """The memory a page was written from was reused before the write finished: the file must not be published."""
-
-
-def _byte_views(payload: Any) -> list[memoryview]:
-    """A page as flat byte views: one buffer, or a list/tuple of buffers whose concatenation is the page."""
-    if isinstance(payload, BorrowedPage):
-        return list(payload.views)
-    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
-    return [memoryview(p).cast("B") for p in parts]
 
 
 _IOV_MAX = 1024  # POSIX minimum is 16, Linux and macOS allow 1024; a page is 1 + (1 or num_layers) buffers

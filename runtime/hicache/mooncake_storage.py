@@ -42,8 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache import page_header
 from tierlm.runtime.hicache.page_header import HEADER_SIZE
-from tierlm.runtime.hicache.page_keys import is_page_key
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
+from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage, byte_views, check_page_key
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 
 logger = logging.getLogger(__name__)
@@ -223,12 +222,7 @@ class MooncakeKVStorage(KVStorage):
             # meanwhile (seen with 0.3.13): setup() is only called once the master's port accepts connections.
             reachable = _port_open(c.master_server_address)
             if reachable is not True:
-                why = f"Mooncake master {c.master_server_address} unreachable ({reachable})"
-                with self._lock:
-                    self._degraded = self._last_error = why
-                logger.log(logging.WARNING if attempt == 1 else logging.DEBUG,
-                           "L3 Mooncake store offline: %s; retrying every %g s", why, self.retry_interval_s)
-                self._stop.wait(self.retry_interval_s)
+                self._offline(f"Mooncake master {c.master_server_address} unreachable ({reachable})", attempt)
                 continue
             store = self._store_class()
             try:
@@ -247,12 +241,16 @@ class MooncakeKVStorage(KVStorage):
                 logger.info("L3 Mooncake store online: connected to master %s in %.2f s (attempt %d)",
                             c.master_server_address, time.monotonic() - t0, attempt)
                 return
-            why = f"cannot connect to Mooncake master {c.master_server_address} (setup returned {rc})"
-            with self._lock:
-                self._degraded = self._last_error = why
-            logger.log(logging.WARNING if attempt == 1 else logging.DEBUG,
-                       "L3 Mooncake store offline: %s; retrying every %g s", why, self.retry_interval_s)
-            self._stop.wait(self.retry_interval_s)
+            self._offline(f"cannot connect to Mooncake master {c.master_server_address} (setup returned {rc})",
+                          attempt)
+
+    def _offline(self, why: str, attempt: int) -> None:
+        """A connection attempt failed: say why (a warning the first time) and wait before the next one."""
+        with self._lock:
+            self._degraded = self._last_error = why
+        logger.log(logging.WARNING if attempt == 1 else logging.DEBUG,
+                   "L3 Mooncake store offline: %s; retrying every %g s", why, self.retry_interval_s)
+        self._stop.wait(self.retry_interval_s)
 
     @property
     def online(self) -> bool:
@@ -360,7 +358,7 @@ class MooncakeKVStorage(KVStorage):
         self._check_open()
         self._check_key(key)
         valid = payload.valid if isinstance(payload, BorrowedPage) else None
-        views = _byte_views(payload)
+        views = byte_views(payload)
         nbytes = sum(v.nbytes for v in views)
         if nbytes != self.page_bytes:
             raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {self.page_bytes}")
@@ -521,17 +519,7 @@ class MooncakeKVStorage(KVStorage):
         if self._closed:
             raise RuntimeError(f"MooncakeKVStorage {self.location} is closed; open a new one")
 
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not is_page_key(key):
-            raise ValueError(f"storage keys come from page_keys() (64 lowercase hex), got {key!r}")
-
-
-def _byte_views(payload: Any) -> list[memoryview]:
-    if isinstance(payload, BorrowedPage):
-        return list(payload.views)
-    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
-    return [memoryview(p).cast("B") for p in parts]
+    _check_key = staticmethod(check_page_key)
 
 
 def _port_open(address: str, timeout: float = 1.0) -> bool | str:

@@ -12,6 +12,8 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
+from tierlm.runtime.hicache.page_keys import is_page_key
+
 # Keys of stats(): counts since this object was created, except files/bytes (current content it knows of).
 STAT_FIELDS = (
     "files",  # entries currently stored in this namespace
@@ -60,6 +62,21 @@ class BorrowedPage:
 
 def _always() -> bool:
     return True
+
+
+def byte_views(payload: Any) -> list[memoryview]:
+    """A page as flat byte views: a BorrowedPage's, one buffer, or a list/tuple of buffers whose concatenation is
+    the page."""
+    if isinstance(payload, BorrowedPage):
+        return list(payload.views)
+    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+    return [memoryview(p).cast("B") for p in parts]
+
+
+def check_page_key(key: str) -> None:
+    """Every backend's keys come from page_keys(); anything else is a caller's bug."""
+    if not is_page_key(key):
+        raise ValueError(f"storage keys come from page_keys() (64 lowercase hex), got {key!r}")
 
 
 class KVStorage(ABC):

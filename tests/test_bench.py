@@ -13,6 +13,7 @@ from tierlm.backends.model_source.synthetic import SPECS, ensure_synthetic_model
 from tierlm.server.bench import command as bench_cmd
 from tierlm.server.bench import multiturn as bench_multiturn
 from tierlm.server.bench import prefix as bench_prefix
+from tierlm.server.bench import shared_l3
 from tierlm.server.bench import shared_docs
 from tierlm.server.bench import stats
 from tierlm.server.bench.report import Column, Report, Table, Target, render_table
@@ -133,20 +134,25 @@ def _run_json(capsys, argv: list[str]) -> dict:
 def test_prefix_bench_reads_hits_per_tier(tiny_llama, capsys) -> None:
     rep = _run_json(capsys, ["prefix", "--model-path", str(tiny_llama), "--prefix-tokens", "64",
                              "--suffix-tokens", "8", "--max-new-tokens", "2",
-                             "--server-arg=--hicache-storage-prefetch-policy=wait_complete"])
+                             "--server-arg=--hicache-storage-prefetch-policy=wait_complete",
+                             "--l3-other-instance", "on" if shared_l3.unavailable() is None else "off"])
     assert rep["benchmark"] == "prefix"
     assert {"machine", "backend", "threads", "versions", "model"} <= set(rep["environment"])
     assert rep["environment"]["backend"]["dtype"] == "float32"
     rows = {r["case"]: r for r in rep["tables"][0]["rows"]}
-    assert list(rows) == ["cold", "L1 hit", "L2 hit", "L3 hit"]
+    other = shared_l3.unavailable() is None
+    assert list(rows) == ["cold", "L1 hit", "L2 hit", "L3 hit"] + ["L3 other instance"] * other
+    if other:  # server B read every prefix page that server A computed, through the shared Mooncake store
+        assert rows["L3 other instance"]["hit_storage"] == 64 and rows["L3 other instance"]["hit_host"] == 0
+        assert rows["L3 other instance"]["l3_read_bytes"] > 0
     assert (rows["cold"]["hit_device"], rows["cold"]["hit_host"], rows["cold"]["hit_storage"]) == (0, 0, 0)
     assert rows["L1 hit"]["hit_device"] == 64
     assert rows["L2 hit"]["hit_host"] == 64 and rows["L2 hit"]["hit_device"] == 0
     assert rows["L3 hit"]["hit_storage"] == 64 and rows["L3 hit"]["l3_read_bytes"] > 0
     assert all(r["confirmed"] == "yes" for r in rows.values())
     assert rows["cold"]["ttft_vs_cold"] == 1.0
-    assert [t["name"] for t in rep["targets"]] == ["L1 hit TTFT", "L2 hit TTFT", "L3 hit TTFT",
-                                                   "L3 hit TTFT vs L2 hit"]
+    assert [t["name"] for t in rep["targets"]] == ["L1 hit TTFT", "L2 hit TTFT", "L3 hit TTFT"] + [
+        "L3 other instance TTFT"] * other + ["L3 hit TTFT vs L2 hit"]
     assert rows["L3 hit"]["l3_read_mib_s"] > 0 and rows["L2 hit"]["l3_read_mib_s"] is None
     raw = rep["raw"]["requests"]
     assert all(r["prompt_tokens"] == 72 and r["completion_tokens"] == 2 for r in raw)

@@ -24,7 +24,9 @@ starts with L3 offline (health "degraded", logged), keeps retrying every ``retry
 tier online when the master answers. A failed call (master gone while serving) is counted, marks the tier
 degraded and returns a miss / an unstored page; a call to a dead master takes seconds to fail, so after a
 failure only one call per ``retry_interval_s`` tries the store, the others are answered at once; the first call
-that succeeds again brings the tier back (a restarted master has lost every page: they are stored again as used).
+that succeeds again, or the background health probe (one ``is_exist`` per ``retry_interval_s`` while degraded),
+brings the tier back and forgets which pages it had stored (a restarted master has lost them all: backups
+write them again).
 All calls run on storage_io.py's threads, never on the scheduler's: ``known()`` answers from memory.
 """
 from __future__ import annotations
@@ -240,9 +242,23 @@ class MooncakeKVStorage(KVStorage):
                 self._connected.set()
                 logger.info("L3 Mooncake store online: connected to master %s in %.2f s (attempt %d)",
                             c.master_server_address, time.monotonic() - t0, attempt)
+                self._watch(store)
                 return
             self._offline(f"cannot connect to Mooncake master {c.master_server_address} (setup returned {rc})",
                           attempt)
+
+    def _watch(self, store: Any) -> None:
+        """While degraded, probe the master once per retry_interval_s on this thread, so the tier comes back when
+        the master does even if no request happens to touch L3 (a server whose traffic all hits L1/L2)."""
+        probe = self._prefix + "probe"
+        while not self._stop.wait(self.retry_interval_s):
+            if self._retry_at is None or self._client() is None:
+                continue  # healthy, or a call is due to try the store anyway
+            rc = self._call(lambda: store.is_exist(probe), "is_exist (health probe)")
+            if rc is not None and rc >= 0:
+                self._ok()
+            elif rc is not None:
+                self._failed(f"is_exist (health probe) returned {rc}")
 
     def _offline(self, why: str, attempt: int) -> None:
         """A connection attempt failed: say why (a warning the first time) and wait before the next one."""
@@ -443,7 +459,11 @@ class MooncakeKVStorage(KVStorage):
             store, self._store = self._store, None
         self._stop.set()
         if store is not None:  # unmounting from a dead master takes the client ~10 s: shutdown waits 2 s at most
-            t = threading.Thread(target=_close_quietly, args=(store,), name="tierlm-mooncake-close", daemon=True)
+            def close_after_probe() -> None:
+                self._thread.join()  # a health probe in flight finishes (or fails) before the client goes away
+                _close_quietly(store)
+
+            t = threading.Thread(target=close_after_probe, name="tierlm-mooncake-close", daemon=True)
             t.start()
             t.join(CLOSE_WAIT_S)
 
@@ -487,6 +507,9 @@ class MooncakeKVStorage(KVStorage):
         with self._lock:
             was, self._degraded = self._degraded, None
             self._retry_at = None
+            # The master may have restarted meanwhile and lost every page: forget what was stored, so backups
+            # write pages again and reads probe instead of trusting a stale index.
+            self._known.clear()
         if was is not None:
             logger.info("L3 Mooncake store %s is back online (last error: %s)", self.location, was)
 

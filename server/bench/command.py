@@ -1,4 +1,4 @@
-"""`tierlm bench prefix|multiturn|decode|spec`: argument parsing, model selection, dispatch, output.
+"""`tierlm bench prefix|multiturn|decode|spec|peers`: argument parsing, model selection, dispatch, output.
 
 Each benchmark starts its own server processes (so it controls pool sizes, restarts and the L3 folder) and
 prints a report with the machine, backend, dtype, threads and versions. Timings are measured side by side in
@@ -27,14 +27,16 @@ SUBCOMMANDS = {
     "decode": ("tierlm.server.bench.decode", "decode tokens/s at batch 1 and N streams, next to transformers"),
     "spec": ("tierlm.server.bench.spec", "NGRAM speculative decoding vs plain decode (tokens/s, acceptance) and the "
                                          "cost of a 1 + k-token verify forward"),
+    "peers": ("tierlm.server.bench.peers", "the same client workload against tierlm and OpenAI-compatible peers "
+                                           "(--against NAME=URL): TTFT, decode tok/s, ratios"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierlm bench", description=(
         "Benchmark tierlm on this machine: TTFT per cache tier (prefix), multi-turn reuse (multiturn), decode "
-        "throughput next to transformers (decode), NGRAM speculative decoding (spec). Each starts its own server "
-        "processes."),
+        "throughput next to transformers (decode), NGRAM speculative decoding (spec), the same workload against "
+        "OpenAI-compatible peers such as vLLM or llama.cpp (peers). Each starts its own server processes."),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="benchmark", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():

@@ -4,7 +4,9 @@ One server with HiCache (host tier + file storage) and a device pool just big en
   cold    prefix + suffix on a fresh server: the whole prompt is prefilled;
   L1 hit  the same prefix + a new suffix right after: the prefix's KV is still on the device;
   L2 hit  after a filler prompt that needs the whole device pool (the prefix is demoted to the host tier);
-  L3 hit  after a restart on the same storage folder (device and host are empty, the files remain).
+  L3 hit  after a restart on the same storage folder (device and host are empty, the files remain);
+  L3 other instance  a second server on a shared Mooncake store serves prefixes a first one computed
+          (shared_l3.py; needs tierlm[mooncake], skipped with the reason where absent).
 Each row shows the per-tier hit tokens the response itself reported; a row whose statistics do not show the
 whole prefix coming from its tier is flagged and not credited against the targets.
 """
@@ -15,14 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from tierlm.server.bench import shared_l3
 from tierlm.server.bench.context import BenchContext, random_tokens
 from tierlm.server.bench.report import Column, Report, Table, Target, environment
 from tierlm.server.bench.server_process import BenchServer, RequestResult, run_one
 from tierlm.server.bench.stats import median, ratio
 
-CASES = ("cold", "L1 hit", "L2 hit", "L3 hit")
-EXPECTED_TIER = {"cold": None, "L1 hit": "device", "L2 hit": "host", "L3 hit": "storage"}
-TARGET_RATIO = {"L1 hit": 0.02, "L2 hit": 0.03, "L3 hit": 0.05}  # TTFT vs cold, from issue 6
+CASES = ("cold", "L1 hit", "L2 hit", "L3 hit", shared_l3.CASE)
+EXPECTED_TIER = {"cold": None, "L1 hit": "device", "L2 hit": "host", "L3 hit": "storage", shared_l3.CASE: "storage"}
+# TTFT vs cold, from issue 6 (and issue 16 for a page another instance computed)
+TARGET_RATIO = {"L1 hit": 0.02, "L2 hit": 0.03, "L3 hit": 0.05, shared_l3.CASE: 0.05}
 L3_VS_L2_TARGET = 1.15  # issue 20: an L3 hit costs bytes / bandwidth, so its TTFT stays near the L2 hit's
 WARM_REQUEST_TOKENS = 64
 POOL_MARGIN_PAGES = 4
@@ -36,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=1, help="prefixes measured (medians are reported)")
     g.add_argument("--hicache-ratio", type=float, default=4.0,
                    help="host tier size as a multiple of the device pool (must hold prefix and filler)")
+    g.add_argument("--l3-other-instance", choices=("auto", "on", "off"), default="auto",
+                   help="measure the 'L3 other instance' row (two servers sharing a Mooncake store); auto: when "
+                        "tierlm[mooncake] is installed")
 
 
 def pool_tokens(prefix: int, suffix: int, new: int, page_size: int) -> int:
@@ -110,7 +117,9 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
                                          "--hicache-storage-backend", "file"),
                          storage_dir=ctx.work_dir / "l3", log_dir=ctx.work_dir, name="prefix-server")
     rows: list[dict[str, Any]] = []
-    bar = ctx.progress_bar(total=2 + 4 * R + R, desc="prefix")
+    other_why = None if ns.l3_other_instance == "on" else "--l3-other-instance off" \
+        if ns.l3_other_instance == "off" else shared_l3.unavailable()
+    bar = ctx.progress_bar(total=2 + 4 * R + R + (0 if other_why else 1), desc="prefix")
 
     def step(desc: str) -> None:
         bar.set_description(f"prefix: {desc}")
@@ -141,8 +150,16 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
             step(f"L3 hit ({r + 1}/{R})")
             rows.append(_measure(server, "L3 hit", r, prefix + random_tokens(rng, S, V), new, full_prefix))
             bar.update()
+    if other_why is None:
+        rows += shared_l3.measure(
+            lambda *flags: ctx.server_args("--max-total-tokens", str(l1), "--enable-hierarchical-cache",
+                                           "--hicache-ratio", str(ns.hicache_ratio), *flags),
+            ctx.work_dir, prefixes, lambda prefix: prefix + random_tokens(rng, S, V),
+            random_tokens(rng, WARM_REQUEST_TOKENS, V), info["tiers"]["device"]["bytes_per_page"], ps,
+            lambda srv, case, r, ids: _measure(srv, case, r, ids, new, full_prefix), run_one, new, step)
+        bar.update()
     bar.close()
-    return _report(ns, ctx, info, rows, l1, filler_len, l3_files)
+    return _report(ns, ctx, info, rows, l1, filler_len, l3_files, other_why)
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -200,7 +217,7 @@ def targets(summary: list[dict[str, Any]]) -> list[Target]:
 
 
 def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any], rows: list[dict[str, Any]], l1: int,
-            filler_len: int, l3_file_bytes: int) -> Report:
+            filler_len: int, l3_file_bytes: int, other_why: str | None) -> Report:
     summary = summarize(rows)
     tiers = info.get("tiers", {})
     host_tokens = tiers.get("host", {}).get("total_tokens")
@@ -221,7 +238,10 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any], row
                "each row starts once the L3 writer is idle (earlier rows' page writes do not overlap it)",
                "hit columns are the response's usage cached_tokens_details (tokens per tier)",
                "L3 read MiB/s: page bytes read over the time spent inside the L3 reads (open, read into host "
-               "memory, checksum) during that request"])
+               "memory, checksum) during that request",
+               f"{shared_l3.CASE}: not measured ({other_why})" if other_why else
+               f"{shared_l3.CASE}: server B (empty L1/L2) on one mooncake_master with server A, which computed "
+               "the prefixes and lends the store its memory; pages cross loopback TCP"])
     settings = {"prefix_tokens": ns.prefix_tokens, "suffix_tokens": ns.suffix_tokens,
                 "max_new_tokens": ns.max_new_tokens, "repeats": ns.repeats, "l1_tokens": l1,
                 "hicache_ratio": ns.hicache_ratio,

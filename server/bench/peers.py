@@ -1,0 +1,253 @@
+"""`tierlm bench peers`: one client workload against tierlm's own server and any OpenAI-compatible servers given
+with ``--against NAME=URL`` (vLLM, SGLang, llama.cpp's server, another tierlm), in one table with ratios to
+tierlm measured in the same run.
+
+Per server, one after the other (tierlm is started here and stopped before the peers run; the peers are the
+user's own processes and stay up):
+  cold TTFT    a ``--prompt-tokens`` prompt of random words no server has seen, 1 token, streamed;
+  warm TTFT    a long prefix sent once (priming), then again with a new short suffix each time;
+  1 stream     ``--decode-tokens`` tokens (EOS ignored) after a short prompt: decode tok/s from the first token to
+               the last, and end to end;
+  N streams    ``--streams`` such requests at once: all their tokens over the wall time.
+Every server gets the same prompts (same seed). Token counts come from the servers' usage; a server that returns
+fewer tokens than asked stops the run, since a ratio to it would mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+from typing import Any
+
+import numpy as np
+
+from tierlm.server.bench.context import BenchContext
+from tierlm.server.bench.openai_load import Completion, Endpoint, PeerError, PromptBuilder, Session, discover
+from tierlm.server.bench.report import Column, Report, Table, environment
+from tierlm.server.bench.server_process import BenchServer
+from tierlm.server.bench.stats import median, ratio
+
+WARM_SUFFIX_TOKENS = 16  # the new part of each warm request; the rest is the shared prefix
+DECODE_PROMPT_TOKENS = 32  # the short prompt of the decode rows
+OWN = "tierlm"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# (key, label, unit scale, better when the ratio reference/peer is ...)
+ROWS = (("cold_ttft_s", "cold TTFT ms", 1000.0, "< 1 (lower TTFT)"),
+        ("warm_ttft_s", "warm TTFT ms (shared prefix)", 1000.0, "< 1 (lower TTFT)"),
+        ("decode_tps", "1-stream decode tok/s", 1.0, "> 1 (more tokens/s)"),
+        ("e2e_tps", "1-stream end-to-end tok/s", 1.0, "> 1 (more tokens/s)"),
+        ("streams_tps", "N-stream aggregate tok/s", 1.0, "> 1 (more tokens/s)"))
+
+
+def parse_against(spec: str) -> tuple[str, str]:
+    """NAME=URL -> (name, url); an argparse error that says what is wrong otherwise."""
+    name, sep, url = spec.partition("=")
+    name, url = name.strip(), url.strip()
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{spec!r} has no '=': write NAME=URL, e.g. vllm=http://127.0.0.1:8000")
+    if not name:
+        raise argparse.ArgumentTypeError(f"{spec!r} has an empty name: write NAME=URL, e.g. vllm=http://127.0.0.1:8000")
+    if not NAME_RE.match(name):
+        raise argparse.ArgumentTypeError(f"name {name!r} in {spec!r}: use letters, digits, '.', '_' and '-'")
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{spec!r}: the URL must start with http:// or https:// "
+                                         "(the server root, e.g. http://127.0.0.1:8000)")
+    return name, url
+
+
+class AgainstAction(argparse.Action):
+    """Repeatable --against; a name given twice is an error (each name is one column)."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        peers = list(getattr(namespace, self.dest, None) or [])
+        if any(value[0] == name for name, _ in peers):
+            parser.error(f"argument --against: the name {value[0]!r} is given twice; each peer needs its own name")
+        setattr(namespace, self.dest, peers + [value])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("peers benchmark (the peer must serve the same model folder with the same --dtype)")
+    g.add_argument("--against", action=AgainstAction, type=parse_against, default=[], metavar="NAME=URL",
+                   help="an OpenAI-compatible server to measure next to tierlm, e.g. vllm=http://127.0.0.1:8000 "
+                        "(repeatable)")
+    g.add_argument("--no-tierlm", action="store_true",
+                   help="measure only the peers (ratios are then to the first peer)")
+    g.add_argument("--prompt-tokens", type=int, default=2016, help="prompt length of the TTFT rows")
+    g.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per stream (EOS ignored)")
+    g.add_argument("--streams", type=int, default=8, help="concurrent requests of the N-stream row")
+    g.add_argument("--repeats", type=int, default=3, help="measurements per row and server (medians reported)")
+
+
+# ---------------------------------------------------------------- the workload
+def build_workload(ns: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
+    """Every prompt of the run, built once so every server gets the same ones."""
+    from tierlm.backends.model_source.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ctx.model_dir)
+    # verbose=False: no warning when a draft prompt passes the tokenizer's model_max_length on the way to its size
+    b = PromptBuilder(lambda text: tokenizer.encode(text, verbose=False), np.random.default_rng(ctx.seed))
+    P, R = ns.prompt_tokens, ns.repeats
+    prefix = b.text(P - WARM_SUFFIX_TOKENS)
+    return {"first": b.text(DECODE_PROMPT_TOKENS),  # off the clock: a server's first request may compile
+            "cold": [b.text(P) for _ in range(R)],
+            "warm": [b.text(P, head=prefix) for _ in range(R + 1)],  # [0] primes the cache
+            "single": [b.text(DECODE_PROMPT_TOKENS) for _ in range(R)],
+            "streams": [[b.text(DECODE_PROMPT_TOKENS) for _ in range(ns.streams)] for _ in range(R)]}
+
+
+async def _measure(ep: Endpoint, w: dict[str, Any], ns: argparse.Namespace, bar) -> dict[str, Any]:
+    N = ns.decode_tokens
+    async with Session(ep, ns.streams) as s:
+        await s.one(w["first"], 4)
+        cold = [await s.one(p, 1) for p in w["cold"]]
+        bar.update()
+        await s.one(w["warm"][0], 1)
+        warm = [await s.one(p, 1) for p in w["warm"][1:]]
+        bar.update()
+        single = [await s.one(p, N) for p in w["single"]]
+        bar.update()
+        runs = [await s.concurrent(prompts, N) for prompts in w["streams"]]
+        bar.update()
+    return summarize(cold, warm, single, runs) | {"raw": {
+        "cold": [c.to_dict() for c in cold], "warm": [c.to_dict() for c in warm],
+        "single": [c.to_dict() for c in single],
+        "streams": [{"wall_s": wall, "requests": [c.to_dict() for c in cs]} for cs, wall in runs]}}
+
+
+def summarize(cold: list[Completion], warm: list[Completion], single: list[Completion],
+              runs: list[tuple[list[Completion], float]]) -> dict[str, Any]:
+    """One server's row values (medians over repeats) and the token counts each row's requests came back with."""
+    return {"cold_ttft_s": median([c.ttft for c in cold]), "warm_ttft_s": median([c.ttft for c in warm]),
+            "decode_tps": median([c.decode_tokens_per_s for c in single]),
+            "e2e_tps": median([c.end_to_end_tokens_per_s for c in single]),
+            "streams_tps": median([sum(c.completion_tokens for c in cs) / wall for cs, wall in runs if wall > 0]),
+            "prompt_tokens": {"cold": _same([c.prompt_tokens for c in cold]),
+                              "warm": _same([c.prompt_tokens for c in warm])},
+            "completion_tokens": {"cold": _same([c.completion_tokens for c in cold]),
+                                  "warm": _same([c.completion_tokens for c in warm]),
+                                  "single": _same([c.completion_tokens for c in single]),
+                                  "streams": _same([sum(c.completion_tokens for c in cs) for cs, _ in runs])},
+            "warm_cached_tokens": median([c.cached_tokens for c in warm]) if warm[0].cached_tokens is not None
+            else None}
+
+
+def _same(xs: list[Any]) -> Any:
+    """The value when every request agrees, else the list (a visible disagreement)."""
+    return xs[0] if all(x == xs[0] for x in xs) else xs
+
+
+def measure(ep: Endpoint, w: dict[str, Any], ns: argparse.Namespace, bar) -> dict[str, Any]:
+    bar.set_description(f"peers: {ep.name}")
+    return asyncio.run(_measure(ep, w, ns, bar))
+
+
+# ---------------------------------------------------------------- run
+def _check(ns: argparse.Namespace) -> None:
+    if not ns.against and ns.no_tierlm:
+        raise SystemExit("tierlm bench peers: --no-tierlm needs at least one --against NAME=URL")
+    if not ns.against:
+        raise SystemExit("tierlm bench peers: nothing to compare; pass --against NAME=URL (repeatable), e.g. "
+                         "--against vllm=http://127.0.0.1:8000")
+    if not ns.no_tierlm and any(name == OWN for name, _ in ns.against):
+        raise SystemExit(f"tierlm bench peers: the name {OWN!r} is tierlm's own column; give the peer another name")
+    if ns.prompt_tokens < 2 * WARM_SUFFIX_TOKENS or ns.decode_tokens < 2 or ns.streams < 1 or ns.repeats < 1:
+        raise SystemExit(f"tierlm bench peers: need --prompt-tokens >= {2 * WARM_SUFFIX_TOKENS}, --decode-tokens "
+                         ">= 2, --streams >= 1 and --repeats >= 1")
+
+
+def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
+    _check(ns)
+    try:  # every peer answers before tierlm's server spends minutes starting
+        peers = [discover(name, url) for name, url in ns.against]
+    except PeerError as e:
+        raise SystemExit(f"tierlm bench peers: {e}") from None
+    workload = build_workload(ns, ctx)
+    bar = ctx.progress_bar(total=4 * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
+    results: dict[str, dict[str, Any]] = {}
+    endpoints: list[Endpoint] = []
+    info = None
+    if not ns.no_tierlm:
+        extra = ["--max-running-requests", str(ns.streams)] if ns.streams > 32 else []
+        with BenchServer(ctx.server_args(*extra), log_dir=ctx.work_dir, name="peers-tierlm-server") as server:
+            bar.set_description("peers: starting tierlm")
+            server.start()
+            info = server.info()
+            own = discover(OWN, server.url)
+            results[OWN] = measure(own, workload, ns, bar)
+            endpoints.append(own)
+    for ep in peers:
+        results[ep.name] = measure(ep, workload, ns, bar)
+        endpoints.append(ep)
+    bar.close()
+    return _report(ns, ctx, info, endpoints, results)
+
+
+def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per metric: the raw values and ratios (first server / each other), and display cells."""
+    ref = names[0]
+    rows = []
+    for key, label, scale, better in ROWS:
+        values = {n: results[n][key] for n in names}
+        ratios = {n: ratio(values[ref], values[n]) for n in names[1:]}
+        row = {"metric": label, "key": key, "better": better, "values": values, "ratios": ratios}
+        for n in names:
+            cell = "-" if values[n] is None else f"{values[n] * scale:.1f}"
+            if n != ref and ratios[n] is not None:
+                cell += f" ({ratios[n]:.2f}x)"
+            row[f"cell:{n}"] = cell
+        rows.append(row)
+    return rows
+
+
+def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | None, endpoints: list[Endpoint],
+            results: dict[str, dict[str, Any]]) -> Report:
+    names = [ep.name for ep in endpoints]
+    ref = names[0]
+    rows = table_rows(names, results)
+    for row in rows:  # the token counts behind each row, per server (checked against what was asked)
+        part = {"cold_ttft_s": "cold", "warm_ttft_s": "warm", "decode_tps": "single", "e2e_tps": "single",
+                "streams_tps": "streams"}[row["key"]]
+        row["completion_tokens"] = {n: results[n]["completion_tokens"][part] for n in names}
+        if part in ("cold", "warm"):
+            row["prompt_tokens"] = {n: results[n]["prompt_tokens"][part] for n in names}
+    rows[1]["cached_tokens"] = {n: results[n]["warm_cached_tokens"] for n in names}
+    notes = [f"(N.NNx) after a value is {ref}/that server for the row; the last column says which side of 1 "
+             f"favours {ref}",
+             f"cold: a {ns.prompt_tokens}-token prompt of random words, new for every request, 1 token; warm: the "
+             f"same {ns.prompt_tokens - WARM_SUFFIX_TOKENS}-token prefix after one priming request, a new "
+             f"{WARM_SUFFIX_TOKENS}-token suffix each time; both streamed, TTFT = first streamed choice",
+             f"decode: {ns.decode_tokens} tokens (ignore_eos) after a {DECODE_PROMPT_TOKENS}-token prompt; decode "
+             "tok/s counts tokens after the first over the time from the first streamed choice to the last; end to "
+             f"end includes TTFT; N-stream: {ns.streams} such requests at once, all their tokens over the wall time",
+             f"medians of {ns.repeats}; servers measured one after the other with the same prompts; token counts "
+             "from each server's usage; one request per server before the clock starts",
+             "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "
+             + (f"and a peer must be started with the dtype tierlm served ({info.get('dtype')}; --dtype {ctx.dtype})"
+                if info else "with the same dtype (tierlm's --dtype does not apply to peers)")]
+    notes += _mismatch_notes(ns, names, results)
+    columns = [Column("metric", "metric")] + [Column(f"cell:{n}", n) for n in names] + \
+        [Column("better", f"{ref}/peer better if")]
+    title = (f"{' vs '.join(names)}: {ns.prompt_tokens}-token TTFT prompts, {ns.decode_tokens}-token decodes, "
+             f"{ns.streams} streams, greedy")
+    settings = {"prompt_tokens": ns.prompt_tokens, "decode_tokens": ns.decode_tokens, "streams": ns.streams,
+                "repeats": ns.repeats, "warm_suffix_tokens": WARM_SUFFIX_TOKENS,
+                "decode_prompt_tokens": DECODE_PROMPT_TOKENS, "reference": ref, "tierlm_dtype": ctx.dtype,
+                "servers": {ep.name: {"url": ep.url, "model": ep.model,
+                                      **{k: ep.models_entry[k] for k in ("root", "max_model_len", "owned_by")
+                                         if k in ep.models_entry}} for ep in endpoints},
+                "server_extra": ctx.server_extra}
+    env = environment(ctx.model_label, info, ctx.load_at_start)
+    return Report("peers", ctx.command, env, settings, [Table(title, columns, rows, notes)], [],
+                  raw={n: results[n]["raw"] for n in names})
+
+
+def _mismatch_notes(ns: argparse.Namespace, names: list[str], results: dict[str, dict[str, Any]]) -> list[str]:
+    """A server that counts another number of prompt tokens does not tokenize like this model folder."""
+    out = []
+    for n in names:
+        got = results[n]["prompt_tokens"]
+        if got["cold"] != ns.prompt_tokens or got["warm"] != ns.prompt_tokens:
+            out.append(f"WARNING: {n} counted {got['cold']} prompt tokens for the {ns.prompt_tokens}-token prompts: it "
+                       "does not tokenize like this model folder (another model or tokenizer?); its TTFT rows are "
+                       "not comparable")
+    return out

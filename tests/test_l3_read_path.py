@@ -205,6 +205,58 @@ def test_prefetch_into_buffers_then_bytes_past_them():
         StorageIO(storage).prefetch(keys[:1], into=[[bytearray(1)], [bytearray(1)]])
 
 
+class BatchingStorage(MemoryStorage):
+    """Answers up to 3 pages per call, like a networked store; records each call's keys and whether it probed."""
+    read_batch_pages = 3
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[int, bool]] = []
+
+    def get_into(self, key, out, *, probe=False):
+        self.calls.append((1, probe))
+        return super().get_into(key, out, probe=probe)
+
+    def batch_get_into(self, keys, outs, *, probe=False):
+        self.calls.append((len(keys), probe))
+        return [super(BatchingStorage, self).get_into(k, o, probe=probe) for k, o in zip(keys, outs)]
+
+    def batch_read(self, keys, *, probe=False):
+        self.calls.append((len(keys), probe))
+        return [self.data.get(k) for k in keys]
+
+
+@pytest.mark.parametrize("missing", [None, 4])
+def test_a_batching_store_is_read_in_batches_that_stop_at_the_first_missing_page(missing):
+    storage = BatchingStorage()
+    keys = keys_for(8)
+    for i, k in enumerate(keys):
+        if i != missing:
+            storage.data[k] = payload(k)
+    io = StorageIO(storage)
+    pool = np.zeros((7, PAGE_BYTES), np.uint8)
+    # 5 keys the index knows, then probed ones; 7 buffers, the 8th page comes back as bytes
+    h = io.prefetch(keys, known=5, into=[page_first_views(pool, i) for i in range(7)])
+    assert h.wait(timeout=30) and h.io_idle
+    if missing is None:
+        assert h.complete and h.result() == [0, 1, 2, 3, 4, 5, 6, payload(keys[7])]
+        # batches never mix known and probed keys and stay within the buffers: 3 + 2 known; the first probed key
+        # alone (is anything there?), then the last buffer; the 8th page as bytes
+        assert storage.calls == [(3, False), (2, False), (1, True), (1, True)]
+    else:
+        assert not h.complete and h.result() == [0, 1, 2, 3]  # the pages up to the hole, nothing after it
+        assert storage.calls == [(3, False), (2, False)]
+    assert all(pool[i].tobytes() == payload(keys[i]) for i in h.result() if isinstance(i, int))
+    # Pages another server stored (none known here, no buffers: a second instance on a shared store) come back
+    # as bytes, in batches too.
+    storage.calls.clear()
+    h = io.prefetch(keys, known=0)
+    assert h.wait(timeout=30)
+    assert h.result() == [payload(k) for k in keys[:missing or 8]]
+    assert storage.calls == [(3, True), (3, True)]  # key 0 alone first, then batches (key 7 alone is a probe())
+    io.close()
+
+
 def test_a_cancelled_read_in_flight_keeps_its_buffer_until_it_returns():
     storage = GatedStorage()
     keys = keys_for(3)
@@ -473,3 +525,22 @@ def test_the_admission_wait_never_outlasts_the_prefetch_budget():
     handle = _Handle(None)
     _offer(handle, budget=0.001)()
     assert len(handle.waits) <= 1 and all(w <= 0.001 for w in handle.waits)
+
+
+def test_a_probe_that_finds_pages_waits_for_the_rest_as_for_known_pages():
+    """Pages another server stored (a shared Mooncake store) are unknown to this one's index: the request waits
+    only PROBE_WAIT_S for the first, and once that one is found, the timeout budget of all its pages."""
+    import time
+    from types import SimpleNamespace
+
+    from tierlm.runtime.hicache.controller import PROBE_WAIT_S, HiCacheManager
+    from tierlm.runtime.request import PendingPrefetch
+
+    mgr = SimpleNamespace(prefetch_policy="timeout", prefetch_timeout=(0.5, 0.002))
+    handle = SimpleNamespace(keys=["k"] * 100, num_loaded=0)
+    pf = PendingPrefetch(0, handle, time.perf_counter(), known_pages=0)
+    assert HiCacheManager._prefetch_budget(mgr, pf) == PROBE_WAIT_S  # nothing found yet: a cold request
+    handle.num_loaded = 1
+    assert HiCacheManager._prefetch_budget(mgr, pf) == pytest.approx(0.5 + 0.002 * 100)
+    pf.known_pages = 10  # pages the index knows keep their own budget
+    assert HiCacheManager._prefetch_budget(mgr, pf) == pytest.approx(0.5 + 0.002 * 10)

@@ -31,6 +31,7 @@ All calls run on storage_io.py's threads, never on the scheduler's: ``known()`` 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.hicache import page_header
 from tierlm.runtime.hicache.page_header import HEADER_SIZE
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage, byte_views, check_page_key
+from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage, byte_views, check_page_key, copy_into
 from tierlm.runtime.hicache.storage_namespace import StorageNamespace
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ DEFAULT_DEVICE_NAME = ""
 DEFAULT_CONNECT_WAIT_S = 5.0
 DEFAULT_RETRY_INTERVAL_S = 5.0
 CLOSE_WAIT_S = 2.0
+MAX_READ_BATCH_PAGES = 32
 MAX_KNOWN_KEYS = 1 << 20  # keys remembered as stored (for known(), which must not touch the network)
 KEY_PREFIX = "tierlm"
 CONFIG_KEYS = ("master_server_address", "local_hostname", "metadata_server", "global_segment_size",
@@ -188,6 +190,9 @@ class MooncakeKVStorage(KVStorage):
         self.namespace = namespace
         self.page_bytes = page_bytes
         self.value_bytes = HEADER_SIZE + page_bytes
+        # Prefetch pages per get_batch (one metadata round trip for all): up to 32, and no more than half the
+        # client's transfer buffer holds (a batch larger than the buffer comes back with values missing).
+        self.read_batch_pages = max(1, min(MAX_READ_BATCH_PAGES, config.local_buffer_size // 2 // self.value_bytes))
         self.retry_interval_s = float(retry_interval_s)
         self._ns_raw = namespace.id_bytes
         self._prefix = f"{KEY_PREFIX}_{self._ns_raw.hex()}_"
@@ -321,14 +326,49 @@ class MooncakeKVStorage(KVStorage):
         if store is None:
             self._count(misses=len(keys))
             return [None] * len(keys)
+        return self._get_batch(store, keys, absent_is_miss=True)
+
+    def batch_read(self, keys: Sequence[str], *, probe: bool = False) -> list[bytes | None]:
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        store = self._client()
+        if store is None:
+            self._count(misses=0 if probe else min(1, len(keys)))
+            return [None] * len(keys)
+        pages = self._get_batch(store, keys, absent_is_miss=not probe)
+        got = list(itertools.takewhile(lambda page: page is not None, pages))
+        return got + [None] * (len(keys) - len(got))
+
+    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
+                       ) -> list[bool]:
+        """One get_batch round trip for the keys, each verified and copied into its buffers; stops at the first
+        page not read."""
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        store = self._client()
+        if store is None:
+            self._count(misses=0 if probe else min(1, len(keys)))
+            return [False] * len(keys)
+        got: list[bool] = []
+        for page, out in zip(self._get_batch(store, keys, absent_is_miss=not probe), outs):
+            if page is None:
+                break
+            copy_into(page, out)
+            got.append(True)
+        return got + [False] * (len(keys) - len(got))
+
+    def _get_batch(self, store: Any, keys: Sequence[str], absent_is_miss: bool) -> list[bytes | None]:
         t0 = time.perf_counter_ns()
         values = self._call(lambda: store.get_batch([self.object_key(k) for k in keys]), "get_batch")
         if values is None:
-            self._count(misses=len(keys))
+            self._count(misses=len(keys) if absent_is_miss else 0)
             return [None] * len(keys)
         if any(values):  # the client answers b"" for a failure too: only a value proves the store works
             self._ok()
-        return [self._accept(k, v, True, t0) for k, v in zip(keys, values)]
+        share = (time.perf_counter_ns() - t0) // max(1, len(keys))  # one round trip, shared by its pages
+        return [self._accept(k, v, absent_is_miss, share) for k, v in zip(keys, values)]
 
     def _read(self, key: str, absent_is_miss: bool) -> bytes | None:
         self._check_open()
@@ -344,10 +384,12 @@ class MooncakeKVStorage(KVStorage):
             return None
         if value:  # the client answers b"" for a failure too: only a value proves the store works
             self._ok()
-        return self._accept(key, value, absent_is_miss, t0)
+        return self._accept(key, value, absent_is_miss, time.perf_counter_ns() - t0)
 
-    def _accept(self, key: str, value: bytes, absent_is_miss: bool, t0: int) -> bytes | None:
-        """The verified payload of ``value`` read for ``key``; None (a miss) when absent or unusable."""
+    def _accept(self, key: str, value: bytes, absent_is_miss: bool, read_ns: int) -> bytes | None:
+        """The verified payload of ``value`` read for ``key``; None (a miss) when absent or unusable. ``read_ns``:
+        the time its transfer took (the checksum's time is added here)."""
+        t0 = time.perf_counter_ns()
         if not value:  # the client answers b"" for an absent key
             with self._lock:
                 self._known.pop(key, None)
@@ -365,7 +407,7 @@ class MooncakeKVStorage(KVStorage):
             self._remember_locked(key)
             self._counts["reads"] += 1
             self._counts["bytes_read"] += self.page_bytes
-            self._read_ns += time.perf_counter_ns() - t0
+            self._read_ns += read_ns + time.perf_counter_ns() - t0
         return bytes(payload)
 
     def set(self, key: str, payload: Any) -> bool:

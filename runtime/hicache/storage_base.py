@@ -99,6 +99,20 @@ class KVStorage(ABC):
     def get(self, key: str) -> bytes | None:
         """The payload stored under key, verified; None on a miss or a damaged entry."""
 
+    # Pages a prefetch asks for in one call. A networked store answers many keys per round trip (Mooncake: one
+    # metadata RPC and parallel transfers), so reading them one by one would pay the round trip per page.
+    read_batch_pages: int = 1
+
+    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
+                       ) -> list[bool]:
+        """get_into() for consecutive keys, stopping at the first one not read (it and the rest are False)."""
+        got: list[bool] = []
+        for key, out in zip(keys, outs):
+            if not self.get_into(key, out, probe=probe):
+                break
+            got.append(True)
+        return got + [False] * (len(keys) - len(got))
+
     def get_into(self, key: str, out: Sequence[Any], *, probe: bool = False) -> bool:
         """Read the page stored under key straight into ``out``: writable buffers (e.g. the rows of a host page)
         that together take the payload in order. True when it was read and verified; False on a miss, and then
@@ -107,15 +121,7 @@ class KVStorage(ABC):
         page = self.probe(key) if probe else self.get(key)
         if page is None:
             return False
-        src = memoryview(page).cast("B")
-        total = sum(memoryview(b).nbytes for b in out)
-        if total != src.nbytes:
-            raise ValueError(f"get_into got buffers of {total} bytes for a {src.nbytes}-byte page")
-        pos = 0
-        for b in out:
-            view = memoryview(b).cast("B")
-            view[:] = src[pos:pos + view.nbytes]
-            pos += view.nbytes
+        copy_into(page, out)
         return True
 
     def known(self, keys: Sequence[str]) -> list[bool]:
@@ -137,6 +143,18 @@ class KVStorage(ABC):
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
+
+    def batch_read(self, keys: Sequence[str], *, probe: bool = False) -> list[bytes | None]:
+        """get() (or probe()) for consecutive keys, stopping at the first one not read (it and the rest are
+        None). Networked stores answer the batch in one round trip."""
+        read = self.probe if probe else self.get
+        got: list[bytes] = []
+        for key in keys:
+            page = read(key)
+            if page is None:
+                break
+            got.append(page)
+        return got + [None] * (len(keys) - len(got))
 
     def batch_set(self, keys: Sequence[str], payloads: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
         if len(keys) != len(payloads):
@@ -168,3 +186,16 @@ class KVStorage(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def copy_into(page: bytes, out: Sequence[Any]) -> None:
+    """The bytes of ``page`` spread over the writable buffers ``out``, in order (their sizes must add up)."""
+    src = memoryview(page).cast("B")
+    total = sum(memoryview(b).nbytes for b in out)
+    if total != src.nbytes:
+        raise ValueError(f"get_into got buffers of {total} bytes for a {src.nbytes}-byte page")
+    pos = 0
+    for b in out:
+        view = memoryview(b).cast("B")
+        view[:] = src[pos:pos + view.nbytes]
+        pos += view.nbytes

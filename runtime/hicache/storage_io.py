@@ -20,6 +20,7 @@ bypassed (prefetches miss, backups are dropped) until one returns.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -474,35 +475,47 @@ class StorageIO:
                 return
             w.job = handle
             loaded = errors = 0
-            for i, key in enumerate(handle.keys):
-                if handle.done:
-                    break
-                probe = i >= handle.known
+            i, n, batch = 0, len(handle.keys), max(1, self.storage.read_batch_pages)
+            while i < n and not handle.done:
+                probe, into = i >= handle.known, i < len(handle.into)
+                # One batch never mixes known and probed keys (a probed absence is no miss), nor buffers and bytes.
+                # The first probed key goes alone: whether another server stored the pages is known at once.
+                size = 1 if probe and i == handle.known else batch
+                end = min(i + size, n if probe else handle.known, len(handle.into) if into else n)
+                what = f"read of {end - i} pages from {handle.keys[i][:12]}.."
                 try:
-                    if i < len(handle.into):
+                    if into:
                         if not handle._start_read():
                             break
                         try:  # the buffers are the caller's memory: io_idle tells when this read has left them
-                            ok = self._call(w, f"read of {key[:12]}..", self._read_into, key, handle.into[i],
-                                            probe)
+                            oks = self._call(w, what, self._read_into, handle.keys[i:end], handle.into[i:end], probe)
                         finally:
                             handle._end_read()
-                        page = i if ok else None
+                        pages: list[Any] = list(range(i, i + sum(1 for _ in itertools.takewhile(bool, oks))))
                     else:
-                        read = self.storage.probe if probe else self.storage.get
-                        page = self._call(w, f"read of {key[:12]}..", read, key)
+                        got = self._call(w, what, self._read_bytes, handle.keys[i:end], probe)
+                        pages = list(itertools.takewhile(lambda page: page is not None, got))
                 except _Abandoned:
                     raise
                 except Exception:
-                    logger.exception("L3 prefetch of %s.. raised; stopping this prefetch there", key[:12])
-                    page, errors = None, errors + 1
-                if page is None or not handle._append(page):
+                    logger.exception("L3 prefetch %s raised; stopping this prefetch there", what)
+                    pages, errors = [], errors + 1
+                appended = sum(1 for _ in itertools.takewhile(handle._append, pages))
+                loaded += appended
+                if appended < end - i:  # a page missing, or the prefetch cancelled meanwhile
                     break
-                loaded += 1
+                i = end
             self._prefetch_finished(handle, loaded, errors)
 
-    def _read_into(self, key: str, out: Sequence[Any], probe: bool) -> bool:
-        return self.storage.get_into(key, out, probe=probe)
+    def _read_bytes(self, keys: Sequence[str], probe: bool) -> list[bytes | None]:
+        if len(keys) == 1:
+            return [self.storage.probe(keys[0]) if probe else self.storage.get(keys[0])]
+        return self.storage.batch_read(keys, probe=probe)
+
+    def _read_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], probe: bool) -> list[bool]:
+        if len(keys) == 1:
+            return [self.storage.get_into(keys[0], outs[0], probe=probe)]
+        return self.storage.batch_get_into(keys, outs, probe=probe)
 
     def _prefetch_finished(self, handle: PrefetchHandle, loaded: int, errors: int) -> None:
         pages = handle._finish()

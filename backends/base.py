@@ -15,8 +15,32 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tierlm.backends.dtypes import kv_bytes_per_token
+from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token
 from tierlm.backends.host_memory import allocate_host_bytes
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """The per-request recurrent state of a hybrid model's linear layers (backends/model_source/hybrid_layout.py):
+    per linear layer a conv state ``[conv_dim, conv_kernel]`` in ``conv_dtype`` and a recurrent state ``rec_shape``
+    in ``rec_dtype``. One *slot* holds one request's state of every linear layer."""
+
+    num_linear_layers: int
+    conv_dim: int
+    conv_kernel: int
+    rec_shape: tuple[int, ...]
+    conv_dtype: str  # the model's dtype
+    rec_dtype: str = "float32"
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot (conv with all K columns, as transformers keeps it, plus the recurrent state;
+        mlx-lm keeps K-1 columns, so on MLX this over-counts a little)."""
+        rec = 1
+        for d in self.rec_shape:
+            rec *= d
+        per_layer = self.conv_dim * self.conv_kernel * DTYPE_BYTES[self.conv_dtype] + rec * DTYPE_BYTES[self.rec_dtype]
+        return self.num_linear_layers * per_layer
 
 
 @dataclass
@@ -37,6 +61,8 @@ class ModelInfo:
     # What KV pages are stored in (--kv-cache-dtype through dtypes.kv_storage_dtype): the model's dtype, "bfloat16",
     # "fp8_e4m3" or "fp8_e5m2". Empty: the model's dtype. Every tier (device, host, file) holds pages in it.
     kv_dtype: str = ""
+    # Hybrids (linear-attention / Mamba layers): the recurrent state of one request; None for attention-only models.
+    state: StateGeometry | None = None
 
     def __post_init__(self) -> None:
         if not self.kv_dtype:
@@ -111,6 +137,14 @@ class ForwardBatch:
     logprob_top_k: int = 0  # K: top entries per scored row (the step's largest request, 0..MAX_TOP_LOGPROBS)
     logprob_indices: np.ndarray | None = None  # int64 [P]: extra rows (prompt positions) scored, never sampled
     logprob_targets: np.ndarray | None = None  # int64 [P]: the token each of those rows is scored on
+    # Hybrids (ModelInfo.state set): each request's state slot, int32 [R]. A request with kv_lens == q_lens starts
+    # from a zero state; any other continues from the state its slot holds. None for attention-only models.
+    state_slots: np.ndarray | None = None
+    # Hybrids, prefix reuse: after ``snapshot_at[r]`` of request r's new tokens (1..q_len; -1: none) the backend
+    # copies r's state into slot ``snapshot_dst[r]`` (a page-aligned snapshot; a prefill segment is split there
+    # when the point falls inside it). None when no request of the step takes one.
+    snapshot_at: np.ndarray | None = None
+    snapshot_dst: np.ndarray | None = None
 
     @property
     def num_logprob_rows(self) -> int:
@@ -240,6 +274,27 @@ class ModelBackend(ABC):
     @abstractmethod
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         """Allocate the device KV pool: ``num_pages`` pages of ``page_size`` tokens, every layer."""
+
+    def init_decode_graphs(self, max_bs: int, context_length: int, capture: bool) -> dict[str, Any] | None:
+        """Run decode-only steps of up to ``max_bs`` requests on static buffers padded to batch-size buckets, and
+        with ``capture`` record them as graphs (CUDA). None when this backend has no such path (then every step
+        runs as it comes); otherwise what it set up (buckets, captured sizes), for /server_info."""
+        return None
+
+    def decode_graph_stats(self) -> dict[str, Any] | None:
+        """The static decode path's state now (steps it ran, captured sizes); None without one."""
+        return None
+
+    def init_state_pool(self, num_slots: int) -> None:
+        """Allocate ``num_slots`` recurrent-state slots (ModelInfo.state); nothing to do for attention-only models.
+        A backend that serves hybrids overrides it."""
+        if self.info.state is not None:
+            raise NotImplementedError(f"the {self.name} backend has no state pool for hybrid models")
+
+    def copy_state_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy state slot ``src[i]`` to ``dst[i]`` (int32 arrays; a snapshot into a request's live slot), ordered
+        before the next forward. A backend that serves hybrids overrides it."""
+        raise NotImplementedError(f"the {self.name} backend has no state pool to copy within")
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

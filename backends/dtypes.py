@@ -9,19 +9,36 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5
 HALF_DTYPES = ("bfloat16", "float16")
 
 
-def serving_dtype(requested: str, device: str, stored: str | None = None) -> str:
-    """The dtype a model is served in on ``device`` ("cpu" | "cuda" | "mps"/"metal").
+def serving_dtype(requested: str, device: str, stored: str | None = None, cpu_bf16: bool = False) -> str:
+    """The dtype a model is served in on ``device`` ("cpu" | "cuda" | "mps"/"metal"); see ``dtype_decision``."""
+    return dtype_decision(requested, device, stored, cpu_bf16)[0]
 
-    ``auto``: float32 on CPU (exact match with the float32 reference, and the fast matmuls there today),
-    bfloat16 on CUDA, and on Apple's GPU the checkpoint's half dtype (``stored``) or else float32.
+
+def dtype_decision(requested: str, device: str, stored: str | None = None, cpu_bf16: bool = False
+                   ) -> tuple[str, str]:
+    """(dtype, why) for ``--dtype`` on ``device``; ``stored`` is the checkpoint's dtype (config.json), and
+    ``cpu_bf16`` says the CPU has native bf16 matmuls (AVX512-BF16 or AMX-BF16: platforms/facts.py) and the
+    backend's kernels use them (torch; MLX's CPU kernels gain nothing from bf16, so it never passes True).
+
+    ``auto``: bfloat16 on CUDA; on Apple's GPU the checkpoint's half dtype, else float32; on a CPU with native
+    bf16, bfloat16 for every floating checkpoint (vLLM CPU's rule: float32 checkpoints are downcast to bf16 and
+    bf16 ones kept; a float16 checkpoint also becomes bf16 here, where vLLM keeps it, because torch's float16
+    CPU matmuls run 5-10x slower than bf16 without AVX512-FP16); float32 on any other CPU (exact against the
+    float32 reference, and the fast matmuls there).
     """
     if requested != "auto":
-        return requested
+        return requested, "--dtype"
     if device == "cuda":
-        return "bfloat16"
-    if device in ("mps", "metal") and stored in HALF_DTYPES:
-        return stored
-    return "float32"
+        return "bfloat16", "--dtype auto on CUDA"
+    if device in ("mps", "metal"):
+        if stored in HALF_DTYPES:
+            return stored, f"--dtype auto on Apple's GPU: the checkpoint's {stored}"
+        return "float32", f"--dtype auto on Apple's GPU: the checkpoint is {stored or 'of unknown dtype'}"
+    if cpu_bf16:
+        kept = "kept" if stored == "bfloat16" else f"{stored or 'float32 (unstated)'} served in bfloat16"
+        return "bfloat16", (f"--dtype auto on a CPU with native bf16 matmuls: the checkpoint's {kept}, as vLLM CPU "
+                            "does; --dtype float32 for float32 outputs")
+    return "float32", "--dtype auto on a CPU without native bf16 matmuls (AVX512-BF16 / AMX-BF16)"
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:

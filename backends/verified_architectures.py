@@ -2,9 +2,9 @@
 
 Both backends build the model from config.json's ``model_type`` (transformers' AutoModelForCausalLM; mlx-lm's
 model module of that name), so they would load almost any architecture those libraries know, including ones
-whose math tierlm's paged attention does not cover. Hybrids such as Qwen3.5, Qwen3-Next, Granite-4.0-H and
-Nemotron-H load fine and then run their linear-attention / Mamba layers without their recurrent state: every
-answer is wrong and nothing says so. So a backend first checks config.json (``architectures``, ``model_type``)
+whose math tierlm's paged attention does not cover. Hybrids (linear-attention / Mamba layers) would load fine and
+then run those layers without their recurrent state: every answer wrong and nothing says so. The hybrids listed
+here run their state through tierlm's state pool (backends/*/linear_state.py), verified like every other family. So a backend first checks config.json (``architectures``, ``model_type``)
 against ``VERIFIED_ARCHITECTURES`` and refuses anything else, before any weights load, unless the user passes
 ``--trust-unverified-architecture``; then it loads with a warning (log and /server_info).
 
@@ -21,6 +21,7 @@ from tierlm.backends.model_source.folder_facts import read_json
 
 FLAG = "--trust-unverified-architecture"
 BACKENDS = ("torch", "mlx")
+HYBRID_BACKENDS = ("torch", "mlx")  # the backends with a state pool for hybrid models
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,16 @@ VERIFIED_ARCHITECTURES: tuple[VerifiedArchitecture, ...] = (
     VerifiedArchitecture("Qwen3ForCausalLM", "qwen3", BACKENDS),
     VerifiedArchitecture("MistralForCausalLM", "mistral", BACKENDS),
     VerifiedArchitecture("GptOssForCausalLM", "gpt_oss", BACKENDS),
+    # hybrids: recurrent state in a state pool (tests/test_hybrid_models.py); no prefix reuse yet
+    VerifiedArchitecture("Qwen3_5ForCausalLM", "qwen3_5_text", HYBRID_BACKENDS),
+    VerifiedArchitecture("Qwen3NextForCausalLM", "qwen3_next", HYBRID_BACKENDS),
+    VerifiedArchitecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", HYBRID_BACKENDS),
+    VerifiedArchitecture("NemotronHForCausalLM", "nemotron_h", HYBRID_BACKENDS),
 )
 
 # Known model types with layers that keep a recurrent state (linear attention, Mamba / SSM) next to or instead of
-# attention: the paged KV cache holds no such state, so their output is wrong. Only used to say why.
+# attention: unless verified above (their state in a state pool), the paged KV cache holds no such state and their
+# output is wrong. Only used to say why.
 RECURRENT_MODEL_TYPES = frozenset({
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoehybrid", "nemotron_h",
     "falcon_h1", "jamba", "bamba", "zamba", "zamba2", "lfm2", "lfm2_moe", "mamba", "mamba2", "kimi_linear",
@@ -112,6 +119,10 @@ def assess_architecture(model_dir: str | Path, backend: str, trust_remote_code: 
     if remote:
         what += " with its own remote code (auto_map)"
     note = f" {RECURRENT_NOTE}" if model_type in RECURRENT_MODEL_TYPES else ""
+    elsewhere = [b for b in BACKENDS if b != backend and model_type in verified_for(b).values()]
+    if elsewhere and not remote:
+        note += (f" It runs verified on the {' and '.join(elsewhere)} backend for now: serve it there "
+                 f"(TIERLM_BACKEND={elsewhere[0]}).")
     refusal = (f"{folder} is {what}, which the {backend} backend does not serve: tierlm loads only architectures "
                f"whose greedy output its reference tests verify against transformers: {verified_list(backend)} "
                f"(docs/models.md).{note} To try this one anyway, pass {FLAG} (its output may be wrong).")

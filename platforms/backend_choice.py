@@ -31,9 +31,12 @@ class Decision:
     backend: str  # "torch" | "mlx"
     device: str  # "cpu" | "cuda" | "mps" (mps: MLX on Apple Silicon's GPU)
     reasons: list[str] = field(default_factory=list)
+    # torch on a CPU with native bf16 matmuls (Facts.cpu_bf16): --dtype auto serves bfloat16 (backends/dtypes.py)
+    native_bf16: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "device": self.device, "reasons": list(self.reasons)}
+        return {"backend": self.backend, "device": self.device, "reasons": list(self.reasons),
+                "native_bf16": self.native_bf16}
 
 
 def choose_backend(
@@ -79,7 +82,12 @@ def choose_backend(
 
     _require_backend(facts, backend, source, env)
     device = _device_for(facts, backend, device_flag, reasons)
-    return Decision(backend=backend, device=device, reasons=reasons)
+    native_bf16 = backend == "torch" and device == "cpu" and facts.cpu_bf16 is not None
+    if backend == "torch" and device == "cpu":
+        reasons.append(f"the CPU has native bf16 matmuls ({facts.cpu_bf16}): --dtype auto serves bfloat16"
+                       if native_bf16 else "no native bf16 matmuls on this CPU (AVX512-BF16 / AMX-BF16): --dtype auto "
+                       "serves float32")
+    return Decision(backend=backend, device=device, reasons=reasons, native_bf16=native_bf16)
 
 
 def _explicit_backend(

@@ -24,6 +24,9 @@ ACCELERATOR_APPLE = "apple"
 ACCELERATOR_NONE = "none"
 
 _DEVICE_TREE_MODEL = "/proc/device-tree/model"
+_CPUINFO = "/proc/cpuinfo"
+# /proc/cpuinfo flags of native bf16 matmul instructions, best first (AMX tiles, then AVX-512 dot products).
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class Facts:
     mlx_lm_version: str | None = None  # None: mlx_lm is not installed
     mlx_metal_available: bool = False
     mlx_error: str | None = None  # why an installed mlx failed to import
+    # The CPU's native bf16 matmul instructions, best first ("amx_bf16", "avx512_bf16"; Linux /proc/cpuinfo
+    # flags); None: none, or not Linux x86. torch's oneDNN kernels use them, which makes bf16 the fast CPU dtype.
+    cpu_bf16: str | None = None
 
     # --- derived, so callers never repeat the string tests ---
     @property
@@ -137,6 +143,7 @@ def detect() -> Facts:
         rosetta=rosetta,
         python_version=platform.python_version(),
         board_model=_board_model(),
+        cpu_bf16=cpu_bf16_isa(_cpuinfo()) if os_name == "Linux" else None,
     )
     facts.update(_probe_torch())
     facts.update(_probe_mlx())
@@ -186,6 +193,24 @@ def _ram() -> tuple[int, int]:
         return info.get("MemTotal", 0), info.get("MemAvailable", info.get("MemFree", 0))
     except Exception:
         return 0, 0
+
+
+def _cpuinfo() -> str:
+    try:
+        with open(_CPUINFO, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cpu_bf16_isa(cpuinfo: str) -> str | None:
+    """The best native bf16 matmul flag in /proc/cpuinfo text (every core's "flags" line is the same), or None."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags = set(value.split())
+            return next((f for f in CPU_BF16_FLAGS if f in flags), None)
+    return None
 
 
 def _board_model() -> str | None:
@@ -351,4 +376,4 @@ def _probe_apple(facts: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Facts", "detect", "parse_nvidia_smi_row", "ACCELERATOR_CUDA", "ACCELERATOR_APPLE", "ACCELERATOR_NONE"]
+__all__ = ["Facts", "detect", "cpu_bf16_isa", "parse_nvidia_smi_row", "ACCELERATOR_CUDA", "ACCELERATOR_APPLE", "ACCELERATOR_NONE"]

@@ -157,6 +157,7 @@ class TierFlags(Protocol):
     hicache_ratio: float
     hicache_size: float
     max_running_requests: int
+    disable_radix_cache: bool
 
 
 def plan_memory_for_args(
@@ -197,6 +198,11 @@ class TierPlan:
     context_length: int | None  # the context length the cap used (None: bytes only)
     warnings: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    # Hybrid models: recurrent-state slots (one live slot per running request, and with a radix cache
+    # SNAPSHOT_SLOTS_PER_RUNNING_REQUEST more per request for prefix-reuse snapshots), taken from the L1 budget
+    # before the KV pages
+    state_slots: int = 0
+    state_bytes: int = 0
 
     @property
     def in_tokens(self) -> bool:
@@ -239,16 +245,23 @@ class TierPlan:
             out.update(page_size=self.page_size, device_pages=self.device_pages, host_pages=self.host_pages,
                        device_kv_tokens=self.device_tokens, host_kv_tokens=self.host_tokens,
                        kv_bytes_per_token=m.kv_bytes_per_token, context_length=self.context_length,
-                       weight_bytes=m.weight_bytes)
+                       weight_bytes=m.weight_bytes - self.state_bytes)
+            if self.state_slots:
+                out.update(state_slots=self.state_slots, state_bytes=self.state_bytes)
         out.update(device_kv_bytes=self.device_bytes, host_kv_bytes=self.host_bytes, available_bytes=m.available_bytes, headroom_bytes=m.headroom_bytes,
                    mem_fraction_static=m.mem_fraction_static, hicache_ratio=self.hicache_ratio,
                    warnings=list(self.warnings), reasons=list(self.reasons))
         return out
 
 
+# Hybrid models with a radix cache: snapshot slots per --max-running-requests (SGLang sizes its mamba pool at 3x the
+# running requests; here 1x live + 2x snapshots). The snapshots a request has not published yet come from them too.
+SNAPSHOT_SLOTS_PER_RUNNING_REQUEST = 2
+
+
 def size_kv_tiers(
     facts: Facts, decision: Decision, args: TierFlags, *, weight_bytes: int, kv_bytes_per_token: int | None,
-    context_length: int | None,
+    context_length: int | None, state_slot_bytes: int = 0,
 ) -> TierPlan:
     """The device (L1) and host (L2) pages a launch with ``args`` allocates for a model of ``weight_bytes`` and
     ``kv_bytes_per_token`` served at ``context_length`` (--context-length or max_position_embeddings).
@@ -257,6 +270,11 @@ def size_kv_tiers(
     --max-total-tokens, else by context length x max running requests), whole pages, at least MIN_DEVICE_PAGES
     device pages, a host tier of at least one page. ``kv_bytes_per_token`` None (the model is not at hand):
     byte budgets only, before the weights and the token caps. Raises MemoryPlanError with the numbers and the fix.
+
+    ``state_slot_bytes`` (hybrid models: one request's recurrent state, backends/base.StateGeometry.slot_bytes):
+    one live slot per --max-running-requests, plus SNAPSHOT_SLOTS_PER_RUNNING_REQUEST snapshot slots per request
+    when the radix cache is on (runtime/state_snapshots.py), are set aside like the weights before the KV pages
+    are sized.
     """
     ps = args.page_size
     if kv_bytes_per_token is None:
@@ -275,9 +293,17 @@ def size_kv_tiers(
         ]
         return TierPlan(plan, ps, None, None, None, warnings, reasons)
 
-    plan = plan_memory_for_args(facts, decision, args, weight_bytes=weight_bytes,
+    running = args.max_running_requests
+    snapshots = 0 if getattr(args, "disable_radix_cache", False) else SNAPSHOT_SLOTS_PER_RUNNING_REQUEST * running
+    state_slots = running + snapshots if state_slot_bytes else 0
+    state_bytes = state_slots * state_slot_bytes
+    plan = plan_memory_for_args(facts, decision, args, weight_bytes=weight_bytes + state_bytes,
                                 kv_bytes_per_token=kv_bytes_per_token, context_length=context_length)
     warnings, reasons = list(plan.warnings), list(plan.reasons)
+    if state_slots:
+        what = f"{running} live + {snapshots} for prefix-reuse snapshots" if snapshots else "one per running request"
+        reasons.append(f"{state_slots} recurrent-state slots ({what}) of {state_slot_bytes / 2**20:.2f} MiB set "
+                       "aside first (counted with the weights above)")
     device_pages = plan.device_kv_tokens // ps
     if device_pages < MIN_DEVICE_PAGES:
         reasons.append(f"raised to the smallest device pool, {MIN_DEVICE_PAGES} pages of {ps} tokens")
@@ -290,7 +316,7 @@ def size_kv_tiers(
         host_pages = plan.host_kv_tokens // ps
         if host_pages < 1:
             raise MemoryPlanError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
-    return TierPlan(plan, ps, device_pages, host_pages, context_length, warnings, reasons)
+    return TierPlan(plan, ps, device_pages, host_pages, context_length, warnings, reasons, state_slots, state_bytes)
 
 
 # ------------------------------------------------------------------------------------------------ internals

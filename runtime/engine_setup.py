@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tierlm.backends.base import GrammarBackend, KVCacheDtypeError, ModelBackend, ModelInfo
-from tierlm.backends.dtypes import DTYPE_BYTES
+from tierlm.backends.dtypes import DTYPE_BYTES, dtype_decision
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.chat_templates import resolve_chat_template
 from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
-from tierlm.backends.model_source.folder_facts import read_json
+from tierlm.backends.model_source.folder_facts import read_json, text_config
+from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid_layout
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
 from tierlm.platforms import BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect, size_kv_tiers
@@ -40,7 +41,10 @@ from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
 from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
 from tierlm.runtime.speculative.speculator import NgramSpeculator
+from tierlm.runtime.state_slots import StateSlots
 from tierlm.runtime.warm_up import warm_up
+
+DEFAULT_DECODE_GRAPH_MAX_BS = 32  # --cuda-graph-max-bs unset: the buckets cover up to this many running requests
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ Emit = Callable[[Req, GenerateOutput], None]
 class TierSizes:
     device_pages: int  # L1
     host_pages: int  # L2; 0 without --enable-hierarchical-cache
+    state_slots: int = 0  # hybrid models: recurrent-state slots, one per running request
 
 
 @dataclass
@@ -70,6 +75,8 @@ class EngineParts:
     reasoning_parser_source: str = ""  # why args.reasoning_parser is what it is
     tool_call_parser_source: str = ""  # why args.tool_call_parser is what it is
     attention: tuple[str, str] = ("", "")  # (attention implementation, why): check_attention_backend
+    dtype_reason: str = ""  # why the model computes in its dtype: choose_dtype
+    decode_graphs: dict[str, Any] | None = None  # the static decode path (buckets, captured sizes, why): setup_decode_graphs
 
     @property
     def grammar(self) -> GrammarManager:
@@ -87,6 +94,7 @@ class EngineParts:
             "backend": self.backend.name,
             "device": self.backend.device,
             "dtype": self.model_info.dtype,
+            "dtype_chosen_by": self.dtype_reason,
             "backend_decision": self.decision.to_dict(),
             "context_length": self.context_length,
             "architecture": self.model_info.architecture,
@@ -102,13 +110,22 @@ class EngineParts:
             "chunked_prefill_size": self.scheduler.chunk,
             "prefill_budget_tokens": self.scheduler.prefill_budget,
             "radix_cache": self.cache.tree is not None,
+            "state_pool": self.cache.state_accounting(),  # hybrids: free + cached + in_use == total; else None
             "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
             "chat_template": self.chat_template_source,
             "reasoning_parser": {"name": self.args.reasoning_parser, "chosen_by": self.reasoning_parser_source},
             "tool_call_parser": {"name": self.args.tool_call_parser, "chosen_by": self.tool_call_parser_source},
             "speculative": self.scheduler.spec.info() if self.scheduler.spec is not None else None,
             "attention_backend": {"name": self.attention[0], "chosen_by": self.attention[1]},
+            "decode_graphs": self.decode_graphs_info(),
         }
+
+    def decode_graphs_info(self) -> dict[str, Any] | None:
+        """The static decode path as set up, with its live step counts."""
+        stats = self.backend.decode_graph_stats()
+        if self.decode_graphs is None or stats is None:
+            return self.decode_graphs
+        return {**self.decode_graphs, **stats}
 
     def close(self) -> None:
         self.cache.close()
@@ -124,10 +141,12 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     attention = check_attention_backend(args, decision)
     log_accepted_flags(args, decision)
     arch = check_model_architecture(decision, model_dir, args)  # fail fast: before the tokenizer and weights
+    check_hybrid_flags(model_dir, args)
     tokenizer, template_source = tokenizer_for(args, model_dir)
     parser_source = choose_reasoning_parser(args, model_dir, tokenizer)
     tool_parser_source = choose_tool_call_parser(args, model_dir, tokenizer)
-    backend = load_backend(decision, model_dir, args, attention[0])
+    dtype, dtype_reason = choose_dtype(args, decision, model_dir)
+    backend = load_backend(decision, model_dir, args, attention[0], dtype)
     info = backend.info
     log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
              info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
@@ -135,6 +154,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     context_length = check_context_length(args.context_length, info.max_position_embeddings, os.environ)
     tiers = plan_tiers(args, facts, decision, backend, context_length)
     backend.init_kv_pool(tiers.device_pages, args.page_size)
+    backend.init_state_pool(tiers.state_slots)
+    decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
     metrics = EngineMetrics(args.model_name)
     cache = make_cache_manager(args, backend, tiers)
     cache.register_gauges(metrics)
@@ -149,7 +170,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
                         chat_template_source=template_source, reasoning_parser_source=parser_source,
-                        tool_call_parser_source=tool_parser_source, attention=attention)
+                        tool_call_parser_source=tool_parser_source, attention=attention, dtype_reason=dtype_reason,
+                        decode_graphs=decode_graphs)
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
         if scheduler.spec is not None:
@@ -218,10 +240,31 @@ def resolve_attention_backend(args: ServerArgs, decision: Decision, env: Any) ->
     return name, "--attention-backend"
 
 
+def setup_decode_graphs(args: ServerArgs, backend: ModelBackend, decision: Decision, context_length: int
+                        ) -> dict[str, Any] | None:
+    """The static, bucketed decode path (backends/torch/decode_graphs.py), decided and logged with the reason:
+    on CUDA captured as CUDA graphs (--attention-backend triton) unless --disable-cuda-graph; on CPU only when
+    --cuda-graph-max-bs asks for it (no capture there, so it saves nothing: it is how the CPU tests run the path)."""
+    if args.disable_cuda_graph:
+        log.info("decode graphs: off (--disable-cuda-graph)")
+        return {"enabled": False, "why": "--disable-cuda-graph"}
+    if decision.device != "cuda" and args.cuda_graph_max_bs is None:
+        return None  # the plain path: nothing to log on CPU and MLX
+    max_bs = args.cuda_graph_max_bs or min(DEFAULT_DECODE_GRAPH_MAX_BS, args.max_running_requests)
+    capture = decision.device == "cuda"
+    info = backend.init_decode_graphs(max_bs, context_length, capture)
+    if info is None:
+        log.info("decode graphs: not available on the %s backend for this model", backend.name)
+        return {"enabled": False, "why": f"not available on the {backend.name} backend for this model"}
+    why = ("captured as CUDA graphs" if info["captured"] else
+           "on static buffers without capture (--attention-backend triton is what CUDA graphs capture)"
+           if capture else f"on static buffers without capture: --cuda-graph-max-bs on {decision.device}")
+    log.info("decode graphs: decode steps of up to %d requests padded to buckets %s, %s", max_bs, info["buckets"], why)
+    return {"enabled": True, "why": why, "max_bs": max_bs}
+
+
 def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:
     """SGLang flags that are accepted because tierlm already behaves that way, or has nothing to tune yet."""
-    if args.disable_cuda_graph or args.cuda_graph_max_bs is not None:
-        log.info("--disable-cuda-graph / --cuda-graph-max-bs: accepted; tierlm does not use CUDA graphs yet")
     if args.enable_metrics:
         log.info("--enable-metrics: accepted; /metrics is always on")
     if args.enable_cache_report:
@@ -332,11 +375,28 @@ def check_model_architecture(decision: Decision, model_dir: Path, args: ServerAr
         raise StartupError(str(e)) from e
 
 
-def load_backend(decision: Decision, model_dir: Path, args: ServerArgs, attention_backend: str | None = None
-                 ) -> ModelBackend:
-    """``attention_backend``: check_attention_backend's choice (resolved here when not given)."""
+def choose_dtype(args: ServerArgs, decision: Decision, model_dir: Path) -> tuple[str, str]:
+    """The dtype the torch backend computes in and why (logged; /server_info shows it): --dtype, or for auto the
+    device's rule (backends/dtypes.py) with the platform's native-bf16 fact. The MLX backend resolves auto
+    itself (its CPU kernels gain nothing from bf16), so for MLX this returns --dtype as given."""
+    if decision.backend != "torch":
+        return args.dtype, "--dtype" if args.dtype != "auto" else "--dtype auto, resolved by the MLX backend"
+    config = read_json(model_dir / "config.json")
+    stored = config.get("torch_dtype") or config.get("dtype")
+    dtype, why = dtype_decision(args.dtype, decision.device, stored if isinstance(stored, str) else None,
+                                cpu_bf16=decision.native_bf16)
+    log.info("dtype: %s (%s)", dtype, why)
+    return dtype, why
+
+
+def load_backend(decision: Decision, model_dir: Path, args: ServerArgs, attention_backend: str | None = None,
+                 dtype: str | None = None) -> ModelBackend:
+    """``attention_backend``: check_attention_backend's choice (resolved here when not given); ``dtype``:
+    choose_dtype's (resolved here when not given)."""
     if attention_backend is None:
         attention_backend = resolve_attention_backend(args, decision, os.environ)[0]
+    if dtype is None:
+        dtype = choose_dtype(args, decision, model_dir)[0]
     try:
         if decision.backend == "mlx":
             from tierlm.backends.mlx.backend import MLXBackend
@@ -346,7 +406,7 @@ def load_backend(decision: Decision, model_dir: Path, args: ServerArgs, attentio
                               kv_cache_dtype=args.kv_cache_dtype)
         from tierlm.backends.torch.backend import TorchBackend
 
-        return TorchBackend(model_dir, dtype=args.dtype, device=decision.device,
+        return TorchBackend(model_dir, dtype=dtype, device=decision.device,
                             trust_remote_code=args.trust_remote_code, seed=args.random_seed,
                             trust_unverified_architecture=args.trust_unverified_architecture,
                             kv_cache_dtype=args.kv_cache_dtype, attention_backend=attention_backend)
@@ -360,7 +420,8 @@ def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: Mode
     which `tierlm doctor` reports); logs the sizes and the reasons."""
     try:
         plan = size_kv_tiers(facts, decision, args, weight_bytes=backend.weight_bytes(),
-                             kv_bytes_per_token=backend.kv_bytes_per_token(), context_length=context_length)
+                             kv_bytes_per_token=backend.kv_bytes_per_token(), context_length=context_length,
+                             state_slot_bytes=backend.info.state.slot_bytes if backend.info.state else 0)
     except MemoryPlanError as e:  # carries the numbers and the flag to change
         raise StartupError(str(e)) from e
     for w in plan.warnings:
@@ -368,7 +429,10 @@ def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: Mode
     log.info("device KV pool (L1): %d pages x %d tokens = %d tokens, %.1f MiB, KV %s (%s)", plan.device_pages,
              plan.page_size, plan.device_tokens, plan.device_bytes / 2**20, kv_dtype_note(backend.info),
              "; ".join(plan.reasons))
-    return TierSizes(plan.device_pages, plan.host_pages)  # HiCacheManager.create logs the host pool
+    if plan.state_slots:
+        log.info("state pool: %d recurrent-state slots (live + snapshots), %.1f MiB", plan.state_slots,
+                 plan.state_bytes / 2**20)
+    return TierSizes(plan.device_pages, plan.host_pages, plan.state_slots)  # HiCacheManager.create logs the host pool
 
 
 def kv_dtype_note(info: ModelInfo) -> str:
@@ -386,7 +450,13 @@ def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes
         return HiCacheManager.create(args, backend, tiers.device_pages, tiers.host_pages)
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
-    cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
+    if tiers.state_slots:  # a hybrid model: prefix reuse up to state snapshots (runtime/state_snapshots.py)
+        cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache,
+                               state_slots=StateSlots(tiers.state_slots), copy_state_slots=backend.copy_state_slots)
+        log.info("radix cache for this hybrid model: %s", "prefixes reused up to the deepest page-aligned state "
+                 "snapshot" if cache.tree is not None else "off (--disable-radix-cache): every prompt is prefilled")
+    else:
+        cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
     if cache.tree is not None:
         cache.tree.set_eviction_policy(args.radix_eviction_policy)
         log.info("radix cache: eviction policy %s (--radix-eviction-policy)", args.radix_eviction_policy)
@@ -426,3 +496,21 @@ def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer, reasoning_parser: str 
             eos.append(tok)
     return eos
 
+
+def check_hybrid_flags(model_dir: Path, args: ServerArgs) -> None:
+    """Hybrid models (linear-attention / Mamba layers, backends/model_source/hybrid_layout.py) keep a recurrent
+    state per request: refuse, from config.json and before any weights load, the features that cannot serve
+    them correctly yet."""
+    try:
+        layout = hybrid_layout(text_config(model_dir))
+    except HybridLayoutError as e:
+        raise StartupError(str(e)) from e
+    if layout is None:
+        return
+    what = f"this hybrid model ({layout.model_type}: {layout.kind} layers with a recurrent state)"
+    if args.enable_hierarchical_cache:
+        raise StartupError(f"--enable-hierarchical-cache: not yet for hybrid models; {what} reuses prefixes "
+                           "only from device (L1) state snapshots, which L2/L3 cannot hold yet. Drop the flag.")
+    if args.speculative_algorithm is not None:
+        raise StartupError(f"--speculative-algorithm {args.speculative_algorithm}: not for hybrid models; {what} "
+                           "cannot roll its recurrent state back past rejected draft tokens. Drop the flag.")

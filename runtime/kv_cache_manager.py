@@ -2,11 +2,19 @@
 where they go when it finishes. The one place that keeps the pool invariant
 
     free + cached + in_use == total        (cached: pages in the radix tree; in_use: pages only requests hold)
+
+Hybrid models (linear-attention / Mamba layers) also need one recurrent-state slot per running request
+(runtime/state_slots.py): taken at admission, given back on finish, abort or retraction. With a radix tree their
+prefixes are reused only up to a state snapshot (runtime/state_snapshots.py): a match is cut to the deepest node
+holding one, which is copied into the request's live slot, and a request publishes pages only up to its own
+latest snapshot. Without a radix tree every prompt is prefilled from a zero state.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable
+
+import numpy as np
 
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.logprobs import cacheable_prefix_len
@@ -14,16 +22,28 @@ from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.page_allocator import PageAllocator
 from tierlm.runtime.radix_cache import MatchResult, RadixCache, TreeNode
 from tierlm.runtime.request import Req
+from tierlm.runtime.state_slots import StateSlots
+from tierlm.runtime.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_radix: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_radix: bool = True,
+                 state_slots: StateSlots | None = None,
+                 copy_state_slots: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
+        """``state_slots`` (hybrid models): the state pool's slots; with a radix tree, ``copy_state_slots`` (the
+        backend's) copies snapshots, and the slots beyond one per running request hold them."""
         self.num_pages = num_pages
+        self.state_slots = state_slots  # hybrids: live slots of running requests (+ snapshots with a tree)
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.tree: RadixCache | None = RadixCache(page_size, self.allocator.free) if enable_radix else None
+        self.snapshots: StateSnapshots | None = None
+        if state_slots is not None and self.tree is not None:
+            if copy_state_slots is None:
+                raise ValueError("a hybrid model's radix cache needs the backend's copy_state_slots")
+            self.snapshots = StateSnapshots(state_slots, self.tree, page_size, copy_state_slots)
         self.in_use_pages = 0
         self.evicted_device_pages = 0
 
@@ -38,10 +58,15 @@ class KVCacheManager:
         """Start ``req`` on the longest cached prefix (at least one token is left to compute)."""
         if req.pages or self.tree is None:
             return
+        if self.snapshots is not None and req.state_slot is None:
+            req.state_slot = self.snapshots.alloc()  # before the match: a snapshot eviction cannot hit the match
         tokens = req.tokens(0, req.seq_len)
         # all but the last token, and no prompt position whose logprob row is still to be scored
         # a retracted request coming back is not a new reuse: its hits counted at its first admission
         m = self.tree.match_prefix(tokens, cacheable_prefix_len(req) // self.page_size, count_hit=not req.admitted_once)
+        if self.snapshots is not None:  # a hybrid resumes at the deepest snapshot of the match
+            node, n = self.snapshots.resume_point(req, m)
+            m = MatchResult(m.device_pages[:n], node)
         node, pages, cached = self._extend_match(req, tokens, m)
         self.tree.lock(node)
         req.last_node = node
@@ -69,15 +94,19 @@ class KVCacheManager:
         return m.last_node, list(m.device_pages), CachedTokens(device=len(m.device_pages) * self.page_size)
 
     def reserve(self, req: Req, upto_len: int) -> bool:
-        """Make sure ``req`` has pages for positions < ``upto_len``; evict cached pages if needed."""
+        """Make sure ``req`` has pages for positions < ``upto_len`` (and, for a hybrid model, a state slot); evict
+        cached pages if needed."""
         need = -(-upto_len // self.page_size) - len(req.pages)
-        if need <= 0:
-            return True
-        if not self._make_free(need):
-            return False
-        req.pages.extend(self.allocator.alloc(need))
-        self.in_use_pages += need
-        req.admitted_once = True
+        if self.state_slots is not None and req.state_slot is None:
+            req.state_slot = self.snapshots.alloc() if self.snapshots is not None else self.state_slots.alloc()
+            if req.state_slot is None:
+                return False
+        if need > 0:
+            if not self._make_free(need):
+                return False
+            req.pages.extend(self.allocator.alloc(need))
+            self.in_use_pages += need
+            req.admitted_once = True
         return True
 
     def trim(self, req: Req, upto_len: int) -> None:
@@ -105,10 +134,14 @@ class KVCacheManager:
         """
         if self.tree is None:
             return
-        full = req.kv_len // self.page_size
+        # a hybrid publishes only up to its latest snapshot: every node it adds ends with a state
+        upto = req.kv_len if self.snapshots is None else self.snapshots.publish_len(req)
+        full = upto // self.page_size
         if full <= req.tree_pages:
             return
         tree_pages, node = self.tree.insert(req.tokens(0, full * self.page_size), req.pages[:full])
+        if self.snapshots is not None:
+            self.snapshots.attach(req, node)
         dup = [mine for mine, theirs in zip(req.pages[req.tree_pages:full], tree_pages[req.tree_pages:])
                if mine != theirs]
         self.allocator.free(dup)
@@ -134,6 +167,21 @@ class KVCacheManager:
         req.pages = []
         req.tree_pages = 0
         req.kv_len = 0
+        if self.snapshots is not None:
+            self.snapshots.release(req)  # what it published stays; a request that comes back resumes there
+        elif req.state_slot is not None:  # no radix tree: a hybrid request that comes back starts over
+            self.state_slots.free(req.state_slot)
+            req.state_slot = None
+
+    # ------------------------------------------------------------ hybrids: state snapshots
+    def plan_snapshots(self, items: list[tuple[Req, int]]) -> None:
+        """Before a step: where each hybrid request's forward copies its state (req.snap_at, req.snap_slot)."""
+        if self.snapshots is not None:
+            self.snapshots.plan(items)
+
+    def snapshot_taken(self, req: Req) -> None:
+        """After a step that took ``req``'s planned snapshot."""
+        self.snapshots.taken(req)
 
     def flush(self, storage: bool = False) -> None:
         if self.tree is not None:
@@ -149,12 +197,21 @@ class KVCacheManager:
                       lambda: self.in_use_pages)
         metrics.gauge("tierlm_kv_pool_usage", "Share of device KV pages not free",
                       lambda: 1.0 - self.allocator.num_free / max(self.num_pages, 1))
+        if self.state_slots is not None:
+            slots = self.state_slots
+            metrics.gauge("tierlm_state_slots_total", "Recurrent-state slots (hybrid models)", lambda: slots.total)
+            metrics.gauge("tierlm_state_slots_free", "Free recurrent-state slots", lambda: slots.num_free)
+            metrics.gauge("tierlm_state_slots_in_use", "Recurrent-state slots held by running requests",
+                          lambda: slots.in_use)
+            metrics.gauge("tierlm_state_slots_cached", "Recurrent-state snapshots held by the radix cache",
+                          lambda: slots.cached)
         metrics.tier_counter("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device "
                              "pages demoted to host count here too)", self.eviction_counters())
 
     def eviction_counters(self) -> dict[str, Callable[[], float]]:
         """Pages evicted since start, per tier, read at scrape time."""
-        return {"device": lambda: self.evicted_device_pages}
+        snaps = self.snapshots
+        return {"device": lambda: self.evicted_device_pages + (snaps.evicted_pages if snaps is not None else 0)}
 
     def tiers_info(self) -> dict[str, Any]:
         """Capacity and use per cache tier beyond the device pool (HiCache reports host and storage)."""
@@ -164,6 +221,12 @@ class KVCacheManager:
         """Stop background work (HiCache's storage threads)."""
 
     # ------------------------------------------------------------ accounting
+    def state_accounting(self) -> dict[str, int] | None:
+        """Hybrid models: the state slots (free + cached + in_use == total); None for attention-only models."""
+        if self.snapshots is not None:
+            return self.snapshots.accounting()
+        return self.state_slots.accounting() if self.state_slots is not None else None
+
     def accounting(self) -> dict[str, int]:
         cached = self.tree.device_pages_cached if self.tree is not None else 0
         return {

@@ -4,6 +4,11 @@ Each edge holds whole pages of tokens and the device pages with their KV. A requ
 (``lock``/``unlock``), so locked pages are never evicted; unlocked leaves go in the order of the eviction
 policy (runtime/eviction_policy.py, least recently used by default) when the allocator runs dry. With HiCache,
 a node may also (or only) hold host pages; ``runtime/hicache`` extends eviction to demote instead of drop.
+
+Hybrid models (runtime/state_snapshots.py) also hang a recurrent-state snapshot on some nodes (``state_slot``: the
+state after the node's last token). A prefix is only usable up to the deepest node holding one; a node's state
+goes with its pages on eviction, and ``evict_states`` frees states on their own (a leaf then loses its pages too:
+KV that no snapshot at or below it can resume is dead weight).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class TreeNode:
     children: dict[tuple, "TreeNode"] = field(default_factory=dict)
     lock_ref: int = 0
     hit_count: int = 0
+    state_slot: int | None = None  # hybrids: the state snapshot at the end of this node's key (a state-pool slot)
     last_access: int = field(default_factory=lambda: next(_clock))
 
     def touch(self) -> None:
@@ -51,6 +57,9 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.device_pages_cached = 0  # pages referenced by the tree (evictable + locked)
         self.device_pages_locked = 0
+        # hybrids: frees a state slot a node drops (None: the tree holds no states); states_cached counts them
+        self.free_state_slot: Callable[[int], None] | None = None
+        self.states_cached = 0
 
     def set_eviction_policy(self, name: str) -> None:
         """--radix-eviction-policy: the order unlocked nodes are evicted in (both tiers with HiCache)."""
@@ -125,8 +134,56 @@ class RadixCache:
                 k += 1
             node, pos = child, pos + k
             if k < edge_pages:
+                if self.free_state_slot is not None:  # the match ends inside this edge: not at its state
+                    node, pos = node.parent, pos - k
                 break
+        if self.free_state_slot is not None:
+            node, pos = self.state_ancestor(node, pos)
         return pos, node
+
+    def state_ancestor(self, node: TreeNode, pages: int) -> tuple[TreeNode, int]:
+        """The deepest node at or above ``node`` (which ends ``pages`` pages deep) holding a state snapshot, and its
+        depth in pages: how far a hybrid model's match can be used. The root (zero state, depth 0) at worst."""
+        while node is not self.root and node.state_slot is None:
+            pages -= len(node.key) // self.page_size
+            node = node.parent
+        return node, pages
+
+    def set_state(self, node: TreeNode, slot: int) -> bool:
+        """Give ``node`` the snapshot in ``slot``; False (the caller keeps ``slot``) when it already has one."""
+        if node.state_slot is not None or node is self.root:
+            return False
+        node.state_slot = slot
+        self.states_cached += 1
+        return True
+
+    def _drop_state(self, node: TreeNode) -> None:
+        if node.state_slot is not None:
+            self.free_state_slot(node.state_slot)
+            node.state_slot = None
+            self.states_cached -= 1
+
+    def evict_states(self, num: int) -> tuple[int, int]:
+        """Free at least ``num`` state snapshots, unlocked nodes first, each group in eviction-policy order. An
+        inner node keeps its pages (deeper snapshots still need them); an unlocked leaf goes with its pages and
+        then so does every ancestor left a stateless unlocked leaf. Returns (states freed, pages freed)."""
+        nodes, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.state_slot is not None:
+                nodes.append(n)
+        nodes.sort(key=lambda n: (n.lock_ref > 0, self.eviction_priority(n)))
+        states = pages = 0
+        for node in nodes[:num]:
+            self._drop_state(node)
+            states += 1
+            while node is not self.root and node.state_slot is None and node.lock_ref == 0 and \
+                    node.device_pages is not None and not node.children:
+                parent = node.parent
+                pages += self._evict_node(node)
+                node = parent
+        return states, pages
 
     def _follow_edge(self, child: TreeNode, tokens: Sequence[int], pos: int, n_pages: int) -> tuple[TreeNode, int]:
         """How many pages of ``child``'s edge match ``tokens`` from page ``pos`` (the first always does);
@@ -246,6 +303,10 @@ class RadixCache:
             node = heapq.heappop(heap)[-1]
             freed += self._evict_node(node)
             parent = node.parent
+            while self.free_state_slot is not None and parent is not self.root and parent.state_slot is None and \
+                    parent.lock_ref == 0 and parent.device_pages is not None and not parent.children:
+                node, parent = parent, parent.parent  # a hybrid's stateless leaf can never end a match: goes too
+                freed += self._evict_node(node)
             if parent is not self.root and parent.lock_ref == 0 and parent.device_pages is not None and \
                     not any(c.device_pages is not None for c in parent.children.values()):
                 heapq.heappush(heap, self._heap_entry(parent))
@@ -254,6 +315,8 @@ class RadixCache:
     def _evict_node(self, node: TreeNode) -> int:
         """Drop ``node``'s device pages (the HiCache subclass demotes to host instead). Returns pages freed."""
         pages = node.device_pages
+        if self.free_state_slot is not None:
+            self._drop_state(node)  # a snapshot lives exactly as long as the pages it ends
         self._free_device_pages(pages)
         self.device_pages_cached -= len(pages)
         node.device_pages = None

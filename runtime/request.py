@@ -40,6 +40,14 @@ class Req:
     pages: list[int] = field(default_factory=list)
     tree_pages: int = 0
     last_node: TreeNode | None = None
+    state_slot: int | None = None  # hybrids: the recurrent-state slot it runs in (runtime/state_slots.py)
+    # hybrids, prefix reuse (runtime/state_snapshots.py): ``snap_slot`` holds the state after position snap_len - 1
+    # (page-aligned), not yet on a tree node; ``fork_len`` is where the cached KV went deeper than any snapshot (a
+    # snapshot is taken there); ``snap_at`` is the point this step's forward copies the state at (0: none).
+    snap_slot: int | None = None
+    snap_len: int = 0
+    fork_len: int = 0
+    snap_at: int = 0
     cached: CachedTokens = field(default_factory=CachedTokens)
     admitted_once: bool = False
     prefetch: PendingPrefetch | None = None  # HiCache: set while its L3 pages are read in the background

@@ -87,6 +87,7 @@ class Scheduler:
         if not items:
             return False
         drafts = self._drafts
+        self.cache.plan_snapshots(items)  # hybrids: where this step's forward keeps a copy of a request's state
         batch, row_reqs = build_forward_batch(items, self.page_size, drafts)
         batch.sampling.token_bitmask = self.grammar.fill_bitmask(row_reqs)  # None: no constrained row
         scored = add_logprob_rows(batch, items, row_reqs)
@@ -98,6 +99,8 @@ class Scheduler:
             if req in drafts:
                 continue  # its kv_len grows by the tokens it accepts (_take_verified)
             req.kv_len += n
+            if req.snap_at:
+                self.cache.snapshot_taken(req)
             if n > 1:
                 self.cache.cache_unfinished(req)
         self.steps += 1

@@ -83,8 +83,8 @@ class ServerArgs:
     watchdog_timeout: float = 300.0  # a model step running longer marks the server unhealthy (error log, 503s)
     tp_size: int = 1  # tensor parallelism: only 1
     dp_size: int = 1  # data parallelism: only 1 (several instances behind sglang-router instead)
-    disable_cuda_graph: bool = False  # accepted and logged: tierlm has no CUDA graphs yet
-    cuda_graph_max_bs: int | None = None  # accepted and logged: tierlm has no CUDA graphs yet
+    disable_cuda_graph: bool = False  # CUDA: decode steps eager instead of captured (backends/torch/decode_graphs.py)
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch; on CPU: the static path without capture
     enable_metrics: bool = False  # accepted: /metrics is always on
     enable_cache_report: bool = False  # accepted: usage always reports cached_tokens
     # lru | lfu | slru | loop: eviction order of unlocked pages in the device and host tiers; loop (tierlm's own,

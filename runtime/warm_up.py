@@ -26,4 +26,6 @@ def warm_up(backend: ModelBackend, page_size: int, num_pages: int) -> None:
                              kv_lens=np.array([kv], np.int32), page_table=pages,
                              sample_indices=np.array([q - 1], np.int64), sampling=SamplingBatch.greedy(1),
                              page_size=ps)
+        if backend.info.state is not None:  # a hybrid model: slot 0, which its next owner starts from zeros
+            batch.state_slots = np.zeros(1, np.int32)
         backend.forward(batch)

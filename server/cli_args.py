@@ -89,8 +89,11 @@ ACCEPTED_SGLANG_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
                                                             "process"),
     "--log-requests-level": ({"type": int, "default": 2, "choices": [0, 1, 2, 3]},
                              "--log-requests logs each request's prompt and output text at one level"),
-    "--cuda-graph-bs": ({"type": int, "nargs": "+", "default": None}, "tierlm does not use CUDA graphs yet"),
-    "--disable-cuda-graph-padding": ({"action": "store_true"}, "tierlm does not use CUDA graphs yet"),
+    "--cuda-graph-bs": ({"type": int, "nargs": "+", "default": None},
+                        "tierlm's buckets are 1, 2, 4, 8, then multiples of 8 up to --cuda-graph-max-bs"),
+    "--disable-cuda-graph-padding": ({"action": "store_true"},
+                                     "tierlm always pads a decode step to its bucket (steps over the largest run "
+                                     "eagerly)"),
     "--torch-compile-max-bs": ({"type": int, "default": 32}, "torch.compile is not used"),
     "--disable-chunked-prefix-cache": ({"action": "store_true"}, "a DeepSeek MLA optimization tierlm does not have"),
 }
@@ -207,9 +210,12 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                              "flashinfer is refused")
     compat.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=_DEFAULTS.tp_size, help="only 1")
     compat.add_argument("--data-parallel-size", "--dp-size", dest="dp_size", type=int, default=_DEFAULTS.dp_size, help="only 1")
-    compat.add_argument("--disable-cuda-graph", action="store_true", help="accepted (tierlm has no CUDA graphs yet)")
+    compat.add_argument("--disable-cuda-graph", action="store_true",
+                        help="decode steps run eagerly on CUDA instead of as captured CUDA graphs")
     compat.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                        help="accepted (tierlm has no CUDA graphs yet)")
+                        help="largest decode batch captured as a CUDA graph (default: min(32, "
+                             "--max-running-requests)); on CPU it turns on the same static, bucketed decode path "
+                             "without capture"),
     compat.add_argument("--enable-metrics", action="store_true", help="accepted: /metrics is always on")
     compat.add_argument("--enable-cache-report", action="store_true",
                         help="accepted: usage always reports cached_tokens")

@@ -21,8 +21,8 @@ from tierlm.backends.model_source.folder_facts import model_size, text_config
 from tierlm.backends.model_source.hub import _cached_snapshot
 from tierlm.backends.model_source.resolve import _looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
-from tierlm.platforms import (BackendChoiceError, Facts, MemoryPlanError, choose_backend, detect, install_command,
-                              pitfalls, size_kv_tiers)
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
+                              install_command, pitfalls, size_kv_tiers)
 from tierlm.runtime.engine_setup import check_context_length
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
@@ -68,10 +68,11 @@ def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | Non
     yield folder, given, why, None
 
 
-def model_sizes(folder: Path, label: str, args: ServerArgs, device: str) -> dict[str, Any]:
+def model_sizes(folder: Path, label: str, args: ServerArgs, device: str, native_bf16: bool = False
+                ) -> dict[str, Any]:
     """KV bytes per token, weight bytes and max_position_embeddings of a model folder as served on ``device`` with
     --dtype and --kv-cache-dtype (raises KeyError/TypeError/ValueError for a config without the usual fields)."""
-    size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype).to_dict()
+    size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype, cpu_bf16=native_bf16).to_dict()
     size["path"] = label
     size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
     size["max_position_embeddings"] = int(text_config(folder).get("max_position_embeddings")
@@ -122,13 +123,14 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         if bytes_only_why:
             report["warnings"].append(bytes_only_why)
         if folder is not None:
-            _check_model(report, args, folder, label, decision.device, decision.backend, env)
+            _check_model(report, args, folder, label, decision, env)
     sizes = report["model"]
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
     try:
         tiers = size_kv_tiers(facts, decision, args, weight_bytes=sizes["weight_bytes"] if sizes else 0,
                               kv_bytes_per_token=sizes["kv_bytes_per_token"] if sizes else None,
-                              context_length=sizes["context_length"] if sizes else None)
+                              context_length=sizes["context_length"] if sizes else None,
+                              state_slot_bytes=sizes.get("state_slot_bytes", 0) if sizes else 0)
     except MemoryPlanError as e:
         report["errors"].append(str(e))
         return report
@@ -137,15 +139,15 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     return report
 
 
-def _check_model(report: dict[str, Any], args: ServerArgs, folder: Path, label: str, device: str, backend: str,
+def _check_model(report: dict[str, Any], args: ServerArgs, folder: Path, label: str, decision: Decision,
                  env: dict[str, str]) -> None:
     """The architecture check, the model's sizes and the context length, as serve finds them."""
-    report["architecture"], arch_note = model_architecture(args, folder, backend)
+    report["architecture"], arch_note = model_architecture(args, folder, decision.backend)
     if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
         report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
             arch_note)
     try:
-        sizes = model_sizes(folder, label, args, device)
+        sizes = model_sizes(folder, label, args, decision.device, decision.native_bf16)
     except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
         report["warnings"].append(f"cannot size {label} from its config.json (no usable {e}): tier sizes are byte "
                                   "budgets only, not tokens")

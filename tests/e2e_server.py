@@ -41,6 +41,9 @@ class ServerProcess:
             args += ["--port", str(free_port())]
         if "--host" not in args:
             args += ["--host", "127.0.0.1"]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "--dtype" not in args and full_env.get("TIERLM_BACKEND", "torch") == "torch":
+            args += ["--dtype", "float32"]  # the references' dtype (auto is bfloat16 on a CPU with native bf16)
         self.port = int(args[args.index("--port") + 1])
         self.host = args[args.index("--host") + 1]
         self.url = f"http://{self.host}:{self.port}"
@@ -48,7 +51,6 @@ class ServerProcess:
         self._log_file = tempfile.NamedTemporaryFile(prefix="tierlm-server-", suffix=".log", delete=False,
                                                      dir=log_dir)
         self.log_path = Path(self._log_file.name)
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierlm.launch_server", *args],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env, cwd=REPO_ROOT,

@@ -26,12 +26,13 @@ class Result:
 def start_engine(model_path, backend: str = "torch", **kw) -> Engine:
     """An engine on ``backend`` ("torch" | "mlx"), chosen the way users do: the TIERLM_BACKEND variable.
     With TIERLM_TEST_DEVICE set, a torch engine runs on that device (float32 unless ``dtype`` is given, the
-    dtype of the references); without it, on the engine's own choice."""
+    dtype of the references); without it, on the engine's own choice of device, in float32 too (--dtype auto is
+    bfloat16 on CUDA and on a CPU with native bf16 matmuls)."""
     kw.setdefault("warmup", False)
     if backend == "torch" and TEST_DEVICE and "device" not in kw:
         kw["device"] = device_under_test()
-        if kw["device"] == "cuda":
-            kw.setdefault("dtype", "float32")
+    if backend == "torch":
+        kw.setdefault("dtype", "float32")
     engine = Engine(ServerArgs(model_path=str(model_path), **kw))
     old = os.environ.get("TIERLM_BACKEND")
     os.environ["TIERLM_BACKEND"] = backend

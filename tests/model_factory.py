@@ -213,24 +213,24 @@ def quantize_mxfp4(w):
     return blocks.contiguous(), scales.contiguous()
 
 
-# Hybrids: linear-attention / Mamba layers with a recurrent state next to attention layers. No backend serves them
-# verified (backends/verified_architectures.py); these tiny folders (2 layers: one recurrent, one attention,
-# hidden 32) check that they are refused, and loaded only on request. transformers class -> config.
-HYBRID_COMMON = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+# Hybrids: linear-attention / Mamba layers with a recurrent state next to attention layers (tests/test_hybrid_models.py
+# checks them against transformers; backends/verified_architectures.py lists them). 4 layers, hidden 32: two
+# recurrent layers, so a state handed between them and across steps is exercised. transformers class -> config.
+HYBRID_COMMON = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-_LINEAR_ATTENTION = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
-                         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                         linear_num_value_heads=4)
+_LINEAR_ATTENTION = dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_num_key_heads=2, linear_num_value_heads=4)
 HYBRIDS: dict[str, dict] = {
     "Qwen3_5ForCausalLM": dict(model_type="qwen3_5_text", **_LINEAR_ATTENTION),  # Qwen3.5
     "Qwen3NextForCausalLM": dict(model_type="qwen3_next", num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=32, shared_expert_intermediate_size=32, **_LINEAR_ATTENTION),
     "GraniteMoeHybridForCausalLM": dict(  # Granite-4.0-H
-        model_type="granitemoehybrid", layer_types=["mamba", "attention"], num_local_experts=4,
-        num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
-        mamba_n_groups=1, mamba_chunk_size=16),
-    "NemotronHForCausalLM": dict(model_type="nemotron_h", layers_block_type=["mamba", "attention"],
+        model_type="granitemoehybrid", layer_types=["mamba", "attention", "mamba", "attention"],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16),
+    "NemotronHForCausalLM": dict(model_type="nemotron_h", layers_block_type=["mamba", "attention", "mlp", "mamba"],
                                  mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16),
 }
 
@@ -255,6 +255,10 @@ def build_tiny_hybrid(architecture: str, out_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert type(model).__name__ == architecture, type(model).__name__
+    with torch.no_grad():  # as build_tiny_model: logits far apart, so greedy is not decided by noise
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25 if "embed" not in name else 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     _write_tokenizer(out_dir)

@@ -120,7 +120,8 @@ def test_request_body_and_counts_from_usage() -> None:
 def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp_path, capsys) -> None:
     with BenchServer(["--model-path", str(tiny_llama), "--page-size", "16"], log_dir=tmp_path, name="peer") as peer:
         peer.start()
-        assert bench_cmd.main(["peers", "--model-path", str(tiny_llama), "--against", f"other={peer.url}/v1",
+        assert bench_cmd.main(["peers", "--model-path", str(tiny_llama), "--dtype", "float32",
+                               "--against", f"other={peer.url}/v1",
                                "--prompt-tokens", "64", "--decode-tokens", "8", "--streams", "2", "--repeats", "1",
                                "--json", "--no-progress"]) == 0
         rep = json.loads(capsys.readouterr().out)

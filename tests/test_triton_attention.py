@@ -162,6 +162,55 @@ def test_decode_split_over_kv_blocks(monkeypatch, window, sinks):
                   torch.float32)
 
 
+@in_process
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_static_decode_buffers_with_padding_match_torch_native(page_size):
+    """What a captured CUDA graph runs (decode_graphs.py): 3 decode requests in bucket 4's static buffers, the
+    padded row in the scratch page, Triton reading the static page table; the real rows equal torch_native's."""
+    from tierlm.backends.base import ForwardBatch
+    from tierlm.backends.torch.decode_graphs import DecodeGraphs
+
+    H, Hkv, D = 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    cached = np.array([3, 17, 30])
+    kv_lens = cached + 1
+    R, P = 3, -(-int(kv_lens.max()) // page_size)
+    num_pages = R * P
+    page_table = np.random.default_rng(3).permutation(num_pages).reshape(R, P).astype(np.int32)
+    pool = TorchKVPool(2, num_pages + 1, page_size, Hkv, D, torch.float32, DEVICE)  # + the scratch page
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(DEVICE))
+    start = pool.buffer.clone()
+    q = torch.randn(1, 4, H, D, generator=g).to(DEVICE).transpose(1, 2)  # bucket 4: row 3 is padding
+    k = torch.randn(1, Hkv, 4, D, generator=g).to(DEVICE)
+    v = torch.randn(1, Hkv, 4, D, generator=g).to(DEVICE)
+
+    def run_model(input_ids, positions, keep):  # stands for the model: one attention layer over the step's rows
+        b = input_ids.shape[1]
+        out, _ = pa.paged_attention(_Layer, q[:, :, :b], k[:, :, :b], v[:, :, :b], None, scaling=D ** -0.5)
+        return out[0].reshape(b, -1)
+
+    graphs = DecodeGraphs(pool, num_pages, max_bs=4, max_context_len=64, vocab_size=0, device=DEVICE,
+                          attention_backend=pa.TRITON, run_model=run_model, capture=False)
+    batch = ForwardBatch(input_ids=np.array([7, 8, 9]), positions=cached.astype(np.int64),
+                         q_lens=np.ones(3, np.int32), kv_lens=kv_lens.astype(np.int32), page_table=page_table,
+                         sample_indices=np.arange(3), sampling=None, page_size=page_size)
+    assert graphs.accepts(batch) and graphs.bucket(3) == 4
+    got = graphs.run(batch).cpu()
+    static_pool = pool.buffer.clone()
+    pool.buffer.copy_(start)
+    pa.CURRENT.meta = pa.StepMeta(np.ones(3, np.int64), kv_lens, cached, page_table, page_size, DEVICE,
+                                  pa.TORCH_NATIVE)
+    pa.CURRENT.pool = pool
+    try:
+        ref, _ = pa.paged_attention(_Layer, q[:, :, :3], k[:, :, :3], v[:, :, :3], None, scaling=D ** -0.5)
+    finally:
+        pa.CURRENT.meta = None
+    assert got.shape == (3, H * D)
+    assert (got - ref[0].reshape(3, -1).cpu()).abs().max().item() <= TOL[torch.float32] * 10
+    real_slots = num_pages * page_size  # the padded row wrote the scratch page only
+    assert torch.equal(static_pool[:, :, :real_slots], pool.buffer[:, :, :real_slots])
+
+
 # ------------------------------------------------------------------ selection at startup (engine_setup)
 def test_attention_backend_choice():
     from tierlm.platforms import Decision

@@ -2,7 +2,8 @@
 
 Hybrids (Qwen3.5, Qwen3-Next, Granite-4.0-H, Nemotron-H: linear-attention / Mamba layers with a recurrent state)
 used to load on the torch backend and answer wrong on every prompt. Now both backends refuse any architecture
-outside the verified list before a weight loads, with a message naming the list and the flag;
+outside the verified list before a weight loads, with a message naming the list and the flag (the tiny hybrids,
+now verified through a state pool, taken off the list stand for any recurrent model type that is not on it);
 --trust-unverified-architecture loads one anyway, with a warning in the log and in /server_info. The list itself
 may only name architectures the reference tests build and check, and docs/models.md shows exactly that list.
 """
@@ -17,10 +18,13 @@ import pytest
 
 import test_backend_conformance
 import test_gpt_oss
+import test_hybrid_models
 from engine_harness import greedy, run, start_engine
 from model_factory import FAMILIES, HYBRIDS, build_tiny_hybrid, hybrid_available
-from tierlm.backends.verified_architectures import (FLAG, VERIFIED_ARCHITECTURES, UnverifiedArchitectureError,
-                                                    assess_architecture, check_architecture, verified_for)
+from tierlm.backends import verified_architectures
+from tierlm.backends.verified_architectures import (FLAG, RECURRENT_MODEL_TYPES, VERIFIED_ARCHITECTURES,
+                                                    UnverifiedArchitectureError, assess_architecture,
+                                                    check_architecture, verified_for)
 from tierlm.runtime.errors import StartupError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -34,14 +38,23 @@ def hybrid(request, tiny_models_root) -> Path:
     return build_tiny_hybrid(request.param, tiny_models_root / f"hybrid_{request.param}")
 
 
+@pytest.fixture
+def hybrids_unverified(monkeypatch):
+    """The verified list without the hybrids: the tiny hybrids then stand for any recurrent model type that is not
+    on it (falcon_h1, jamba, ...), which must be refused on every backend."""
+    monkeypatch.setattr(verified_architectures, "VERIFIED_ARCHITECTURES", tuple(
+        v for v in VERIFIED_ARCHITECTURES if v.model_type not in RECURRENT_MODEL_TYPES))
+
+
 def _architecture(model_dir: Path) -> str:
     return json.loads((model_dir / "config.json").read_text())["architectures"][0]
 
 
 def assert_names_the_list_and_the_flag(message: str, architecture: str, backend: str) -> None:
     assert architecture in message and f"{backend} backend" in message
-    for v in VERIFIED_ARCHITECTURES:
-        assert f"{v.architecture} ({v.model_type})" in message
+    for v in verified_architectures.VERIFIED_ARCHITECTURES:
+        if backend in v.backends:
+            assert f"{v.architecture} ({v.model_type})" in message
     assert "docs/models.md" in message and FLAG in message
     assert "recurrent state" in message  # says why a hybrid in particular answers wrong
 
@@ -49,7 +62,7 @@ def assert_names_the_list_and_the_flag(message: str, architecture: str, backend:
 # ------------------------------------------------------------------------------------------ hybrids refused
 
 
-def test_engine_refuses_a_hybrid_before_loading_anything(hybrid, backend_name, monkeypatch):
+def test_engine_refuses_a_hybrid_before_loading_anything(hybrid, backend_name, hybrids_unverified, monkeypatch):
     from tierlm.runtime import engine_setup
 
     def must_not_run(*a, **k):
@@ -62,7 +75,7 @@ def test_engine_refuses_a_hybrid_before_loading_anything(hybrid, backend_name, m
     assert_names_the_list_and_the_flag(str(e.value), _architecture(hybrid), backend_name)
 
 
-def test_torch_backend_refuses_a_hybrid_before_its_weights_load(hybrid, monkeypatch):
+def test_torch_backend_refuses_a_hybrid_before_its_weights_load(hybrid, hybrids_unverified, monkeypatch):
     from tierlm.backends.torch import backend as torch_backend
 
     monkeypatch.setattr(torch_backend, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
@@ -71,7 +84,7 @@ def test_torch_backend_refuses_a_hybrid_before_its_weights_load(hybrid, monkeypa
     assert_names_the_list_and_the_flag(str(e.value), _architecture(hybrid), "torch")
 
 
-def test_mlx_backend_refuses_a_hybrid_before_mlx_lm_sees_it(hybrid, monkeypatch):
+def test_mlx_backend_refuses_a_hybrid_before_mlx_lm_sees_it(hybrid, hybrids_unverified, monkeypatch):
     """mlx-lm knows some of these model types and not others; either way tierlm's check answers first."""
     pytest.importorskip("mlx.core", reason="mlx is not installed; `pip install 'mlx[cpu]' mlx-lm`")
     from tierlm.backends.mlx import backend as mlx_backend
@@ -82,9 +95,10 @@ def test_mlx_backend_refuses_a_hybrid_before_mlx_lm_sees_it(hybrid, monkeypatch)
     assert_names_the_list_and_the_flag(str(e.value), _architecture(hybrid), "mlx")
 
 
-def test_trusted_hybrid_loads_on_torch_with_a_warning_in_the_log_and_server_info(hybrid, caplog):
+def test_trusted_hybrid_loads_on_torch_with_a_warning_in_the_log_and_server_info(hybrid, hybrids_unverified,
+                                                                                 caplog):
     with caplog.at_level(logging.WARNING):
-        engine = start_engine(hybrid, "torch", trust_unverified_architecture=True)
+        engine = start_engine(hybrid, "torch", trust_unverified_architecture=True, dtype="float32")
     try:
         info = engine.server_info()
         assert info["architecture"] == _architecture(hybrid)
@@ -92,12 +106,13 @@ def test_trusted_hybrid_loads_on_torch_with_a_warning_in_the_log_and_server_info
         assert len(info["warnings"]) == 1 and FLAG in info["warnings"][0]
         assert _architecture(hybrid) in info["warnings"][0] and "recurrent state" in info["warnings"][0]
         assert any(FLAG in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
-        assert len(run(engine, [[5, 6, 7, 8]], greedy(3))[0].token_ids) == 3  # it runs (wrongly: see the issue)
+        assert len(run(engine, [[5, 6, 7, 8]], greedy(3))[0].token_ids) == 3  # it runs
     finally:
         engine.shutdown()
 
 
-def test_doctor_says_whether_the_architecture_is_verified(hybrid, tiny_llama, monkeypatch, capsys):
+def test_doctor_says_whether_the_architecture_is_verified(hybrid, tiny_llama, hybrids_unverified, monkeypatch,
+                                                          capsys):
     from tierlm.server import doctor_cmd
 
     monkeypatch.delenv("SGLANG_USE_MLX", raising=False)
@@ -185,6 +200,8 @@ def _reference_tested() -> dict[str, tuple[str, list[str]]]:
               for spec in FAMILIES.values()}
     gpt_oss_type = transformers.GptOssConfig.model_type  # model_factory.build_tiny_gpt_oss, tests/test_gpt_oss.py
     tested[transformers.GptOssForCausalLM.__name__] = (gpt_oss_type, test_gpt_oss.BACKENDS)
+    for architecture, spec in HYBRIDS.items():  # model_factory.build_tiny_hybrid, tests/test_hybrid_models.py
+        tested[architecture] = (spec["model_type"], test_hybrid_models.BACKENDS)
     return tested
 
 

@@ -12,13 +12,18 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
                                   ModelBackend, ModelInfo)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.mlx.grammar_mask import apply_token_bitmask
+from tierlm.backends.mlx.hybrid_families import ModelParts, attention_attributes
 from tierlm.backends.mlx.kv_pool import MLXKVPool
+from tierlm.backends.mlx.linear_state import LinearState
+from tierlm.backends.mlx.linear_state import StepPlan as LinearStepPlan
+from tierlm.backends.mlx.linear_state import install_linear_state
 from tierlm.backends.mlx.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.mlx.model_loader import load_mlx_model
 from tierlm.backends.mlx.paged_attention import StepContext, StepPlan, install_paged_attention, sliding_windows
 from tierlm.backends.mlx.sampler import sample
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
+from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 from tierlm.backends.verified_architectures import check_architecture
 
 log = logging.getLogger(__name__)
@@ -52,17 +57,26 @@ class MLXBackend(ModelBackend):
         self.model, config, self.dtype = load_mlx_model(self.model_dir, dtype)
         self.device = "metal" if mx.default_device() == mx.gpu else "cpu"
         self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        if not hasattr(self.model, "model") or not hasattr(self.model.model, "embed_tokens"):
+        if not (hasattr(self.model, "model") or hasattr(self.model, "backbone")):
             raise NotImplementedError(
-                f"{type(self.model).__module__}.Model has no .model.embed_tokens; the mlx backend supports "
-                "decoder families laid out like llama, mistral, qwen2 and qwen3")
-        num_layers = len(self.model.layers)
+                f"{type(self.model).__module__}.Model has no .model body; the mlx backend supports decoder "
+                "families laid out like llama, mistral, qwen2 and qwen3, and the verified hybrids")
+        self.parts = ModelParts(self.model)
+        layers = self.parts.layers
+        num_layers = len(layers)
         windows = sliding_windows(config, num_layers)
         self._ctx = StepContext()
-        install_paged_attention(self.model, self._ctx, windows)
+        layout = hybrid_layout(config)
+        attention = attention_attributes(layout, num_layers)
+        install_paged_attention(self.model, self._ctx, windows, layers, attention)
+        # Hybrids: linear mixers wrapped to read/write a state pool (linear_state.py); None otherwise.
+        self.linear_state: LinearState | None = None
+        if layout is not None:
+            self.linear_state = install_linear_state(layers, layout, DTYPE_NAMES[self.dtype])
 
         num_heads = config["num_attention_heads"]
-        attn = self.model.layers[0].self_attn.inner
+        first = min(attention)
+        attn = getattr(layers[first], attention[first]).inner
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         self.info = ModelInfo(
             model_path=str(self.model_dir),
@@ -77,6 +91,7 @@ class MLXBackend(ModelBackend):
             fingerprint=model_fingerprint(self.model_dir),
             sliding_window=next((w for w in windows if w is not None), None),
             kv_dtype=kv_storage_dtype(kv_cache_dtype, DTYPE_NAMES[self.dtype]),
+            state=self.linear_state.geometry if self.linear_state is not None else None,
         )
         self.pool: MLXKVPool | None = None
         self._key = mx.random.key(seed)
@@ -86,6 +101,17 @@ class MLXBackend(ModelBackend):
     # --- sizing ---
     def weight_bytes(self) -> int:
         return self._weight_bytes
+
+    def init_state_pool(self, num_slots: int) -> None:
+        if self.linear_state is not None:
+            self.linear_state.init_pool(num_slots)
+
+    def copy_state_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.linear_state.copy_slots(src, dst)
+
+    def _arrays(self) -> list[mx.array]:
+        """What a step writes: the KV pool, and a hybrid's state pool."""
+        return self.pool.arrays() + (self.linear_state.arrays() if self.linear_state is not None else [])
 
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info
@@ -98,12 +124,12 @@ class MLXBackend(ModelBackend):
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         logits = self.forward_logits(batch)
         if logits is None:
-            mx.eval(self.pool.arrays())
+            mx.eval(self._arrays())
             return ForwardOutput(next_token_ids=np.zeros(0, np.int64))
         S = len(batch.sample_indices)
         lp = raw_logprobs(logits, batch)  # before sampling: no sampling transform reaches the logprobs
         tokens = self.sample(logits[:S], batch) if S else mx.zeros((0,), mx.int64)
-        mx.eval(tokens, self.pool.arrays())
+        mx.eval(tokens, self._arrays())
         out = ForwardOutput(next_token_ids=np.array(tokens).astype(np.int64))
         if lp is not None:
             fill_logprobs(out, lp, tokens, batch)
@@ -117,22 +143,22 @@ class MLXBackend(ModelBackend):
         if batch.page_size != self.pool.page_size:
             raise ValueError(f"batch.page_size {batch.page_size} differs from the pool's {self.pool.page_size}")
         self._ctx.plan = StepPlan(batch)
+        if self.linear_state is not None:
+            self.linear_state.plan = LinearStepPlan(batch)
         try:
-            # model.model is the decoder body (embeddings .. final norm); the head runs on sampled rows only.
-            hidden = self.model.model(mx.array(np.asarray(batch.input_ids, np.int32))[None])[0]
+            # the decoder body (embeddings .. final norm); the head runs on sampled rows only.
+            hidden = self.parts.body(mx.array(np.asarray(batch.input_ids, np.int32))[None])[0]
         finally:
             self._ctx.plan = None  # the lazy graph already holds every index array it needs
+            if self.linear_state is not None:
+                self.linear_state.plan = None
         rows = np.asarray(batch.sample_indices, np.int32)
         if batch.num_logprob_rows:
             rows = np.concatenate([rows, np.asarray(batch.logprob_indices, np.int32)])
         if len(rows) == 0:
             return None
         hidden = hidden[mx.array(rows)]
-        if hasattr(self.model, "lm_head"):
-            logits = self.model.lm_head(hidden)
-        else:  # tied embeddings
-            logits = self.model.model.embed_tokens.as_linear(hidden)
-        return logits.astype(mx.float32)
+        return self.parts.head(hidden).astype(mx.float32)
 
     def sample(self, logits: mx.array, batch: ForwardBatch) -> mx.array:
         s = batch.sampling

@@ -9,7 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tierlm.backends.dtypes import serving_dtype
+from tierlm.backends.mlx.hybrid_families import hybrid_model_classes, hybrid_overrides
 from tierlm.backends.model_source.folder_facts import read_json
+from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def load_mlx_model(model_dir: Path, dtype: str) -> tuple[nn.Module, dict[str, An
     config = read_json(model_dir / "config.json")
     if not config:
         raise FileNotFoundError(f"{model_dir} has no readable config.json; pass a Hugging Face model folder")
-    overrides = config_overrides(config)
+    overrides = {**config_overrides(config), **hybrid_overrides(config, hybrid_layout(config))}
     model, config = load_model(model_dir, lazy=True, model_config=overrides, get_model_classes=model_classes)
     target = resolve_dtype(dtype, config)
     # set_dtype only touches floating parameters, so quantized weights stay packed.
@@ -93,4 +95,4 @@ def model_classes(config: dict[str, Any]) -> tuple[type, type]:
         from tierlm.backends.mlx import gpt_oss
 
         return gpt_oss.Model, gpt_oss.ModelArgs
-    return _get_classes(config)
+    return hybrid_model_classes(config) or _get_classes(config)

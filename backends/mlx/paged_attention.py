@@ -198,16 +198,21 @@ def sliding_windows(config: dict[str, Any], num_layers: int) -> list[int | None]
     return [None] * num_layers
 
 
-def install_paged_attention(model: nn.Module, ctx: StepContext, windows: list[int | None]) -> None:
-    """Wrap every layer's ``self_attn`` of this model instance (other mlx-lm models are untouched)."""
-    layers = model.layers
+def install_paged_attention(model: nn.Module, ctx: StepContext, windows: list[int | None],
+                            layers: list | None = None, attention: dict[int, str] | None = None) -> None:
+    """Wrap every layer's ``self_attn`` of this model instance (other mlx-lm models are untouched). Hybrids pass
+    their ``layers`` and ``attention`` (layer index -> attribute of its attention module; hybrid_families.py):
+    only those are wrapped, each writing the pool's entry of its own layer index."""
+    layers = model.layers if layers is None else layers
     if len(windows) != len(layers):
         raise ValueError(f"{len(windows)} window entries for {len(layers)} layers")
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
+    attention = {i: "self_attn" for i in range(len(layers))} if attention is None else attention
+    for i, attr in attention.items():
+        layer = layers[i]
+        attn = getattr(layer, attr, None)
         if attn is None:
             raise NotImplementedError(
-                f"layer {i} of {type(model).__module__} has no self_attn; the mlx backend supports "
-                "attention-only decoder families (llama, mistral, qwen2, qwen3)")
+                f"layer {i} of {type(model).__module__} has no {attr}; the mlx backend supports "
+                "attention-only decoder families (llama, mistral, qwen2, qwen3) and the verified hybrids")
         if not isinstance(attn, PagedAttention):
-            layer.self_attn = PagedAttention(attn, i, windows[i], ctx)
+            setattr(layer, attr, PagedAttention(attn, i, windows[i], ctx))

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierlm.backends.base import StateGeometry
 from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token, kv_storage_dtype, serving_dtype
+from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -63,27 +65,33 @@ class ModelSize:
     kv_bytes_per_token: int
     weight_bytes: int
     vocab_size: int | None
+    state_slot_bytes: int = 0  # hybrids: one request's recurrent state (the memory plan sets aside one per slot)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu", kv_cache_dtype: str = "auto") -> ModelSize:
+def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu", kv_cache_dtype: str = "auto",
+               cpu_bf16: bool = False) -> ModelSize:
     """KV bytes per token and weight bytes of a local model folder served in ``dtype`` on ``device`` (auto: as
-    the backends resolve it, dtypes.serving_dtype) with KV pages in ``kv_cache_dtype`` (--kv-cache-dtype), from
-    config.json and the safetensors headers."""
+    the backends resolve it, dtypes.serving_dtype, with ``cpu_bf16`` the platform decision's native_bf16) with KV
+    pages in ``kv_cache_dtype`` (--kv-cache-dtype), from config.json and the safetensors headers."""
     folder = Path(model_dir)
     cfg = text_config(folder)
     stored = cfg.get("torch_dtype") or cfg.get("dtype")
-    dtype = serving_dtype(dtype, device, stored if isinstance(stored, str) else None)
+    dtype = serving_dtype(dtype, device, stored if isinstance(stored, str) else None, cpu_bf16)
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     vocab = cfg.get("vocab_size")
+    layout = hybrid_layout(cfg)
+    state = 0 if layout is None else StateGeometry(len(layout.linear_layers), layout.conv_dim, layout.conv_kernel,
+                                                   layout.rec_shape, dtype).slot_bytes
     return ModelSize(path=str(folder), dtype=dtype,
                      kv_bytes_per_token=kv_bytes_per_token(int(cfg["num_hidden_layers"]), kv_heads, head_dim,
                                                            kv_storage_dtype(kv_cache_dtype, dtype)),
-                     weight_bytes=weight_bytes(folder, dtype), vocab_size=int(vocab) if vocab else None)
+                     weight_bytes=weight_bytes(folder, dtype), vocab_size=int(vocab) if vocab else None,
+                     state_slot_bytes=state)
 
 
 def weight_bytes(model_dir: Path, dtype: str) -> int:

@@ -13,8 +13,12 @@ from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
 from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.cpu_linear import packed_bytes
+from tierlm.backends.torch.cpu_threads import configure_cpu_threads
+from tierlm.backends.torch.decode_graphs import DecodeGraphs
 from tierlm.backends.torch.grammar_mask import apply_token_bitmask
 from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
+from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
 from tierlm.backends.verified_architectures import check_architecture
@@ -40,6 +44,8 @@ class TorchBackend(ModelBackend):
             log.warning(self.architecture_check.warning)
         self.torch_device = torch.device(device)
         self.device = self.torch_device.type
+        if self.device == "cpu":
+            configure_cpu_threads()  # before any kernel runs: one core left to the server (cpu_threads.py)
         self.dtype = resolve_dtype(dtype, self.torch_device)
         self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code)
         cfg = self.model.config
@@ -63,7 +69,12 @@ class TorchBackend(ModelBackend):
         self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
         self.attention_backend = self._check_attention_backend(attention_backend)
         self.pool: TorchKVPool | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
+        # Hybrids: linear mixers wrapped to read/write a state pool (linear_state.py); None otherwise.
+        self.linear_state = install_linear_state(self.model, self.model_dir, self.info.dtype, self.torch_device)
+        if self.linear_state is not None:
+            self.info.state = self.linear_state.geometry
 
     def _check_attention_backend(self, name: str) -> str:
         if name == "tierlm_paged":  # torch_native's old name
@@ -89,12 +100,38 @@ class TorchBackend(ModelBackend):
 
     # --- sizing ---
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
+
+    def init_state_pool(self, num_slots: int) -> None:
+        if self.linear_state is not None:
+            self.linear_state.init_pool(num_slots)
+
+    def copy_state_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.linear_state.copy_slots(src, dst)
 
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info
-        self.pool = TorchKVPool(i.num_layers, num_pages, page_size, i.num_kv_heads, i.head_dim,
+        # One page more than the runtime hands out: padded rows of static decode steps write there (decode_graphs).
+        self.pool = TorchKVPool(i.num_layers, num_pages + 1, page_size, i.num_kv_heads, i.head_dim,
                                 self.kv_torch_dtype, self.torch_device)
+        self.scratch_page = num_pages
+        self.decode_graphs = None
+
+    def init_decode_graphs(self, max_bs: int, context_length: int, capture: bool) -> dict | None:
+        assert self.pool is not None, "init_kv_pool() first"
+        if self.linear_state is not None:
+            return None  # hybrids: the recurrent-state reads and writes are not part of the static path
+        capture = capture and self.device == "cuda" and self.attention_backend == paged_attention.TRITON
+        self.decode_graphs = DecodeGraphs(self.pool, self.scratch_page, max_bs, context_length, self.info.vocab_size,
+                                          self.torch_device, self.attention_backend, self._run_model, capture)
+        return self.decode_graphs.info()
+
+    def decode_graph_stats(self) -> dict | None:
+        return self.decode_graphs.info() if self.decode_graphs is not None else None
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        return out.logits[0].float()
 
     # --- execution ---
     @torch.inference_mode()
@@ -113,6 +150,8 @@ class TorchBackend(ModelBackend):
         """Run the model over the step; logits [S + P, V] float32 for batch.sample_indices, then
         batch.logprob_indices (the prompt rows scored for logprobs, when any)."""
         assert self.pool is not None, "init_kv_pool() first"
+        if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
+            return self.decode_graphs.run(batch)
         dev = self.torch_device
         meta = paged_attention.StepMeta(batch.q_lens, batch.kv_lens, batch.positions, batch.page_table,
                                         batch.page_size, dev, self.attention_backend)
@@ -123,11 +162,12 @@ class TorchBackend(ModelBackend):
             rows = np.concatenate([rows, np.asarray(batch.logprob_indices, np.int64)])
         keep = torch.from_numpy(rows).to(dev)
         paged_attention.CURRENT.meta, paged_attention.CURRENT.pool = meta, self.pool
+        if self.linear_state is not None:
+            self.linear_state.begin(batch)
         try:
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+            return self._run_model(input_ids, positions, keep)
         finally:
             paged_attention.CURRENT.meta = None
-        return out.logits[0].float()
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = batch.sampling

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from tierlm.backends.dtypes import serving_dtype
 from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.cpu_linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
+        pack_linears(model)  # oneDNN-prepacked weights: the same products, faster decode (cpu_linear.py)
     return model
 
 

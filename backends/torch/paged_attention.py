@@ -92,6 +92,18 @@ class StepMeta:
         self.identity_rows = len(self.groups) == 1 and g0.all_valid and g0.G * g0.Q == len(positions) and \
             bool((g0.rows_np == np.arange(len(positions))).all())
 
+    @classmethod
+    def from_static_decode(cls, slot_mapping: torch.Tensor, group: _TritonGroup, page_size: int,
+                           device: torch.device) -> "StepMeta":
+        """A decode step's metadata made of tensors that live across steps (decode_graphs.py: a captured CUDA
+        graph reads them at the same addresses every replay); Triton attention only."""
+        meta = cls.__new__(cls)
+        meta.device, meta.page_size, meta.attention_backend = device, page_size, TRITON
+        meta.slot_mapping = slot_mapping
+        meta.single_fresh_prefill, meta.identity_rows = False, False
+        meta.groups, meta.triton_groups = [], [group]
+        return meta
+
     def _triton_group(self, is_decode, sel, q_lens, kv_lens, starts, page_table) -> _TritonGroup:
         kl = kv_lens[sel]
         P = max(1, -(-int(kl.max()) // self.page_size))
@@ -178,7 +190,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         kg = kg.view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
         vg = vg.view(g.G, g.L, -1, D).transpose(1, 2)
         mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
-        og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
+        if g.Q == 1 and s_aux is None and q.dtype in _EAGER_DECODE_DTYPES and q.device.type == "cpu":
+            og = attend_decode_eager(qg, kg, vg, mask, scaling)
+        else:
+            og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
         if meta.identity_rows:
             return og[None], None
@@ -212,6 +227,25 @@ def _triton_groups(meta: StepMeta, pool, layer: int, q: torch.Tensor, out: torch
         else:
             ta.extend(q, k, v, out, g.q_start, g.q_lens, g.kv_lens, g.page_table, meta.page_size, g.max_q_len,
                       scale, pool.kv_dtype, sliding_window, sinks)
+
+
+# CPU decode in half precision: torch's fused SDPA kernels run one-query bf16/fp16 attention ~10x slower than
+# two matmuls and a softmax (measured on AVX512-BF16 at 144 and 2032 keys), so decode rows take transformers'
+# eager math instead; float32 keeps SDPA (the reference tests' numbers).
+_EAGER_DECODE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def attend_decode_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """One query per request, as transformers' eager attention computes it: q [G, H, 1, D], k/v [G, Hkv, L, D],
+    mask [G, 1, 1, L] -> [G, H, 1, D]. Scores in the model's dtype, softmax in float32. GQA without repeating
+    K/V: the H/Hkv query heads of one KV head become that head's query rows."""
+    G, H, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = torch.matmul(q.reshape(G, Hkv, H // Hkv, D), k.transpose(-1, -2)) * scale  # [G, Hkv, H/Hkv, L]
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask broadcasts over KV heads and their query rows
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(G, H, 1, D)
 
 
 # Extra q/k features that carry the sink shift; 8 keeps the head dim a multiple of 8 for fused SDPA kernels.

@@ -103,6 +103,22 @@ def resolve_model(ns: argparse.Namespace, progress: bool) -> tuple[Path, str]:
     return path, str(path)
 
 
+def resolve_dtype(requested: str, model_dir: Path) -> str:
+    """``--dtype auto`` made concrete as `serve` would resolve it on this machine for the torch backend (the
+    native-bf16 rule on a CPU), so the servers and the in-process baselines of one run compute in the same dtype.
+    For MLX it stays auto (the MLX backend resolves it)."""
+    import os
+
+    from tierlm.platforms import choose_backend, detect
+    from tierlm.runtime.engine_setup import choose_dtype
+    from tierlm.runtime.server_args import ServerArgs
+
+    if requested != "auto":
+        return requested
+    decision = choose_backend(detect(), os.environ)
+    return choose_dtype(ServerArgs(model_path=str(model_dir), dtype=requested), decision, model_dir)[0]  # MLX: auto
+
+
 def set_threads(n: int) -> None:
     """Same thread count for server subprocesses (they inherit the environment) and in-process baselines."""
     import os
@@ -137,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_work_dir = ns.work_dir is None
     work_dir = Path(ns.work_dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    ctx = BenchContext(model_dir=model_dir, model_label=label, dtype=ns.dtype, page_size=ns.page_size,
+    ctx = BenchContext(model_dir=model_dir, model_label=label, dtype=resolve_dtype(ns.dtype, model_dir),
+                       page_size=ns.page_size,
                        server_extra=list(ns.server_arg), seed=ns.seed, progress=progress, work_dir=work_dir,
                        command="tierlm bench " + shlex.join(argv), vocab_size=model_size(model_dir).vocab_size or 0,
                        load_at_start=load_at_start)

@@ -6,10 +6,13 @@ Per server, one after the other (tierlm is started here and stopped before the p
 user's own processes and stay up):
   cold TTFT    a ``--prompt-tokens`` prompt of random words no server has seen, 1 token, streamed;
   warm TTFT    a long prefix sent once (priming), then again with a new short suffix each time;
-  1 stream     ``--decode-tokens`` tokens (EOS ignored) after a short prompt: decode tok/s from the first token to
-               the last, and end to end;
+  1 stream     ``--decode-tokens`` tokens (EOS ignored) after a short prompt: end to end, and decode tok/s: the
+               tokens after the first over (that request's time - a 1-token request's time on a prompt of the
+               same length). Not from stream events: servers differ in how many tokens one event carries (tierlm
+               sends none for a token whose text is still empty, vLLM may merge tokens when the client lags);
   N streams    ``--streams`` such requests at once: all their tokens over the wall time.
-Every server gets the same prompts (same seed). Token counts come from the servers' usage; a server that returns
+Every server gets the same prompts, drawn afresh for each run (a peer that stays up between runs would otherwise
+find the last run's "cold" prompts in its prefix cache). Token counts come from the servers' usage; a server that returns
 fewer tokens than asked stops the run, since a ratio to it would mean nothing.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import secrets
 from typing import Any
 
 import numpy as np
@@ -85,13 +89,17 @@ def build_workload(ns: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(ctx.model_dir)
     # verbose=False: no warning when a draft prompt passes the tokenizer's model_max_length on the way to its size
-    b = PromptBuilder(lambda text: tokenizer.encode(text, verbose=False), np.random.default_rng(ctx.seed))
+    # The peers are long-lived processes with prefix caches: a prompt of an earlier run would be a warm hit there.
+    # So each run draws its own words (the same for every server in the run): --seed and a fresh nonce.
+    rng = np.random.default_rng([ctx.seed, secrets.randbits(64)])
+    b = PromptBuilder(lambda text: tokenizer.encode(text, verbose=False), rng)
     P, R = ns.prompt_tokens, ns.repeats
     prefix = b.text(P - WARM_SUFFIX_TOKENS)
     return {"first": b.text(DECODE_PROMPT_TOKENS),  # off the clock: a server's first request may compile
             "cold": [b.text(P) for _ in range(R)],
             "warm": [b.text(P, head=prefix) for _ in range(R + 1)],  # [0] primes the cache
             "single": [b.text(DECODE_PROMPT_TOKENS) for _ in range(R)],
+            "single_first": [b.text(DECODE_PROMPT_TOKENS) for _ in range(R)],  # its 1-token twins (TTFT)
             "streams": [[b.text(DECODE_PROMPT_TOKENS) for _ in range(ns.streams)] for _ in range(R)]}
 
 
@@ -104,21 +112,25 @@ async def _measure(ep: Endpoint, w: dict[str, Any], ns: argparse.Namespace, bar)
         await s.one(w["warm"][0], 1)
         warm = [await s.one(p, 1) for p in w["warm"][1:]]
         bar.update()
+        first = [await s.one(p, 1) for p in w["single_first"]]
         single = [await s.one(p, N) for p in w["single"]]
         bar.update()
         runs = [await s.concurrent(prompts, N) for prompts in w["streams"]]
         bar.update()
-    return summarize(cold, warm, single, runs) | {"raw": {
+    return summarize(cold, warm, single, runs, first) | {"raw": {
         "cold": [c.to_dict() for c in cold], "warm": [c.to_dict() for c in warm],
-        "single": [c.to_dict() for c in single],
+        "single": [c.to_dict() for c in single], "single_first": [c.to_dict() for c in first],
         "streams": [{"wall_s": wall, "requests": [c.to_dict() for c in cs]} for cs, wall in runs]}}
 
 
 def summarize(cold: list[Completion], warm: list[Completion], single: list[Completion],
-              runs: list[tuple[list[Completion], float]]) -> dict[str, Any]:
-    """One server's row values (medians over repeats) and the token counts each row's requests came back with."""
+              runs: list[tuple[list[Completion], float]], first: list[Completion]) -> dict[str, Any]:
+    """One server's row values (medians over repeats) and the token counts each row's requests came back with.
+    ``first``: 1-token requests on prompts as long as ``single``'s, whose time is taken off theirs for decode."""
+    n = _same([c.completion_tokens for c in single])
+    decode_s = median([c.latency for c in single]) - median([c.latency for c in first])
     return {"cold_ttft_s": median([c.ttft for c in cold]), "warm_ttft_s": median([c.ttft for c in warm]),
-            "decode_tps": median([c.decode_tokens_per_s for c in single]),
+            "decode_tps": (n - 1) / decode_s if isinstance(n, int) and n > 1 and decode_s > 0 else None,
             "e2e_tps": median([c.end_to_end_tokens_per_s for c in single]),
             "streams_tps": median([sum(c.completion_tokens for c in cs) / wall for cs, wall in runs if wall > 0]),
             "prompt_tokens": {"cold": _same([c.prompt_tokens for c in cold]),
@@ -217,8 +229,9 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
              f"same {ns.prompt_tokens - WARM_SUFFIX_TOKENS}-token prefix after one priming request, a new "
              f"{WARM_SUFFIX_TOKENS}-token suffix each time; both streamed, TTFT = first streamed choice",
              f"decode: {ns.decode_tokens} tokens (ignore_eos) after a {DECODE_PROMPT_TOKENS}-token prompt; decode "
-             "tok/s counts tokens after the first over the time from the first streamed choice to the last; end to "
-             f"end includes TTFT; N-stream: {ns.streams} such requests at once, all their tokens over the wall time",
+             "tok/s: the tokens after the first over (that request's time - a 1-token request's on an equally long "
+             "prompt), whatever tokens each stream event carries; end to end includes TTFT; N-stream: "
+             f"{ns.streams} such requests at once, all their tokens over the wall time",
              f"medians of {ns.repeats}; servers measured one after the other with the same prompts; token counts "
              "from each server's usage; one request per server before the clock starts",
              "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "

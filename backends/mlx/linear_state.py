@@ -1,0 +1,157 @@
+"""Run a hybrid model's linear-attention / Mamba2 layers (mlx-lm modules) inside tierlm's flat packed step.
+
+As backends/torch/linear_state.py: each linear mixer of the model instance is wrapped by ``LinearMixer``, which
+calls the *original* mlx-lm module with ``StateCache``, a duck of mlx-lm's ``ArraysCache`` (``[0]`` conv state,
+``[1]`` recurrent state, ``lengths`` None, ``advance``, truthy) holding states from ``MLXStatePool``:
+
+- decode rows (one token continuing a state) go as one ``[G, 1, H]`` call with the states gathered by slot;
+- prefill chunks run one call each (batch 1): from zeros when the chunk starts its request (kv_len == q_len),
+  else from its slot. One call per segment: right padding would corrupt Nemotron-H's final SSM state (its
+  ``ssm_update`` ignores lengths) and left padding would put zeros between a resumed conv state and new tokens.
+- snapshots (prefix reuse, runtime/state_snapshots.py): ``ForwardBatch.snapshot_at/dst`` ask for a request's state
+  after some of its new tokens to be copied into another slot; a prefill segment is run as two calls split there,
+  a decode row (or a segment whose end is the point) is copied after its call.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from tierlm.backends.base import ForwardBatch, StateGeometry
+from tierlm.backends.mlx.state_pool import MLXStatePool
+from tierlm.backends.model_source.hybrid_layout import HybridLayout
+
+
+class StateCache:
+    """What an mlx-lm linear mixer reads and writes of its ArraysCache, for one call (None: zero state)."""
+
+    lengths = None  # no padded rows: every row of a call is real
+
+    def __init__(self, conv: mx.array | None, rec: mx.array | None) -> None:
+        self.cache: list[Any] = [conv, rec]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        self.cache[i] = value
+
+    def __bool__(self) -> bool:  # the mixers test `if cache:`
+        return True
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+class StepPlan:
+    """One step's split of the flat rows, shared by every linear layer: decode rows, prefill segments, and the
+    permutation from [decode rows, segments...] back to flat row order."""
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        if batch.state_slots is None:
+            raise ValueError("a hybrid model's ForwardBatch needs state_slots (one state slot per request)")
+        q_lens = np.asarray(batch.q_lens, np.int64)
+        kv_lens = np.asarray(batch.kv_lens, np.int64)
+        slots = np.asarray(batch.state_slots, np.int64)
+        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
+        fresh = kv_lens == q_lens
+        decode = (q_lens == 1) & ~fresh
+        self.decode_rows = mx.array(starts[decode].astype(np.int32)) if decode.any() else None
+        self.decode_slots = mx.array(slots[decode].astype(np.int32)) if decode.any() else None
+        none = np.full(len(q_lens), -1, np.int64)  # no snapshot in this step
+        at = none if batch.snapshot_at is None else np.asarray(batch.snapshot_at, np.int64)
+        dst = none if batch.snapshot_dst is None else np.asarray(batch.snapshot_dst, np.int64)
+        snap = decode & (at > 0)  # a decode row's only point is after its token
+        self.decode_snap = (mx.array(slots[snap].astype(np.int32)), mx.array(dst[snap].astype(np.int32))) \
+            if snap.any() else None
+        self.prefills = [(int(slots[i]), int(starts[i]), int(starts[i] + q_lens[i]), bool(fresh[i]), int(at[i]),
+                          int(dst[i])) for i in np.nonzero(~decode)[0]]
+        order = np.concatenate([starts[decode]] + [np.arange(p[1], p[2]) for p in self.prefills]).astype(np.int64)
+        self.in_order = bool((order == np.arange(len(order))).all())
+        self.unpermute = None if self.in_order else mx.array(np.argsort(order).astype(np.int32))
+
+
+class LinearMixer(nn.Module):
+    """Wraps one linear mixer: per-request calls of the original module against the state pool."""
+
+    def __init__(self, inner: nn.Module, linear_idx: int, state: "LinearState") -> None:
+        super().__init__()
+        self.inner = inner
+        self._linear_idx = linear_idx
+        self._state = state
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        plan, pool, i = self._state.plan, self._state.pool, self._linear_idx
+        if plan is None or pool is None:
+            raise RuntimeError("hybrid linear layer called outside MLXBackend.forward (no step plan / state pool)")
+        flat = x[0]
+        pieces = []
+        if plan.decode_rows is not None:
+            idx = plan.decode_slots
+            c = StateCache(pool.conv[i][idx], pool.rec[i][idx])
+            pieces.append(self.inner(flat[plan.decode_rows][:, None], mask=None, cache=c)[:, 0])
+            pool.conv[i][idx] = c[0]
+            pool.rec[i][idx] = c[1]
+            if plan.decode_snap is not None:
+                src, dst = plan.decode_snap
+                pool.conv[i][dst] = pool.conv[i][src]
+                pool.rec[i][dst] = pool.rec[i][src]
+        for slot, start, end, fresh, at, dst in plan.prefills:
+            c = StateCache(None, None) if fresh else \
+                StateCache(pool.conv[i][slot:slot + 1], pool.rec[i][slot:slot + 1])
+            if 0 < at < end - start:  # a snapshot inside the segment: run it as two calls, keep the state between
+                pieces.append(self.inner(flat[start:start + at][None], mask=None, cache=c)[0])
+                pool.conv[i][dst:dst + 1] = c[0]
+                pool.rec[i][dst:dst + 1] = c[1]
+                start, at = start + at, -1
+            pieces.append(self.inner(flat[start:end][None], mask=None, cache=c)[0])
+            pool.conv[i][slot:slot + 1] = c[0]
+            pool.rec[i][slot:slot + 1] = c[1]
+            if at > 0:  # the snapshot is the segment's end
+                pool.conv[i][dst:dst + 1] = c[0]
+                pool.rec[i][dst:dst + 1] = c[1]
+        out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+        return (out if plan.in_order else out[plan.unpermute])[None]
+
+
+class LinearState:
+    """The state side of a hybrid model on MLX: the layout, the pool and the step plan."""
+
+    def __init__(self, layout: HybridLayout, geometry: StateGeometry) -> None:
+        self.layout = layout
+        self.geometry = geometry
+        self.pool: MLXStatePool | None = None
+        self.plan: StepPlan | None = None
+
+    def init_pool(self, num_slots: int) -> None:
+        self.pool = MLXStatePool(self.geometry, self.layout.kind, num_slots)
+
+    def arrays(self) -> list[mx.array]:
+        return self.pool.arrays() if self.pool is not None else []
+
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Slot ``src[i]`` -> ``dst[i]``, every linear layer (a snapshot into a live slot); evaluated at once so
+        the pool holds no pending graph between steps."""
+        s, d = mx.array(np.asarray(src, np.int32)), mx.array(np.asarray(dst, np.int32))
+        for i in range(len(self.pool.conv)):
+            self.pool.conv[i][d] = self.pool.conv[i][s]
+            self.pool.rec[i][d] = self.pool.rec[i][s]
+        mx.eval(self.pool.arrays())
+
+
+def install_linear_state(layers: list, layout: HybridLayout, dtype: str) -> LinearState:
+    """Wrap every linear mixer of a loaded hybrid model's layers."""
+    geometry = StateGeometry(len(layout.linear_layers), layout.conv_dim, layout.conv_kernel, layout.rec_shape,
+                             conv_dtype=dtype)
+    state = LinearState(layout, geometry)
+    for linear_idx, layer_idx in enumerate(layout.linear_layers):
+        layer = layers[layer_idx]
+        inner = getattr(layer, layout.mixer_attribute, None)
+        if inner is None or not hasattr(inner, "conv1d"):
+            raise RuntimeError(f"layer {layer_idx} of this {layout.model_type} model has no linear mixer at "
+                               f".{layout.mixer_attribute} (found {type(inner).__name__})")
+        setattr(layer, layout.mixer_attribute, LinearMixer(inner, linear_idx, state))
+    return state

@@ -1,0 +1,101 @@
+"""CPU bf16: oneDNN-prepacked linear weights (backends/torch/cpu_linear.py) give bit-identical products, the
+decode attention path (eager math for one-query bf16 rows) agrees with transformers' bf16 eager model, and
+float32 is never touched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend_driver import run_greedy
+from model_factory import build_tiny_model
+from tierlm.backends.base import ForwardBatch, SamplingBatch
+from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.backend import TorchBackend
+from tierlm.backends.torch.cpu_linear import PackedLinear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no mkldnn linear ops")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (1, 7, 48), (70, 48)])
+def test_packed_linear_is_bit_identical_to_f_linear(bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(*shape).to(torch.bfloat16)
+    expected = F.linear(x, lin.weight, lin.bias)
+    packed = PackedLinear(lin)
+    out = packed(x)
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+def _tiny(family: str, tiny_models_root, dtype):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models_root / family
+    if not (folder / "config.json").exists():
+        build_tiny_model(family, folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+
+
+def test_pack_linears_keeps_tied_and_float32_weights_plain(tiny_models_root):
+    qwen = _tiny("qwen2", tiny_models_root, torch.bfloat16)  # tie_word_embeddings: lm_head shares the embedding
+    n_linear = sum(type(m) is nn.Linear for m in qwen.modules())
+    ids = torch.tensor([[1, 5, 9, 77, 3]])
+    with torch.inference_mode():
+        before = qwen(ids).logits
+        assert pack_linears(qwen) == n_linear - 1
+        after = qwen(ids).logits
+    assert type(qwen.lm_head) is nn.Linear and qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    assert isinstance(qwen.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert qwen.model.layers[0].self_attn.q_proj.bias is not None  # qwen2's q/k/v biases are kept
+    assert torch.equal(before, after)
+    assert pack_linears(_tiny("llama", tiny_models_root, torch.float32)) == 0
+
+
+def _decode_batch(vocab: int, kv_lens: list[int], page_size: int) -> ForwardBatch:
+    q = np.ones(len(kv_lens), np.int32)
+    kv = np.asarray(kv_lens, np.int32)
+    pages = [-(-k // page_size) for k in kv_lens]
+    table = np.zeros((len(kv_lens), max(pages)), np.int32)
+    first = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = np.arange(first, first + n)
+        first += n
+    return ForwardBatch(input_ids=np.arange(len(kv_lens), dtype=np.int64) % vocab, positions=(kv - 1).astype(np.int64),
+                        q_lens=q, kv_lens=kv, page_table=table, sample_indices=np.arange(len(kv_lens), dtype=np.int64),
+                        sampling=SamplingBatch.greedy(len(kv_lens)), page_size=page_size)
+
+
+def test_bf16_decode_eager_path_matches_sdpa_within_bf16_rounding(tiny_llama, monkeypatch):
+    backend = TorchBackend(tiny_llama, dtype="bfloat16")
+    backend.init_kv_pool(64, 4)
+    backend.pool.buffer.normal_()  # cached K/V of every request: random, as any earlier step could leave them
+    batch = _decode_batch(backend.info.vocab_size, [5, 17, 33], 4)
+    eager = backend.forward_logits(batch)
+    monkeypatch.setattr(paged_attention, "_EAGER_DECODE_DTYPES", ())
+    sdpa = backend.forward_logits(batch)
+    assert (eager - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()
+
+
+def test_bf16_greedy_agrees_with_transformers_bf16(tiny_llama):
+    """The whole bf16 path (packed linears, SDPA prefill, eager decode) against transformers' bf16 eager model."""
+    backend = TorchBackend(tiny_llama, dtype="bfloat16")
+    assert any(isinstance(m, PackedLinear) for m in backend.model.modules())
+    prompt = [1, 72, 101, 108, 108, 111, 44, 32, 119]
+    ours = run_greedy(backend, [prompt], 8)[0]
+    hf = _tiny("llama", tiny_llama.parent, torch.bfloat16)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+def test_cpu_threads_leave_one_core_to_the_server_unless_omp_num_threads_says():
+    from tierlm.backends.torch.cpu_threads import cpu_thread_count
+
+    assert cpu_thread_count({}, 2)[0] == 1 and cpu_thread_count({}, 1)[0] == 1
+    assert cpu_thread_count({}, 16)[0] == 15
+    n, why = cpu_thread_count({"OMP_NUM_THREADS": "2"}, 2)
+    assert n is None and why == "OMP_NUM_THREADS=2"

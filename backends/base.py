@@ -281,6 +281,10 @@ class ModelBackend(ABC):
         runs as it comes); otherwise what it set up (buckets, captured sizes), for /server_info."""
         return None
 
+    def set_host_io_backend(self, mode: str) -> None:
+        """--hicache-io-backend (kernel | direct): how pages move to and from the host pool. Backends whose device
+        pool is host memory (MLX) have one way only."""
+
     def decode_graph_stats(self) -> dict[str, Any] | None:
         """The static decode path's state now (steps it ran, captured sizes); None without one."""
         return None

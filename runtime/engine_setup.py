@@ -44,6 +44,8 @@ from tierlm.runtime.speculative.speculator import NgramSpeculator
 from tierlm.runtime.state_slots import StateSlots
 from tierlm.runtime.warm_up import warm_up
 
+IO_BACKEND_MEANING = {"kernel": "pages move as one batched gather and one copy per direction",
+                      "direct": "pages move one copy per page and layer, no staging"}
 DEFAULT_DECODE_GRAPH_MAX_BS = 32  # --cuda-graph-max-bs unset: the buckets cover up to this many running requests
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
     metrics = EngineMetrics(args.model_name)
+    if args.enable_hierarchical_cache:
+        backend.set_host_io_backend(args.hicache_io_backend)
     cache = make_cache_manager(args, backend, tiers)
     cache.register_gauges(metrics)
     outputs = OutputProcessor(tokenizer, stop_token_ids(info, tokenizer, args.reasoning_parser), metrics)
@@ -272,13 +276,15 @@ def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:
     for flag, what in args.accepted_sglang_flags.items():
         log.info("%s: accepted; %s", flag, what)
     if args.enable_hierarchical_cache:
-        if decision.backend == "mlx" or decision.device == "cpu":
-            where = "MLX" if decision.backend == "mlx" else "CPU"
-            log.info("--hicache-io-backend %s: on %s kernel and direct are the same copy (the device and host pools "
-                     "are both in host memory)", args.hicache_io_backend, where)
+        if decision.backend == "mlx":
+            log.info("--hicache-io-backend %s: on MLX kernel and direct are the same copy (the device and host pools "
+                     "are both in host memory)", args.hicache_io_backend)
+        elif decision.device == "cpu":
+            log.info("--hicache-io-backend %s: %s; on CPU both are memory copies", args.hicache_io_backend,
+                     IO_BACKEND_MEANING[args.hicache_io_backend])
         else:
-            log.info("--hicache-io-backend %s: tierlm moves pages between GPU and pinned host memory with the same "
-                     "batched copy for kernel and direct", args.hicache_io_backend)
+            log.info("--hicache-io-backend %s: %s, between the GPU and the host pool registered as pinned memory, "
+                     "loads on a copy stream", args.hicache_io_backend, IO_BACKEND_MEANING[args.hicache_io_backend])
 
 
 def resolve_model(args: ServerArgs) -> Path:

@@ -46,10 +46,12 @@ SUITES = [
     ("triton_attention", "tests/test_triton_attention.py", "not mlx", "test_attention_backend_choice"),
     ("gpt_oss", "tests/test_gpt_oss.py", "not mlx", "not mlx and test_tiny_config_is_gpt_oss_shaped"),
     ("hicache", "tests/test_hicache.py", "not mlx", "not mlx and test_startup_errors_are_actionable"),
+    ("decode_graphs", "tests/test_decode_graphs.py", "not mlx", "test_buckets"),
+    ("host_copies", "tests/test_host_copies.py", "not mlx", "test_unknown_io_backend_is_refused"),
 ]
 # Seconds each step may take at most (the overall budget may cut it shorter).
 TIMEOUTS = {"machine": 60, "deps": 120, "tierlm": 120, "conformance": 90, "engine_reference": 90,
-            "triton_attention": 120, "gpt_oss": 90, "hicache": 120, "bench_prefix": 150, "bench_decode": 180}
+            "triton_attention": 120, "gpt_oss": 90, "hicache": 120, "decode_graphs": 120, "host_copies": 60, "bench_prefix": 150, "bench_decode": 180}
 # Bench settings: (real run, dry run).
 # Prefix first: the decode benchmark's transformers baseline is the step most likely to run long.
 BENCH = {

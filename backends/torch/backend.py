@@ -126,6 +126,10 @@ class TorchBackend(ModelBackend):
                                           self.torch_device, self.attention_backend, self._run_model, capture)
         return self.decode_graphs.info()
 
+    def set_host_io_backend(self, mode: str) -> None:
+        assert self.pool is not None, "init_kv_pool() first"
+        self.pool.set_io_backend(mode)
+
     def decode_graph_stats(self) -> dict | None:
         return self.decode_graphs.info() if self.decode_graphs is not None else None
 
@@ -150,6 +154,7 @@ class TorchBackend(ModelBackend):
         """Run the model over the step; logits [S + P, V] float32 for batch.sample_indices, then
         batch.logprob_indices (the prompt rows scored for logprobs, when any)."""
         assert self.pool is not None, "init_kv_pool() first"
+        self.pool.copies.before_forward()  # CUDA: this step's stream waits for pages still loading from L2
         if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
             return self.decode_graphs.run(batch)
         dev = self.torch_device

@@ -77,8 +77,16 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
         self.steps = {"static": 0, "replayed": 0}
+        self.capture_error: str | None = None
         if capture:
-            self._capture_all(vocab_size)
+            try:
+                self._capture_all(vocab_size)
+            except Exception as e:  # noqa: BLE001 - a model whose forward cannot be captured still serves
+                self.graphs.clear()
+                self.graph_logits.clear()
+                self.capture_error = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graphs: capture failed (%s); decode steps run on the static buffers without "
+                            "graphs (--disable-cuda-graph turns the path off)", self.capture_error)
 
     # --- which steps ---
     def accepts(self, batch: ForwardBatch) -> bool:
@@ -170,4 +178,4 @@ class DecodeGraphs:
 
     def info(self) -> dict[str, Any]:
         return {"buckets": self.buckets, "captured": sorted(self.graphs), "max_context_pages": self.max_pages,
-                **self.steps}
+                "capture_error": self.capture_error, **self.steps}

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tierlm.backends.base import HostKVPool, KVPoolGeometry
+from tierlm.backends.torch.host_copies import DIRECT, HostCopyEngine, direct_from_host, direct_to_host
 
 # dtypes.kv_storage_dtype names -> torch dtypes.
 KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -41,6 +42,11 @@ class TorchKVPool(KVPoolGeometry):
         self.k_pages = [k.view(num_pages, page_size, num_kv_heads, head_dim) for k in self.k]
         self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
         self._stage: torch.Tensor | None = None
+        self.copies = HostCopyEngine(device)  # --hicache-io-backend, the copy stream and pinning (host_copies.py)
+
+    def set_io_backend(self, mode: str) -> None:
+        """--hicache-io-backend: kernel (batched gather + one copy) or direct (one copy per page and layer)."""
+        self.copies = HostCopyEngine(self.device, mode)
 
     # --- what attention writes and reads ---
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +92,15 @@ class TorchKVPool(KVPoolGeometry):
 
     def to_host(self, pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
         self.check_host(host)
+        c = self.copies
+        c.pin(host.data)
+        c.before_staging_reuse()
+        if c.mode == DIRECT:
+            with c.begin_load():  # the copy stream, after the compute that wrote these pages
+                direct_to_host(self._page_view(), np.asarray(pages), host, np.asarray(host_pages), c.cuda)
+            if c.cuda:
+                c.stream.synchronize()  # an L3 writer may read the host page as soon as this returns
+            return
         n, L = len(pages), self.num_layers
         idx = torch.as_tensor(pages, dtype=torch.long, device=self.device)
         stage = self._staging(n)
@@ -101,7 +116,17 @@ class TorchKVPool(KVPoolGeometry):
             host.data.reshape(host.num_pages, L, 2, -1)[host_pages] = raw.transpose(2, 0, 1, 3)
 
     def from_host(self, host: HostKVPool, host_pages: np.ndarray, pages: np.ndarray) -> None:
+        """Pages back into the device pool; on CUDA asynchronously on the copy stream, ordered before the next
+        forward by an event (host_copies.py)."""
         self.check_host(host)
+        c = self.copies
+        c.pin(host.data)
+        c.before_staging_reuse()
+        if c.mode == DIRECT:
+            with c.begin_load():
+                direct_from_host(self._page_view(), host, np.asarray(host_pages), np.asarray(pages), c.cuda)
+            c.end_load()
+            return
         n, L = len(pages), self.num_layers
         shape = (self.page_size, self.num_kv_heads, self.head_dim)
         stage = self._staging(n)
@@ -111,10 +136,16 @@ class TorchKVPool(KVPoolGeometry):
         if host.layout == "layer_first":
             np.take(host.data.reshape(L, host.num_pages, 2, -1), host_pages, axis=1, mode="clip",
                     out=raw.reshape(L, n, 2, -1))
-            blocks = stage.view(self.dtype).view(L, n, 2, *shape).permute(0, 2, 1, 3, 4, 5)
         else:
             np.take(host.data.reshape(host.num_pages, L, 2, -1), host_pages, axis=0, mode="clip",
                     out=raw.reshape(n, L, 2, -1))
-            blocks = stage.view(self.dtype).view(n, L, 2, *shape).permute(1, 2, 0, 3, 4, 5)
         idx = torch.as_tensor(pages, dtype=torch.long, device=self.device)
-        self._page_view().index_copy_(2, idx, blocks.to(self.device))
+        with c.begin_load():
+            # One contiguous copy of the staging bytes (a DMA from pinned memory on CUDA), then the scatter.
+            dev = stage.to(self.device, non_blocking=c.cuda).view(self.dtype)
+            if host.layout == "layer_first":
+                blocks = dev.view(L, n, 2, *shape).permute(0, 2, 1, 3, 4, 5)
+            else:
+                blocks = dev.view(n, L, 2, *shape).permute(1, 2, 0, 3, 4, 5)
+            self._page_view().index_copy_(2, idx, blocks)
+        c.end_load()

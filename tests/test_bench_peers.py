@@ -123,12 +123,13 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
         assert bench_cmd.main(["peers", "--model-path", str(tiny_llama), "--dtype", "float32",
                                "--against", f"other={peer.url}/v1",
                                "--prompt-tokens", "64", "--decode-tokens", "8", "--streams", "2", "--repeats", "1",
-                               "--json", "--no-progress"]) == 0
+                               "--long-context-tokens", "200", "--json", "--no-progress"]) == 0
         rep = json.loads(capsys.readouterr().out)
         # --no-tierlm: only the peers (here the same server under two names), ratios to the first one
         assert bench_cmd.main(["peers", "--model-path", str(tiny_llama), "--no-tierlm", "--against", f"a={peer.url}",
                                "--against", f"b={peer.url}", "--prompt-tokens", "32", "--decode-tokens", "4",
-                               "--streams", "1", "--repeats", "1", "--json", "--no-progress"]) == 0
+                               "--streams", "1", "--repeats", "1", "--long-context-tokens", "0", "--json",
+                               "--no-progress"]) == 0
         only = json.loads(capsys.readouterr().out)
     assert list(only["settings"]["servers"]) == ["a", "b"] and only["settings"]["reference"] == "a"
     assert only["environment"]["backend"] == {}  # no tierlm server of this run to describe
@@ -138,12 +139,14 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
     assert list(rep["settings"]["servers"]) == ["tierlm", "other"]
     assert rep["settings"]["servers"]["other"]["url"] == peer.url
     rows = {r["key"]: r for r in rep["tables"][0]["rows"]}
-    assert list(rows) == ["cold_ttft_s", "warm_ttft_s", "decode_tps", "e2e_tps", "streams_tps"]
+    assert list(rows) == ["cold_ttft_s", "warm_ttft_s", "decode_tps", "e2e_tps", "streams_tps", "long_decode_tps"]
     for key, tokens in (("cold_ttft_s", 1), ("warm_ttft_s", 1), ("decode_tps", 8), ("e2e_tps", 8),
-                        ("streams_tps", 16)):
+                        ("streams_tps", 16), ("long_decode_tps", 8)):
         assert rows[key]["completion_tokens"] == {"tierlm": tokens, "other": tokens}
-    for key in ("cold_ttft_s", "warm_ttft_s"):
-        assert rows[key]["prompt_tokens"] == {"tierlm": 64, "other": 64}
+    for key, tokens in (("cold_ttft_s", 64), ("warm_ttft_s", 64), ("long_decode_tps", 200)):
+        assert rows[key]["prompt_tokens"] == {"tierlm": tokens, "other": tokens}
+    only_rows = {r["key"]: r for r in only["tables"][0]["rows"]}
+    assert only_rows["long_decode_tps"]["values"] == {"a": None, "b": None}  # --long-context-tokens 0: no row
     assert all(48 <= n < 64 for n in rows["warm_ttft_s"]["cached_tokens"].values())  # the prefix was reused
     for key in ("cold_ttft_s", "warm_ttft_s", "e2e_tps", "streams_tps"):
         v = rows[key]["values"]

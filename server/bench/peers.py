@@ -40,7 +40,8 @@ ROWS = (("cold_ttft_s", "cold TTFT ms", 1000.0, "< 1 (lower TTFT)"),
         ("warm_ttft_s", "warm TTFT ms (shared prefix)", 1000.0, "< 1 (lower TTFT)"),
         ("decode_tps", "1-stream decode tok/s", 1.0, "> 1 (more tokens/s)"),
         ("e2e_tps", "1-stream end-to-end tok/s", 1.0, "> 1 (more tokens/s)"),
-        ("streams_tps", "N-stream aggregate tok/s", 1.0, "> 1 (more tokens/s)"))
+        ("streams_tps", "N-stream aggregate tok/s", 1.0, "> 1 (more tokens/s)"),
+        ("long_decode_tps", "1-stream decode tok/s, long context", 1.0, "> 1 (more tokens/s)"))
 
 
 def parse_against(spec: str) -> tuple[str, str]:
@@ -80,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per stream (EOS ignored)")
     g.add_argument("--streams", type=int, default=8, help="concurrent requests of the N-stream row")
     g.add_argument("--repeats", type=int, default=3, help="measurements per row and server (medians reported)")
+    g.add_argument("--long-context-tokens", type=int, default=3900,
+                   help="prompt length of the long-context decode row (prompt + --decode-tokens must fit the "
+                        "servers' context; 0: no such row)")
 
 
 # ---------------------------------------------------------------- the workload
@@ -100,6 +104,9 @@ def build_workload(ns: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
             "warm": [b.text(P, head=prefix) for _ in range(R + 1)],  # [0] primes the cache
             "single": [b.text(DECODE_PROMPT_TOKENS) for _ in range(R)],
             "single_first": [b.text(DECODE_PROMPT_TOKENS) for _ in range(R)],  # its 1-token twins (TTFT)
+            # decode over a long cached context, and its 1-token twins (their time is the long prefill)
+            "long": [b.text(ns.long_context_tokens) for _ in range(R)] if ns.long_context_tokens else [],
+            "long_first": [b.text(ns.long_context_tokens) for _ in range(R)] if ns.long_context_tokens else [],
             "streams": [[b.text(DECODE_PROMPT_TOKENS) for _ in range(ns.streams)] for _ in range(R)]}
 
 
@@ -116,8 +123,15 @@ async def _measure(ep: Endpoint, w: dict[str, Any], ns: argparse.Namespace, bar)
         single = [await s.one(p, N) for p in w["single"]]
         bar.update()
         runs = [await s.concurrent(prompts, N) for prompts in w["streams"]]
+        long_first = [await s.one(p, 1) for p in w["long_first"]]
+        long = [await s.one(p, N) for p in w["long"]]
         bar.update()
-    return summarize(cold, warm, single, runs, first) | {"raw": {
+    out = summarize(cold, warm, single, runs, first)
+    out["long_decode_tps"] = decode_rate(long, long_first)
+    out["completion_tokens"]["long"] = _same([c.completion_tokens for c in long]) if long else None
+    out["prompt_tokens"]["long"] = _same([c.prompt_tokens for c in long]) if long else None
+    return out | {"raw": {
+        "long": [c.to_dict() for c in long], "long_first": [c.to_dict() for c in long_first],
         "cold": [c.to_dict() for c in cold], "warm": [c.to_dict() for c in warm],
         "single": [c.to_dict() for c in single], "single_first": [c.to_dict() for c in first],
         "streams": [{"wall_s": wall, "requests": [c.to_dict() for c in cs]} for cs, wall in runs]}}
@@ -127,10 +141,8 @@ def summarize(cold: list[Completion], warm: list[Completion], single: list[Compl
               runs: list[tuple[list[Completion], float]], first: list[Completion]) -> dict[str, Any]:
     """One server's row values (medians over repeats) and the token counts each row's requests came back with.
     ``first``: 1-token requests on prompts as long as ``single``'s, whose time is taken off theirs for decode."""
-    n = _same([c.completion_tokens for c in single])
-    decode_s = median([c.latency for c in single]) - median([c.latency for c in first])
     return {"cold_ttft_s": median([c.ttft for c in cold]), "warm_ttft_s": median([c.ttft for c in warm]),
-            "decode_tps": (n - 1) / decode_s if isinstance(n, int) and n > 1 and decode_s > 0 else None,
+            "decode_tps": decode_rate(single, first),
             "e2e_tps": median([c.end_to_end_tokens_per_s for c in single]),
             "streams_tps": median([sum(c.completion_tokens for c in cs) / wall for cs, wall in runs if wall > 0]),
             "prompt_tokens": {"cold": _same([c.prompt_tokens for c in cold]),
@@ -138,9 +150,20 @@ def summarize(cold: list[Completion], warm: list[Completion], single: list[Compl
             "completion_tokens": {"cold": _same([c.completion_tokens for c in cold]),
                                   "warm": _same([c.completion_tokens for c in warm]),
                                   "single": _same([c.completion_tokens for c in single]),
-                                  "streams": _same([sum(c.completion_tokens for c in cs) for cs, _ in runs])},
+                                  "streams": _same([sum(c.completion_tokens for c in cs) for cs, _ in runs]),
+                                  "long": None},  # filled by _measure when the long-context row runs
             "warm_cached_tokens": median([c.cached_tokens for c in warm]) if warm[0].cached_tokens is not None
             else None}
+
+
+def decode_rate(runs: list[Completion], firsts: list[Completion]) -> float | None:
+    """Tokens after the first over (the median time of ``runs`` - that of their 1-token twins ``firsts``): decode
+    speed whatever tokens each stream event carries; None without runs."""
+    if not runs or not firsts:
+        return None
+    n = _same([c.completion_tokens for c in runs])
+    decode_s = median([c.latency for c in runs]) - median([c.latency for c in firsts])
+    return (n - 1) / decode_s if isinstance(n, int) and n > 1 and decode_s > 0 else None
 
 
 def _same(xs: list[Any]) -> Any:
@@ -162,6 +185,8 @@ def _check(ns: argparse.Namespace) -> None:
                          "--against vllm=http://127.0.0.1:8000")
     if not ns.no_tierlm and any(name == OWN for name, _ in ns.against):
         raise SystemExit(f"tierlm bench peers: the name {OWN!r} is tierlm's own column; give the peer another name")
+    if ns.long_context_tokens < 0:
+        raise SystemExit("tierlm bench peers: --long-context-tokens must be >= 0 (0: no long-context row)")
     if ns.prompt_tokens < 2 * WARM_SUFFIX_TOKENS or ns.decode_tokens < 2 or ns.streams < 1 or ns.repeats < 1:
         raise SystemExit(f"tierlm bench peers: need --prompt-tokens >= {2 * WARM_SUFFIX_TOKENS}, --decode-tokens "
                          ">= 2, --streams >= 1 and --repeats >= 1")
@@ -218,9 +243,9 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
     rows = table_rows(names, results)
     for row in rows:  # the token counts behind each row, per server (checked against what was asked)
         part = {"cold_ttft_s": "cold", "warm_ttft_s": "warm", "decode_tps": "single", "e2e_tps": "single",
-                "streams_tps": "streams"}[row["key"]]
+                "streams_tps": "streams", "long_decode_tps": "long"}[row["key"]]
         row["completion_tokens"] = {n: results[n]["completion_tokens"][part] for n in names}
-        if part in ("cold", "warm"):
+        if part in ("cold", "warm", "long"):
             row["prompt_tokens"] = {n: results[n]["prompt_tokens"][part] for n in names}
     rows[1]["cached_tokens"] = {n: results[n]["warm_cached_tokens"] for n in names}
     notes = [f"(N.NNx) after a value is {ref}/that server for the row; the last column says which side of 1 "
@@ -232,6 +257,9 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
              "tok/s: the tokens after the first over (that request's time - a 1-token request's on an equally long "
              "prompt), whatever tokens each stream event carries; end to end includes TTFT; N-stream: "
              f"{ns.streams} such requests at once, all their tokens over the wall time",
+             (f"long context: the same decode after a {ns.long_context_tokens}-token prompt (attention over a long "
+              "cached context at every step)" if ns.long_context_tokens else "long context: not measured "
+              "(--long-context-tokens 0)"),
              f"medians of {ns.repeats}; servers measured one after the other with the same prompts; token counts "
              "from each server's usage; one request per server before the clock starts",
              "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tierlm.backends.torch import cpu_paged_decode
+
 ATTN_IMPLEMENTATION = "tierlm_paged"
 # --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
 # reference) and "triton" (triton_attention.py: kernels that read pages in place through the page table).
@@ -58,6 +60,8 @@ class _Group:
     kv_pos: torch.Tensor  # [L] 0..L-1
     mask: torch.Tensor  # [G, 1, Q, L] bool, causal and length-bounded
     window_masks: dict  # sliding window -> mask, built on first use
+    page_rows: torch.Tensor  # [G, P] int32: each request's pages (cpu_paged_decode reads the pool through them)
+    kv_lens: torch.Tensor  # [G] int32
 
 
 class StepMeta:
@@ -130,7 +134,8 @@ class StepMeta:
         mask |= (~row_valid)[:, :, None] & (kv_pos == 0)[None, None, :]
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         return _Group(t(rows), rows, t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
-                      t(q_pos), t(kv_pages.reshape(-1).astype(np.int64)), t(kv_pos), t(mask[:, None]), {})
+                      t(q_pos), t(kv_pages.reshape(-1).astype(np.int64)), t(kv_pos), t(mask[:, None]), {},
+                      t(page_table[sel][:, :P].astype(np.int32)), t(kl.astype(np.int32)))
 
     @staticmethod
     def window_mask(g: _Group, window: int) -> torch.Tensor:
@@ -185,6 +190,20 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     for g in meta.groups:
         qg = q if meta.identity_rows else q.index_select(1, g.rows_flat)
         qg = qg.view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
+        if g.Q == 1 and s_aux is None and sliding_window is None and q.device.type == "cpu" and \
+                cpu_paged_decode.supported(q.dtype, pool.kv_dtype, H, k_pages.shape[2], D) and \
+                (lib := cpu_paged_decode.load()) is not None:
+            # bf16 decode reading the pages in place (no gathers, no copies), transformers' bf16 eager numerics
+            og = cpu_paged_decode.paged_decode(lib, qg[:, :, 0], pool.k[layer], pool.v[layer], g.page_rows,
+                                               g.kv_lens, pool.page_size, scaling)[:, :, None]
+            og = og.transpose(1, 2).reshape(g.G, H, D)
+            if meta.identity_rows:
+                return og[None], None
+            if g.all_valid:
+                out.index_copy_(0, g.rows_flat, og)
+            else:
+                out.index_copy_(0, g.dst_rows, og.index_select(0, g.valid_idx))
+            continue
         kg = pool.dequantize(k_pages.index_select(0, g.kv_pages), q.dtype)
         vg = pool.dequantize(v_pages.index_select(0, g.kv_pages), q.dtype)
         kg = kg.view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]

@@ -243,6 +243,52 @@ class HostKVPool:
             self.data[page] = arr
 
 
+# One host (L2) / storage (L3) state snapshot, per linear layer in HybridLayout.linear_layers order: the conv's last
+# K-1 inputs channels-last [K-1, conv_dim] in the conv dtype, then the recurrent state in float32 in transformers'
+# orientation (gated DeltaNet [Hv, Dk, Dv], Mamba2 [H, head_dim, d_state]), little-endian. Both backends write these
+# bytes, so a torch snapshot serves MLX and back, as SHARED_PAGE_LAYOUT does for pages.
+SHARED_STATE_LAYOUT = "layer,conv[k-1,c],rec[h,dk,dv]"
+
+
+def host_state_layer_bytes(g: StateGeometry) -> tuple[int, int]:
+    """(conv bytes, recurrent bytes) of one linear layer in a host state slot (SHARED_STATE_LAYOUT)."""
+    rec = 1
+    for d in g.rec_shape:
+        rec *= d
+    return (g.conv_kernel - 1) * g.conv_dim * DTYPE_BYTES[g.conv_dtype], rec * DTYPE_BYTES[g.rec_dtype]
+
+
+@dataclass
+class HostStatePool:
+    """Host-memory (L2) state snapshots of a hybrid model, backend-neutral: ``data[slot]`` is one snapshot of every
+    linear layer in SHARED_STATE_LAYOUT, one contiguous block (what an L3 state file stores)."""
+
+    num_slots: int
+    geometry: StateGeometry
+    data: np.ndarray = field(repr=False, default=None)  # uint8 [num_slots, slot_bytes]
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            flat, _ = allocate_host_bytes(self.num_slots * self.slot_bytes, prefault=False)
+            self.data = flat.reshape(self.num_slots, self.slot_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        conv, rec = host_state_layer_bytes(self.geometry)
+        return self.geometry.num_linear_layers * (conv + rec)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def layer_views(self, slot: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raw bytes (conv, rec) of ``layer`` in host slot ``slot``, writable views into ``data``."""
+        conv, rec = host_state_layer_bytes(self.geometry)
+        base = layer * (conv + rec)
+        row = self.data[slot]
+        return row[base:base + conv], row[base + conv:base + conv + rec]
+
+
 # Post-RoPE K and V (rotate-half convention) as [layer, K/V, token, head, dim], little-endian in the KV storage
 # dtype (ModelInfo.kv_dtype; fp8_e4m3 is OCP E4M3FN, saturated to +-448, per-tensor scale 1.0: torch's
 # float8_e4m3fn bits, which mx.to_fp8 writes too): what the torch and MLX pools store, so an L3 folder written by
@@ -299,6 +345,15 @@ class ModelBackend(ABC):
         """Copy state slot ``src[i]`` to ``dst[i]`` (int32 arrays; a snapshot into a request's live slot), ordered
         before the next forward. A backend that serves hybrids overrides it."""
         raise NotImplementedError(f"the {self.name} backend has no state pool to copy within")
+
+    def copy_states_to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None:
+        """Copy state slot ``slots[i]`` into host slot ``host_slots[i]`` (SHARED_STATE_LAYOUT), done on return (an
+        L3 writer may read it next). A backend that serves hybrids with HiCache overrides it."""
+        raise NotImplementedError(f"the {self.name} backend has no host tier for state snapshots")
+
+    def copy_states_from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Copy host slot ``host_slots[i]`` into state slot ``slots[i]``, ordered before the next forward."""
+        raise NotImplementedError(f"the {self.name} backend has no host tier for state snapshots")
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

@@ -203,6 +203,10 @@ class TierPlan:
     # before the KV pages
     state_slots: int = 0
     state_bytes: int = 0
+    # ...and with HiCache host (L2) snapshot slots, hicache_ratio x the device snapshot slots, taken from the host
+    # KV budget (runtime/hicache/state_tiers.py)
+    host_state_slots: int = 0
+    host_state_bytes: int = 0
 
     @property
     def in_tokens(self) -> bool:
@@ -248,6 +252,8 @@ class TierPlan:
                        weight_bytes=m.weight_bytes - self.state_bytes)
             if self.state_slots:
                 out.update(state_slots=self.state_slots, state_bytes=self.state_bytes)
+            if self.host_state_slots:
+                out.update(host_state_slots=self.host_state_slots, host_state_bytes=self.host_state_bytes)
         out.update(device_kv_bytes=self.device_bytes, host_kv_bytes=self.host_bytes, available_bytes=m.available_bytes, headroom_bytes=m.headroom_bytes,
                    mem_fraction_static=m.mem_fraction_static, hicache_ratio=self.hicache_ratio,
                    warnings=list(self.warnings), reasons=list(self.reasons))
@@ -311,12 +317,23 @@ def size_kv_tiers(
     if context_length and device_pages * ps < context_length // 4:
         warnings.append(f"the device KV pool holds only {device_pages * ps} tokens (context length "
                         f"{context_length}): long prompts will be refused")
-    host_pages = 0
+    host_pages = host_state_slots = 0
     if args.enable_hierarchical_cache:
         host_pages = plan.host_kv_tokens // ps
         if host_pages < 1:
             raise MemoryPlanError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
-    return TierPlan(plan, ps, device_pages, host_pages, context_length, warnings, reasons, state_slots, state_bytes)
+        if snapshots and state_slot_bytes:
+            # as many snapshots per page on the host as on the device, out of the same host budget
+            host_state_slots = max(1, round(snapshots * host_pages / device_pages))
+            host_pages -= -(-host_state_slots * state_slot_bytes // (kv_bytes_per_token * ps))
+            if host_pages < 1:
+                raise MemoryPlanError(f"the host tier's {host_state_slots} state snapshot slots of "
+                                      f"{state_slot_bytes / 2**20:.2f} MiB leave no host KV pages; raise "
+                                      "--hicache-ratio or --hicache-size")
+            reasons.append(f"{host_state_slots} host state snapshot slots of {state_slot_bytes / 2**20:.2f} MiB taken "
+                           "from the host KV budget")
+    return TierPlan(plan, ps, device_pages, host_pages, context_length, warnings, reasons, state_slots, state_bytes,
+                    host_state_slots, host_state_slots * state_slot_bytes)
 
 
 # ------------------------------------------------------------------------------------------------ internals

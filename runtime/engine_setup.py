@@ -58,6 +58,7 @@ class TierSizes:
     device_pages: int  # L1
     host_pages: int  # L2; 0 without --enable-hierarchical-cache
     state_slots: int = 0  # hybrid models: recurrent-state slots, one per running request
+    host_state_slots: int = 0  # hybrid models with HiCache: host (L2) snapshot slots
 
 
 @dataclass
@@ -438,7 +439,8 @@ def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: Mode
     if plan.state_slots:
         log.info("state pool: %d recurrent-state slots (live + snapshots), %.1f MiB", plan.state_slots,
                  plan.state_bytes / 2**20)
-    return TierSizes(plan.device_pages, plan.host_pages, plan.state_slots)  # HiCacheManager.create logs the host pool
+    # HiCacheManager.create logs the host pools
+    return TierSizes(plan.device_pages, plan.host_pages, plan.state_slots, plan.host_state_slots)
 
 
 def kv_dtype_note(info: ModelInfo) -> str:
@@ -453,7 +455,8 @@ def kv_dtype_note(info: ModelInfo) -> str:
 
 def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes) -> KVCacheManager:
     if args.enable_hierarchical_cache:
-        return HiCacheManager.create(args, backend, tiers.device_pages, tiers.host_pages)
+        return HiCacheManager.create(args, backend, tiers.device_pages, tiers.host_pages, tiers.state_slots,
+                                     tiers.host_state_slots)
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if tiers.state_slots:  # a hybrid model: prefix reuse up to state snapshots (runtime/state_snapshots.py)
@@ -514,9 +517,6 @@ def check_hybrid_flags(model_dir: Path, args: ServerArgs) -> None:
     if layout is None:
         return
     what = f"this hybrid model ({layout.model_type}: {layout.kind} layers with a recurrent state)"
-    if args.enable_hierarchical_cache:
-        raise StartupError(f"--enable-hierarchical-cache: not yet for hybrid models; {what} reuses prefixes "
-                           "only from device (L1) state snapshots, which L2/L3 cannot hold yet. Drop the flag.")
     if args.speculative_algorithm is not None:
         raise StartupError(f"--speculative-algorithm {args.speculative_algorithm}: not for hybrid models; {what} "
                            "cannot roll its recurrent state back past rejected draft tokens. Drop the flag.")

@@ -64,10 +64,10 @@ class KVCacheManager:
         # all but the last token, and no prompt position whose logprob row is still to be scored
         # a retracted request coming back is not a new reuse: its hits counted at its first admission
         m = self.tree.match_prefix(tokens, cacheable_prefix_len(req) // self.page_size, count_hit=not req.admitted_once)
-        if self.snapshots is not None:  # a hybrid resumes at the deepest snapshot of the match
-            node, n = self.snapshots.resume_point(req, m)
-            m = MatchResult(m.device_pages[:n], node)
         node, pages, cached = self._extend_match(req, tokens, m)
+        if self.snapshots is not None:  # a hybrid resumes at the deepest snapshot of the match
+            node, n = self.snapshots.resume_point(req, node, len(pages))
+            pages, cached = pages[:n], _cut(cached, n * self.page_size)
         self.tree.lock(node)
         req.last_node = node
         req.pages = pages
@@ -237,3 +237,10 @@ class KVCacheManager:
             "evictable_pages": self.tree.evictable_pages if self.tree is not None else 0,
             "page_size": self.page_size,
         }
+
+
+def _cut(cached: CachedTokens, tokens: int) -> CachedTokens:
+    """``cached`` cut to its first ``tokens`` (the device part comes first, then host, then storage)."""
+    device = min(cached.device, tokens)
+    host = min(cached.host, tokens - device)
+    return CachedTokens(device=device, host=host, storage=min(cached.storage, tokens - device - host))

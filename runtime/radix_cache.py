@@ -33,6 +33,7 @@ class TreeNode:
     lock_ref: int = 0
     hit_count: int = 0
     state_slot: int | None = None  # hybrids: the state snapshot at the end of this node's key (a state-pool slot)
+    host_state_slot: int | None = None  # hybrids with HiCache: that snapshot in a host state slot (with host_pages)
     last_access: int = field(default_factory=lambda: next(_clock))
 
     def touch(self) -> None:
@@ -138,13 +139,15 @@ class RadixCache:
                     node, pos = node.parent, pos - k
                 break
         if self.free_state_slot is not None:
-            node, pos = self.state_ancestor(node, pos)
+            node, pos = self.state_ancestor(node, pos, any_tier=True)
         return pos, node
 
-    def state_ancestor(self, node: TreeNode, pages: int) -> tuple[TreeNode, int]:
-        """The deepest node at or above ``node`` (which ends ``pages`` pages deep) holding a state snapshot, and its
-        depth in pages: how far a hybrid model's match can be used. The root (zero state, depth 0) at worst."""
-        while node is not self.root and node.state_slot is None:
+    def state_ancestor(self, node: TreeNode, pages: int, any_tier: bool = False) -> tuple[TreeNode, int]:
+        """The deepest node at or above ``node`` (which ends ``pages`` pages deep) holding a state snapshot (on the
+        device; with ``any_tier`` on the host too), and its depth in pages: how far a hybrid model's match can be
+        used. The root (zero state, depth 0) at worst."""
+        while node is not self.root and node.state_slot is None and \
+                (not any_tier or node.host_state_slot is None):
             pages -= len(node.key) // self.page_size
             node = node.parent
         return node, pages
@@ -155,7 +158,11 @@ class RadixCache:
             return False
         node.state_slot = slot
         self.states_cached += 1
+        self._on_set_state(node)
         return True
+
+    def _on_set_state(self, node: TreeNode) -> None:
+        """Hook for subclasses (HiCache backs a snapshot up next to its node's host pages)."""
 
     def _drop_state(self, node: TreeNode) -> None:
         if node.state_slot is not None:

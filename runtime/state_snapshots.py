@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from tierlm.runtime.radix_cache import MatchResult, RadixCache, TreeNode
+from tierlm.runtime.radix_cache import RadixCache, TreeNode
 from tierlm.runtime.request import Req
 from tierlm.runtime.state_slots import StateSlots
 
@@ -50,11 +50,12 @@ class StateSnapshots:
         return slot
 
     # ------------------------------------------------------------ admission
-    def resume_point(self, req: Req, m: MatchResult) -> tuple[TreeNode, int]:
-        """Cut a KV match to the deepest snapshot on its path and copy that snapshot into ``req``'s live slot
-        (allocated beforehand). Returns (that node, its depth in pages); records the fork point."""
-        kv_pages = len(m.device_pages)
-        node, pages = self.tree.state_ancestor(m.last_node, kv_pages)
+    def resume_point(self, req: Req, last_node: TreeNode, kv_pages: int) -> tuple[TreeNode, int]:
+        """Cut a KV match (``kv_pages`` pages in device memory, ending at ``last_node``) to the deepest device
+        snapshot on its path and copy that snapshot into ``req``'s live slot (allocated beforehand). Returns (that
+        node, its depth in pages); records the fork point. HiCache brings host and storage snapshots to the device
+        before (runtime/hicache/state_tiers.py)."""
+        node, pages = self.tree.state_ancestor(last_node, kv_pages)
         if req.state_slot is None:  # no slot to resume in: start from zeros
             node, pages = self.tree.root, 0
         req.fork_len = kv_pages * self.page_size if kv_pages > pages else 0

@@ -7,8 +7,10 @@ must not leak into the next request that gets its slot). Runtime level: the tree
 deepest snapshot, no stateless leaf after state eviction). Engine level: a shared system prompt + different user
 turns and a multi-turn continuation reuse exactly the page-aligned snapshot depth (cached_tokens) with the
 reference output, under chunked prefill and page sizes 1/4/16; eviction under tiny pools, retraction and abort
-leave both pools clean; the features that cannot serve a hybrid yet (HiCache, NGRAM speculative decoding) are
-refused at startup with the reason. Both backends.
+leave both pools clean; HiCache: snapshots go to the host (L2) and storage (L3) tiers with their pages, an L2 or L3
+hit gives the cold output (an L3 folder written by torch serves MLX), a missing or damaged snapshot file only makes
+the hit shallower; NGRAM speculative decoding, which a hybrid cannot serve yet, is refused at startup with the
+reason. Both backends.
 """
 from __future__ import annotations
 
@@ -159,6 +161,14 @@ def test_the_memory_plan_sets_live_and_snapshot_state_slots_aside():
     no_radix = parse_args(["--mem-fraction-static", "0.001", "--max-running-requests", "4", "--page-size", "4",
                            "--disable-radix-cache"])
     assert size_kv_tiers(CPU_BOX, decision, no_radix, **sizes, state_slot_bytes=2**20).state_slots == 4  # live only
+    assert hybrid.host_state_slots == 0
+    hicache = parse_args(["--mem-fraction-static", "0.001", "--max-running-requests", "4", "--page-size", "4",
+                          "--enable-hierarchical-cache", "--hicache-ratio", "2"])
+    hybrid_l2 = size_kv_tiers(CPU_BOX, decision, hicache, **sizes, state_slot_bytes=2**20)
+    # the host keeps as many snapshots per page as the device (2 x the 8 snapshot slots), out of the host KV budget
+    assert (hybrid_l2.host_state_slots, hybrid_l2.host_state_bytes) == (16, 16 * 2**20)
+    assert hybrid_l2.host_pages == 2 * hybrid_l2.device_pages - 16 * 2**20 // (4 * 1024)
+    assert hybrid_l2.to_dict()["host_state_slots"] == 16
 
 
 # ------------------------------------------------------------------------------------------ runtime level
@@ -329,17 +339,190 @@ def test_engine_retraction_and_abort_leave_the_state_slots_clean(backend_name, t
         engine.shutdown()
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (dict(enable_hierarchical_cache=True), "not yet for hybrid models"),
-    (dict(speculative_algorithm="NGRAM"), "roll its recurrent state back"),
-])
-def test_engine_refuses_what_a_hybrid_cannot_serve_yet(flags, expected, tiny_models_root, monkeypatch):
+def test_engine_refuses_what_a_hybrid_cannot_serve_yet(tiny_models_root, monkeypatch):
     from tierlm.runtime import engine_setup
 
     model = _tiny("Qwen3_5ForCausalLM", tiny_models_root)
     monkeypatch.setattr(engine_setup, "load_backend", lambda *a, **k: pytest.fail("weights loaded"))
-    with pytest.raises(StartupError, match=expected):
-        start_engine(model, "torch", dtype="float32", **flags)
+    with pytest.raises(StartupError, match="roll its recurrent state back"):
+        start_engine(model, "torch", dtype="float32", speculative_algorithm="NGRAM")
+
+
+# ------------------------------------------------------------------------------------------ HiCache
+
+
+def test_states_round_trip_through_the_host_state_pool(tiny_models_root):
+    """copy_states_to_host / copy_states_from_host keep every byte a later step reads (the conv's last K-1 columns,
+    the recurrent state) in SHARED_STATE_LAYOUT; the conv's oldest column comes back as zeros."""
+    import torch
+
+    from tierlm.backends.base import HostStatePool
+
+    backend = _load("torch", _tiny("Qwen3_5ForCausalLM", tiny_models_root))
+    backend.init_state_pool(4)
+    pool = backend.linear_state.pool
+    torch.manual_seed(0)
+    pool.conv.copy_(torch.randn_like(pool.conv))
+    pool.rec.copy_(torch.randn_like(pool.rec))
+    host = HostStatePool(3, backend.info.state)
+    backend.copy_states_to_host(np.array([2, 0], np.int32), host, np.array([1, 2], np.int32))
+    g = backend.info.state
+    conv0 = host.layer_views(1, 0)[0].view(np.float32).reshape(g.conv_kernel - 1, g.conv_dim)
+    assert np.array_equal(conv0, pool.conv[0, 2, :, 1:].T.numpy())  # channels-last, last K-1 inputs
+    before_conv, before_rec = pool.conv.clone(), pool.rec.clone()
+    backend.copy_states_from_host(host, np.array([1, 2], np.int32), np.array([3, 1], np.int32))
+    assert torch.equal(pool.rec[:, 3], before_rec[:, 2]) and torch.equal(pool.rec[:, 1], before_rec[:, 0])
+    assert torch.equal(pool.conv[:, 3, :, 1:], before_conv[:, 2, :, 1:]) and not pool.conv[:, 3, :, 0].any()
+    assert torch.equal(pool.conv[:, 0], before_conv[:, 0]) and torch.equal(pool.rec[:, 2], before_rec[:, 2])
+
+
+def _hicache(model: Path, backend_name: str, storage: bool, **kw):
+    kw = {**dict(dtype="float32", page_size=4, max_total_tokens=96, chunked_prefill_size=16, max_running_requests=2,
+                 enable_hierarchical_cache=True, hicache_ratio=32.0), **kw}
+    if storage:
+        kw.update(hicache_storage_backend="file", hicache_storage_prefetch_policy="wait_complete")
+    return start_engine(model, backend_name, **kw)
+
+
+def _doc(seed: int, n: int = 42) -> list[int]:
+    return [(seed * 31 + j * 7) % 270 + 5 for j in range(n)]
+
+
+def _check_host_states(engine, host_snapshots: bool = True) -> None:
+    """Both state pools clean: the device one as _check_state_pool, the host one's cached slots exactly the tree's
+    host snapshots, each on a node with host pages, and no leaf without a snapshot in some tier."""
+    acc = engine.server_info()["state_pool"]
+    assert acc["in_use_slots"] == 0 and acc["free_slots"] + acc["cached_slots"] == acc["total_slots"], acc
+    assert pool_is_clean(engine)
+    assert acc["host_in_use_slots"] == 0, acc
+    assert acc["host_free_slots"] + acc["host_cached_slots"] == acc["host_total_slots"], acc
+    tree = engine.parts.cache.tree
+    nodes, stack = [], [tree.root]
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        nodes.append(n)
+    device = [n.state_slot for n in nodes if n.state_slot is not None]
+    assert len(device) == len(set(device)) == acc["cached_slots"]
+    host = [n.host_state_slot for n in nodes if n.host_state_slot is not None]
+    assert len(host) == len(set(host)) == acc["host_cached_slots"]
+    assert acc["host_cached_slots"] > 0 or not host_snapshots
+    assert all(n.host_pages is not None for n in nodes if n.host_state_slot is not None)
+    assert all(n.state_slot is None or n.device_pages is not None for n in nodes)
+    assert all(n.host_state_slot is not None or n.state_slot is not None for n in nodes
+               if n is not tree.root and not n.children), "leaf without a snapshot in any tier"
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("architecture", ENGINE_FAMILIES)
+def test_hicache_host_hit_resumes_from_a_host_snapshot(architecture, backend_name, tiny_models_root):
+    _need(backend_name)
+    model = _tiny(architecture, tiny_models_root)
+    engine = _hicache(model, backend_name, storage=False)
+    try:
+        prompt = _doc(1) + [9, 9]
+        cold, = run(engine, [prompt], greedy(N_NEW))
+        assert cold.token_ids == reference_greedy(model, prompt, N_NEW)
+        for i in range(3):  # push it out of the device tier: pages and snapshots demoted to the host
+            run(engine, [_doc(100 + i)], greedy(4))
+        hot, = run(engine, [prompt], greedy(N_NEW))
+        assert hot.last.cached.host > 0 and hot.last.cached.device == 0, hot.last.cached
+        assert hot.token_ids == cold.token_ids
+        assert engine.parts.cache.states.loaded_host_states > 0
+        _check_host_states(engine)
+        assert asyncio.run(engine.flush_cache())
+        acc = engine.server_info()["state_pool"]
+        assert acc["cached_slots"] == acc["host_cached_slots"] == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_hicache_eviction_in_both_tiers_keeps_the_reference_and_the_accounting(backend_name, tiny_models_root):
+    """A host tier too small for the traffic: pages and snapshots are demoted, evicted from the host and loaded back
+    under every write policy; every output stays the reference and both state pools stay consistent."""
+    _need(backend_name)
+    model = _tiny("NemotronHForCausalLM", tiny_models_root)
+    prompts = [SYSTEM[:16 + 4 * (i % 3)] + [(i * 13 + j) % 270 + 5 for j in range(9 + i)] for i in range(6)]
+    refs = [reference_greedy(model, p, 8) for p in prompts]
+    for policy in ("write_through", "write_back"):
+        engine = _hicache(model, backend_name, storage=False, hicache_write_policy=policy, hicache_ratio=8.0)
+        try:
+            for _ in range(2):
+                for p, ref in zip(prompts, refs):
+                    r, = run(engine, [p], greedy(8))
+                    assert r.token_ids == ref, (policy, len(p))
+                both = run(engine, prompts[:3], greedy(8))
+                assert [r.token_ids for r in both] == refs[:3]
+                _check_host_states(engine, host_snapshots=False)
+            states = engine.parts.cache.states
+            assert states.loaded_host_states > 0 and engine.parts.cache.tree.evicted_host_states > 0, policy
+        finally:
+            engine.shutdown()
+
+
+def _state_files(store: Path) -> list[Path]:
+    """The snapshot files of the L3 folder (the namespace whose namespace.json says entry "state")."""
+    out = []
+    for ns in store.rglob("namespace.json"):
+        if json.loads(ns.read_text())["fields"].get("entry") == "state":
+            out += [p for p in ns.parent.rglob("*") if p.is_file() and p.name != "namespace.json"
+                    and not p.name.startswith(".tmp-")]
+    return out
+
+
+@pytest.mark.parametrize("writer, reader, damage", [
+    ("torch", "torch", None), ("torch", "torch", "flip"), ("torch", "torch", "missing"), ("mlx", "mlx", None),
+    ("torch", "mlx", None),  # SHARED_STATE_LAYOUT: a torch snapshot serves MLX, as pages do
+])
+def test_hicache_storage_hit_after_restart_loads_pages_and_their_snapshot(writer, reader, damage, tiny_models_root,
+                                                                          tmp_path, monkeypatch):
+    _need(writer)
+    _need(reader)
+    store = tmp_path / "hicache"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(store))
+    model = _tiny("Qwen3_5ForCausalLM", tiny_models_root)
+    prompt = _doc(2) + [7]
+    engine = _hicache(model, writer, storage=True)
+    try:
+        cold, = run(engine, [prompt], greedy(N_NEW))
+        assert cold.token_ids == reference_greedy(model, prompt, N_NEW)
+    finally:
+        engine.shutdown()  # flushes queued writes of both stores
+    files = _state_files(store)
+    assert files, "no snapshot reached L3"
+    if damage == "missing":  # the snapshot at the prompt's last full page (40 tokens) is gone: the one at 32 serves
+        from tierlm.runtime.hicache.page_keys import page_keys
+        from tierlm.runtime.hicache.state_tiers import state_key
+
+        deepest = state_key(page_keys(prompt[:40], 4)[-1])
+        (f,) = [f for f in files if f.name.startswith(deepest)]
+        f.unlink()
+    if damage == "flip":
+        for f in files:
+            raw = bytearray(f.read_bytes())
+            raw[-5] ^= 0xFF
+            f.write_bytes(bytes(raw))
+    engine = _hicache(model, reader, storage=True)
+    try:
+        hot, = run(engine, [prompt], greedy(N_NEW))
+        assert hot.token_ids == cold.token_ids
+        states = engine.parts.cache.states
+        if damage == "missing":
+            assert hot.last.cached.storage == 32 and hot.last.cached.total == 32, hot.last.cached
+        elif damage:
+            assert hot.last.cached.total == 0  # the snapshot is the only way in: a counted miss, then a prefill
+            st = states.storage.stats()
+            assert st["errors"] + st["misses"] >= 1
+        else:
+            assert hot.last.cached.storage == 40 and hot.last.cached.total == 40, hot.last.cached
+            assert states.loaded_storage_states == 1
+        assert pool_is_clean(engine)
+        _check_host_states(engine)
+        assert asyncio.run(engine.flush_cache(storage=True))  # clears the snapshot store too
+        assert not _state_files(store) and engine.server_info()["state_pool"]["host_cached_slots"] == 0
+    finally:
+        engine.shutdown()
 
 
 def test_doctor_reports_the_pools_and_state_slots_serve_allocates(tiny_models_root, monkeypatch):

@@ -501,7 +501,7 @@ def _offer(handle: _Handle, budget: float = 5.0):
     from tierlm.runtime.hicache.controller import HiCacheManager
     from tierlm.runtime.request import PendingPrefetch
 
-    mgr = SimpleNamespace(prefetch_policy="timeout", _prefetch_budget=lambda pf: budget)
+    mgr = SimpleNamespace(prefetch_policy="timeout", _prefetch_budget=lambda pf: budget, states=None)
     req = SimpleNamespace(prefetch=PendingPrefetch(0, handle, time.perf_counter(), 4))
     return lambda: HiCacheManager.ready_to_admit(mgr, req)
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tierlm.backends.base import ForwardBatch, StateGeometry
+from tierlm.backends.base import ForwardBatch, HostStatePool, StateGeometry, host_state_layer_bytes
 from tierlm.backends.mlx.state_pool import MLXStatePool
 from tierlm.backends.model_source.hybrid_layout import HybridLayout
 
@@ -140,6 +140,49 @@ class LinearState:
             self.pool.conv[i][d] = self.pool.conv[i][s]
             self.pool.rec[i][d] = self.pool.rec[i][s]
         mx.eval(self.pool.arrays())
+
+    def to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None:
+        """Slots -> host slots in SHARED_STATE_LAYOUT (mlx-lm's conv state is already the last K-1 inputs
+        channels-last; a gated DeltaNet recurrent state is transposed back to transformers' [Hv, Dk, Dv])."""
+        g, n = self.geometry, len(slots)
+        L, cb, rb = g.num_linear_layers, *host_state_layer_bytes(g)
+        s = mx.array(np.asarray(slots, np.int32))
+        rows = host.data.reshape(host.num_slots, L, cb + rb)
+        idx = np.asarray(host_slots, np.int64)
+        for i in range(L):
+            conv = self.pool.conv[i][s]
+            rec = self.pool.rec[i][s]
+            if self.layout.kind == "gdn":
+                rec = rec.swapaxes(-1, -2)
+            rows[idx, i, :cb] = _raw(conv).reshape(n, cb)
+            rows[idx, i, cb:] = _raw(rec).reshape(n, rb)
+
+    def from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Host slots -> slots, evaluated at once (as copy_slots)."""
+        g, n = self.geometry, len(slots)
+        L, cb, rb = g.num_linear_layers, *host_state_layer_bytes(g)
+        rows = host.data.reshape(host.num_slots, L, cb + rb)[np.asarray(host_slots, np.int64)]
+        d = mx.array(np.asarray(slots, np.int32))
+        for i in range(L):
+            conv = _from_raw(rows[:, i, :cb], self.pool.conv[i].dtype).reshape(n, g.conv_kernel - 1, g.conv_dim)
+            rec = _from_raw(rows[:, i, cb:], self.pool.rec[i].dtype).reshape(n, *g.rec_shape)
+            if self.layout.kind == "gdn":
+                rec = rec.swapaxes(-1, -2)
+            self.pool.conv[i][d] = conv
+            self.pool.rec[i][d] = rec
+        mx.eval(self.pool.arrays())
+
+
+_RAW = {mx.float32: (mx.uint32, np.uint32), mx.float16: (mx.uint16, np.uint16), mx.bfloat16: (mx.uint16, np.uint16)}
+
+
+def _raw(x: mx.array) -> np.ndarray:
+    """The little-endian bytes of ``x`` (numpy has no bfloat16: go through an unsigned view)."""
+    return np.ascontiguousarray(np.array(x.view(_RAW[x.dtype][0]))).view(np.uint8)
+
+
+def _from_raw(raw: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    return mx.array(np.ascontiguousarray(raw).view(_RAW[dtype][1])).view(dtype)
 
 
 def install_linear_state(layers: list, layout: HybridLayout, dtype: str) -> LinearState:

@@ -50,6 +50,18 @@ SPECS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
         hidden_act="silu", bos_token_id=1, eos_token_id=2, initializer_range=0.02,
     ),
+    # A hybrid (gated DeltaNet + gated attention every 4th layer) of Qwen3.5-0.8B's published size: 24 layers,
+    # hidden 1024, 8 query / 2 KV heads, 6 attention layers. The linear-attention widths (16 key and 16 value heads
+    # of 128) and the MLP width are assumptions of this shape, not read from the checkpoint: its state per request
+    # is then ~19 MiB (18 layers x (1 MiB recurrent + 48 KiB conv)), the size that matters for the cache tiers.
+    "qwen3.5-0.8b": dict(
+        model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_size=1024, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, intermediate_size=3584, vocab_size=248320,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        hidden_act="silu", bos_token_id=248044, eos_token_id=248044, initializer_range=0.02,
+    ),
     # Seconds to build and run: for tests of the benchmark commands themselves.
     "tiny": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierlm.backends.base import ForwardBatch, StateGeometry
+from tierlm.backends.base import ForwardBatch, HostStatePool, StateGeometry, host_state_layer_bytes
 from tierlm.backends.model_source.folder_facts import text_config
 from tierlm.backends.model_source.hybrid_layout import HybridLayout, hybrid_layout
 from tierlm.backends.torch.state_pool import TorchStatePool
@@ -169,6 +169,35 @@ class LinearState:
         d = torch.from_numpy(np.asarray(dst, np.int64)).to(self.device)
         self.pool.conv.index_copy_(1, d, self.pool.conv.index_select(1, s))
         self.pool.rec.index_copy_(1, d, self.pool.rec.index_select(1, s))
+
+    def to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None:
+        """Slots -> host slots in SHARED_STATE_LAYOUT: the conv's last K-1 columns channels-last (the oldest column
+        never reaches an output: the next update shifts it out), the recurrent state as is (transformers')."""
+        g, n = self.geometry, len(slots)
+        L, cb, rb = g.num_linear_layers, *host_state_layer_bytes(g)
+        s = torch.from_numpy(np.asarray(slots, np.int64)).to(self.device)
+        conv = self.pool.conv.index_select(1, s)[..., 1:].transpose(-1, -2).contiguous()  # [L, n, K-1, C]
+        rec = self.pool.rec.index_select(1, s).contiguous()
+        conv_b = conv.cpu().view(torch.uint8).numpy().reshape(L, n, cb)
+        rec_b = rec.cpu().view(torch.uint8).numpy().reshape(L, n, rb)
+        rows = host.data.reshape(host.num_slots, L, cb + rb)
+        idx = np.asarray(host_slots, np.int64)
+        rows[idx, :, :cb] = conv_b.transpose(1, 0, 2)
+        rows[idx, :, cb:] = rec_b.transpose(1, 0, 2)
+
+    def from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Host slots -> slots; the conv's oldest column (never read, see to_host) comes back as zeros."""
+        g, n = self.geometry, len(slots)
+        L, cb, rb = g.num_linear_layers, *host_state_layer_bytes(g)
+        rows = host.data.reshape(host.num_slots, L, cb + rb)[np.asarray(host_slots, np.int64)]  # a copy
+        conv = torch.from_numpy(np.ascontiguousarray(rows[:, :, :cb])).view(self.pool.conv.dtype)
+        conv = conv.view(n, L, g.conv_kernel - 1, g.conv_dim).permute(1, 0, 3, 2)  # [L, n, C, K-1]
+        conv = torch.cat([torch.zeros_like(conv[..., :1]), conv], -1).to(self.device)
+        rec = torch.from_numpy(np.ascontiguousarray(rows[:, :, cb:])).view(self.pool.rec.dtype)
+        rec = rec.view(n, L, *g.rec_shape).transpose(0, 1).to(self.device)
+        d = torch.from_numpy(np.asarray(slots, np.int64)).to(self.device)
+        self.pool.conv.index_copy_(1, d, conv)
+        self.pool.rec.index_copy_(1, d, rec)
 
     def begin(self, batch: ForwardBatch) -> None:
         """Split this step's rows once for every linear layer."""

@@ -10,6 +10,8 @@ Backend-neutral: tensors only move through the backend's page-copy calls; L3 see
 - An L3 read goes straight into the host pages that will hold it: they are reserved when the prefetch starts
   (``on_request_added``) and handed to the tree at admission; pages it did not fill go back to the host
   allocator, the one a cancelled read may still be writing only once that read has left it (``io_idle``).
+- Hybrid models: state snapshots follow their nodes' pages through L2 and L3 (``state_tiers.py``); a match is cut
+  to the deepest snapshot it reaches in any tier, which is brought back into a device snapshot slot.
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tierlm.backends.base import HostKVPool, ModelBackend
+from tierlm.backends.base import HostKVPool, HostStatePool, ModelBackend
 from tierlm.runtime.errors import RequestError, StartupError
 from tierlm.runtime.hicache import storage_registry
 from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
 from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
 from tierlm.runtime.hicache.page_keys import page_keys
+from tierlm.runtime.hicache.state_tiers import StateTiers, state_namespace_fields
 from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
 from tierlm.runtime.hicache.storage_io import (DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, PrefetchHandle,
                                                StorageIO)
@@ -39,6 +42,8 @@ from tierlm.runtime.page_allocator import PageAllocator
 from tierlm.runtime.radix_cache import MatchResult, TreeNode
 from tierlm.runtime.request import PendingPrefetch, Req
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.runtime.state_slots import StateSlots
+from tierlm.runtime.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +71,12 @@ class HiCacheManager(KVCacheManager):
                  write_policy: str, layout: str, storage: FileKVStorage | None = None,
                  storage_io: StorageIO | None = None,
                  prefetch_policy: str = "timeout", prefetch_timeout: tuple[float, float] = (
-                     PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S), eviction_policy: str = "lru") -> None:
-        super().__init__(num_pages, page_size, enable_radix=False)
+                     PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S), eviction_policy: str = "lru",
+                 state_slots: StateSlots | None = None, host_state_slots: int = 0,
+                 state_storage: tuple[KVStorage, StorageIO] | None = None) -> None:
+        """``state_slots`` (hybrid models): the device state slots; ``host_state_slots`` host snapshot slots and
+        ``state_storage`` the L3 snapshot store beside ``storage`` (state_tiers.py)."""
+        super().__init__(num_pages, page_size, enable_radix=False, state_slots=state_slots)
         self.backend = backend
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
@@ -86,6 +95,11 @@ class HiCacheManager(KVCacheManager):
                                  eviction_policy=eviction_policy)
         self.storage = storage
         self.storage_io = storage_io
+        self.states: StateTiers | None = None  # hybrids: snapshots in L2 and L3
+        if state_slots is not None:
+            self.snapshots = StateSnapshots(state_slots, self.tree, page_size, backend.copy_state_slots)
+            st, st_io = state_storage if state_storage is not None else (None, None)
+            self.states = StateTiers(backend, self.tree, self.snapshots, max(host_state_slots, 1), page_size, st, st_io)
         self.loaded_host_pages = 0
         self.loaded_storage_pages = 0
         self.parked_storage_pages = 0  # read from L3 into L2 while L1 had no room
@@ -96,8 +110,10 @@ class HiCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------ construction from flags
     @classmethod
-    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int) -> "HiCacheManager":
-        """From the flags; ``host_pages`` comes from the platform's memory plan (runtime/engine_setup.py)."""
+    def create(cls, args: ServerArgs, backend: ModelBackend, num_pages: int, host_pages: int, state_slots: int = 0,
+               host_state_slots: int = 0) -> "HiCacheManager":
+        """From the flags; ``host_pages`` (and for a hybrid model ``state_slots``, ``host_state_slots``) come from the
+        platform's memory plan (runtime/engine_setup.py)."""
         for name, value, allowed in (("--hicache-write-policy", args.hicache_write_policy, WRITE_POLICIES),
                                      ("--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy,
                                       PREFETCH_POLICIES),
@@ -107,14 +123,21 @@ class HiCacheManager(KVCacheManager):
                 raise StartupError(f"{name} {value!r} is not one of {', '.join(allowed)}")
         ps = args.page_size
         page_bytes = backend.kv_bytes_per_token() * ps
-        storage = storage_io = None
+        storage = storage_io = state_storage = None
         timeout = (PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)
+        hybrid = backend.info.state is not None and state_slots > 0
         if args.hicache_storage_backend:
-            storage, storage_io, timeout = _open_storage(args, backend, page_bytes)
+            storage, storage_io, timeout, state_storage = _open_storage(args, backend, page_bytes, hybrid)
         mgr = cls(backend, num_pages, ps, host_pages, write_policy=args.hicache_write_policy,
                   layout=args.hicache_mem_layout, storage=storage, storage_io=storage_io,
                   prefetch_policy=args.hicache_storage_prefetch_policy, prefetch_timeout=timeout,
-                  eviction_policy=args.radix_eviction_policy)
+                  eviction_policy=args.radix_eviction_policy, state_slots=StateSlots(state_slots) if hybrid else None,
+                  host_state_slots=host_state_slots, state_storage=state_storage)
+        if mgr.states is not None:
+            hs = mgr.states.host
+            log.info("HiCache host state pool (L2): %d snapshot slots x %.2f MiB = %.1f MiB%s", hs.num_slots,
+                     hs.slot_bytes / 2**20, hs.total_bytes / 2**20,
+                     "; snapshots also stored in L3 beside the pages" if state_storage is not None else "")
         log.info("HiCache host pool (L2): %d pages x %d tokens = %d tokens, %.1f MiB, layout %s, write policy %s, "
                  "eviction policy %s (--radix-eviction-policy, device and host tiers)", host_pages, ps, host_pages * ps,
                  mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy, args.radix_eviction_policy)
@@ -142,6 +165,8 @@ class HiCacheManager(KVCacheManager):
         self.backend.copy_pages_to_host(np.asarray(node.device_pages), self.host, np.asarray(host_pages))
         self.tree.set_host_pages(node, host_pages)
         self._backup_to_storage(node)
+        if self.states is not None:
+            self.states.backup(node)  # its snapshot, when it has one, goes with the pages
         return True
 
     def _backup_to_storage(self, node: TreeNode) -> None:
@@ -187,6 +212,10 @@ class HiCacheManager(KVCacheManager):
         have = len(m.device_pages) + len(m.host_pages)
         if have >= max_pages:
             return
+        if self.states is not None:
+            _, depth = self.tree.state_ancestor(m.host_last_node if m.host_pages else m.last_node, have, any_tier=True)
+            if depth < have:
+                return  # memory holds pages past its deepest snapshot: storage pages could not hang below them
         keys = page_keys(tokens[:max_pages * self.page_size], self.page_size)[have:]
         if self.storage_io.stalled:
             return  # the disk hangs: a miss now beats a request waiting on it
@@ -196,6 +225,14 @@ class HiCacheManager(KVCacheManager):
         known = sum(1 for _ in itertools.takewhile(bool, self.storage.known(keys)))
         if req.prefetch is not None:  # added again with one still pending: its reserved pages go back first
             self._drop_prefetch(req)
+        state_slot = None
+        if self.states is not None:
+            # a hybrid reads pages only up to the deepest snapshot the store knows, and that snapshot
+            known = self.states.deepest_known(keys[:known])
+            keys = keys[:known]
+            state_slot = self.states.reserve() if known else None
+            if state_slot is None:
+                return
         # The pages the index knows are read straight into host pages reserved now; probed ones (likely absent)
         # and any the host tier cannot make room for come back as bytes.
         host_pages = self._reserve_host(m, known)
@@ -203,6 +240,8 @@ class HiCacheManager(KVCacheManager):
         handle = self.storage_io.prefetch(keys, known=known, into=into)
         if host_pages:
             self._prefetch_host[handle] = host_pages
+        if state_slot is not None:
+            self.states.start_read(handle, keys[-1], state_slot)
         req.prefetch = PendingPrefetch(have, handle, time.perf_counter(), known)
 
     def _reserve_host(self, m: MatchResult, n: int) -> list[int]:
@@ -230,6 +269,8 @@ class HiCacheManager(KVCacheManager):
     def _give_back_prefetch_pages(self, handle: PrefetchHandle, used: range) -> None:
         """Free the reserved host pages of a finished or cancelled prefetch outside ``used`` (indices into its
         keys); the page a cancelled read may still be filling waits until that read is over."""
+        if self.states is not None:
+            self.states.give_back(handle)  # its snapshot read, unless taken
         reserved = self._prefetch_host.pop(handle, None)
         if not reserved:
             return
@@ -243,6 +284,8 @@ class HiCacheManager(KVCacheManager):
             self._free_host_pages(free)
 
     def _sweep_deferred_host(self) -> None:
+        if self.states is not None:
+            self.states.sweep()
         if not self._deferred_host:
             return
         keep = []
@@ -270,12 +313,13 @@ class HiCacheManager(KVCacheManager):
         pf = req.prefetch
         if pf is None or self.prefetch_policy == "best_effort":
             return True
+        states = self.states  # a hybrid's snapshot read goes with the pages (state_tiers.py)
         left = pf.started_at + self._prefetch_budget(pf) - time.perf_counter()
-        if not pf.handle.done and left > 0 and not pf.waited:
+        if not _prefetch_done(pf, states) and left > 0 and not pf.waited:
             pf.waited = True
             pf.handle.wait(min(left, ADMISSION_WAIT_S))
             left = pf.started_at + self._prefetch_budget(pf) - time.perf_counter()
-        return pf.handle.done or left <= 0
+        return _prefetch_done(pf, states) or left <= 0
 
     def _prefetch_budget(self, pf: PendingPrefetch) -> float:
         """Seconds a request waits for its L3 pages; bounded under every policy, so no request waits forever."""
@@ -302,6 +346,8 @@ class HiCacheManager(KVCacheManager):
         node, pages = m.last_node, list(m.device_pages)
         n_dev, n_host, n_store = len(pages), 0, 0
         count = not req.admitted_once  # a retracted request coming back is not a new reuse
+        if self.states is not None and m.host_pages:
+            m = self._cut_host_to_state(m)
         if m.host_pages:
             node, loaded = self._load_from_host(m, count)
             pages += loaded
@@ -309,8 +355,19 @@ class HiCacheManager(KVCacheManager):
         if req.prefetch is not None:
             pf, req.prefetch = req.prefetch, None
             node, pages, n_store = self._load_from_storage(tokens, node, pages, pf, count)
+        if self.states is not None:
+            self.states.to_device(node)  # the snapshot the request resumes at (KVCacheManager.match cuts there)
         ps = self.page_size
         return node, pages, CachedTokens(device=n_dev * ps, host=n_host * ps, storage=n_store * ps)
+
+    def _cut_host_to_state(self, m: MatchResult) -> MatchResult:
+        """A hybrid's host continuation, cut to the deepest snapshot (any tier) on it: pages past it are not
+        loaded (the request could not resume there)."""
+        n_dev = len(m.device_pages)
+        node, pages = self.tree.state_ancestor(m.host_last_node, n_dev + len(m.host_pages), any_tier=True)
+        if pages <= n_dev:
+            return MatchResult(m.device_pages, m.last_node)
+        return MatchResult(m.device_pages, m.last_node, m.host_pages[:pages - n_dev], node)
 
     def _load_from_host(self, m: MatchResult, count_hit: bool = True) -> tuple[TreeNode, list[int]]:
         """Copy the host-only continuation of a match back to device pages; returns (deepest node, pages)."""
@@ -344,15 +401,29 @@ class HiCacheManager(KVCacheManager):
         have = len(pages)
         skip = have - start  # pages that meanwhile became available in a faster tier
         used = range(skip, len(entries)) if skip >= 0 else range(0)
+        state_slot = None
+        if self.states is not None:
+            # all pages up to the snapshot, the snapshot itself, and a place in the tree no node covers yet
+            wait = 0.0
+            if self.prefetch_policy == "wait_complete":
+                wait = max(0.0, pf.started_at + self._prefetch_budget(pf) - time.perf_counter())
+            state_slot = self.states.take(handle, wait)
+            whole = len(entries) == len(handle.keys) and state_slot is not None
+            if not whole or self.tree._page_key(tokens, have * self.page_size) in node.children:
+                used = range(0)
         n = len(used)
         if n == 0:
             self._give_back_prefetch_pages(handle, range(0))
+            if state_slot is not None:
+                self.states.alloc.free(state_slot)
             return node, pages, 0
         n_bytes = sum(1 for i in used if i >= len(reserved))  # entries read as bytes: need host pages now
         self.tree.lock(node)
         try:
             if not self._make_host_free(n_bytes):
                 self._give_back_prefetch_pages(handle, range(0))
+                if state_slot is not None:
+                    self.states.alloc.free(state_slot)
                 return node, pages, 0
             extra = self.host_alloc.alloc(n_bytes) if n_bytes else []
             dev = self.allocator.alloc(n) if self._make_free(n) else None
@@ -372,14 +443,20 @@ class HiCacheManager(KVCacheManager):
             ps = self.page_size
             if self.tree.add_host_only_child(node, tokens[have * ps:(have + n) * ps], host_pages):
                 self.parked_storage_pages += n
+                if state_slot is not None:
+                    self.states.adopt(node.children[self.tree._page_key(tokens, have * ps)], state_slot)
             else:
                 self._free_host_pages(host_pages)
+                if state_slot is not None:
+                    self.states.alloc.free(state_slot)
             return node, pages, 0
         self.backend.copy_pages_from_host(self.host, np.asarray(host_pages), np.asarray(dev))
         total = have + n
         tree_pages, last = self.tree.insert_with_host(tokens[:total * self.page_size], pages + dev, host_pages, have)
         # Pages another path inserted meanwhile cannot exist (same thread), so the tree adopted ours.
         assert tree_pages[have:] == dev
+        if state_slot is not None:
+            self.states.adopt(last, state_slot)
         if count_hit:
             self.tree.count_hit(last, upto=node)  # the nodes now holding the pages read from storage
         self.loaded_storage_pages += n
@@ -403,12 +480,16 @@ class HiCacheManager(KVCacheManager):
             self.storage_io.flush(timeout=self.storage_io.io_timeout_s)
             removed = self.storage.clear()
             log.info("flushed L3 storage: %d pages removed", removed)
+            if self.states is not None and self.states.io is not None:
+                log.info("flushed L3 state snapshots: %d removed", self.states.flush_storage())
 
     def close(self) -> None:
         if self.storage_io is not None:
             self.storage_io.close(flush=True, timeout=CLOSE_TIMEOUT_S)
         if self.storage is not None:
             self.storage.close()
+        if self.states is not None:
+            self.states.close(CLOSE_TIMEOUT_S)
 
     def tiers_info(self) -> dict[str, Any]:
         ps = self.page_size
@@ -424,7 +505,15 @@ class HiCacheManager(KVCacheManager):
             info["storage"] = {"backend": "file", "dir": str(self.storage.dir), **self.storage_health(),
                                **self.storage.stats(), "prefetch_policy": self.prefetch_policy,
                                "io_timeout_s": self.storage_io.io_timeout_s, "io": self.storage_io.stats()}
+        if self.states is not None:
+            info["host_state"] = self.states.info()
         return info
+
+    def state_accounting(self) -> dict[str, int] | None:
+        acc = super().state_accounting()
+        if acc is not None and self.states is not None:
+            acc.update(self.states.accounting())
+        return acc
 
     def storage_health(self) -> dict[str, Any]:
         """"online", or "degraded" while writes fail or a storage call hangs; the latest error either way."""
@@ -456,6 +545,16 @@ class HiCacheManager(KVCacheManager):
                   lambda: self.loaded_storage_pages * ps)
         m.counter("tierlm_hicache_parked_storage_tokens", "Tokens read from storage into the host tier while the "
                   "device tier had no room", lambda: self.parked_storage_pages * ps)
+        if self.states is not None:
+            st = self.states
+            m.gauge("tierlm_state_host_slots_total", "Host (L2) state snapshot slots (hybrid models)",
+                    lambda: st.host.num_slots)
+            m.gauge("tierlm_state_host_slots_cached", "Host (L2) state snapshots held by the radix cache",
+                    lambda: st.alloc.cached)
+            m.counter("tierlm_state_host_loaded", "Host state snapshots copied back into device slots",
+                      lambda: st.loaded_host_states)
+            m.counter("tierlm_state_storage_loaded", "State snapshots read from storage (L3) and used",
+                      lambda: st.loaded_storage_states)
         if self.storage is not None:
             for stat in ("files", "bytes"):
                 m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
@@ -479,6 +578,11 @@ class HiCacheManager(KVCacheManager):
         return counters
 
 
+def _prefetch_done(pf: PendingPrefetch, states: StateTiers | None) -> bool:
+    """The prefetch's pages (and for a hybrid its snapshot) are read."""
+    return pf.handle.done and (states is None or states.read_done(pf.handle))
+
+
 def _path(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
     out = []
     while node is not tree.root:
@@ -496,8 +600,8 @@ def _path_between(tree: HiRadixCache, upper: TreeNode, lower: TreeNode) -> list[
     return out[::-1]
 
 
-def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int
-                  ) -> tuple[KVStorage, StorageIO, tuple[float, float]]:
+def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int, hybrid: bool = False
+                  ) -> tuple[KVStorage, StorageIO, tuple[float, float], tuple[KVStorage, StorageIO] | None]:
     try:
         storage_registry.check_name(args.hicache_storage_backend)
     except ValueError as e:
@@ -514,7 +618,17 @@ def _open_storage(args: ServerArgs, backend: ModelBackend, page_bytes: int
                            f"must be a positive number of seconds, got {io_timeout!r}")
     # Host pages are always written to files in page-first byte order, whatever the host layout.
     ns = StorageNamespace.from_fields({**backend.kv_namespace(), "page_size": args.page_size, "layout": "page_first"})
+    state_cfg = dict(cfg)  # as the page store gets it
     storage = storage_registry.open_storage(args.hicache_storage_backend, args, ns, page_bytes, cfg)
     # The write backlog holds page copies: 256 MiB, or 16 pages where pages are larger than 16 MiB.
     backlog = max(DEFAULT_MAX_PENDING_WRITE_BYTES, 16 * page_bytes)
-    return storage, StorageIO(storage, num_threads=1, max_pending_write_bytes=backlog, io_timeout_s=io_timeout), timeout
+    io = StorageIO(storage, num_threads=1, max_pending_write_bytes=backlog, io_timeout_s=io_timeout)
+    state_storage = None
+    if hybrid:  # snapshots: a second store of the same backend, in a namespace of their own (state_tiers.py)
+        slot_bytes = HostStatePool(0, backend.info.state).slot_bytes
+        state_ns = StorageNamespace.from_fields(state_namespace_fields(backend, args.page_size))
+        st = storage_registry.open_storage(args.hicache_storage_backend, args, state_ns, slot_bytes, state_cfg)
+        state_storage = (st, StorageIO(st, num_threads=1, max_pending_write_bytes=max(DEFAULT_MAX_PENDING_WRITE_BYTES,
+                                                                                      16 * slot_bytes),
+                                       io_timeout_s=io_timeout))
+    return storage, io, timeout, state_storage

@@ -4,6 +4,11 @@ A node's pages live on the device, on the host, or both. Evicting a device leaf 
 has (or can get) a host copy instead of dropping it; the host tier evicts host-only leaves on its own, in the
 order of the same eviction policy (--radix-eviction-policy, runtime/eviction_policy.py). The controller
 (``controller.py``) decides when pages are backed up (write policy) and loads host pages back.
+
+Hybrid models: a node's state snapshot follows its pages through the tiers. It is backed up to a host state slot
+(``host_state_slot``, only on a node with host pages) when the node's pages reach the host with a snapshot, when a
+snapshot is set on a node already backed up, and before a device snapshot is dropped; host eviction frees it with
+its pages. A host-only leaf without a snapshot can never end a match and goes at once (the device tier's rule).
 """
 from __future__ import annotations
 
@@ -25,6 +30,12 @@ class HiRadixCache(RadixCache):
         self.host_pages_cached = 0
         self.demoted_pages = 0
         self.evicted_host_pages = 0
+        # hybrids (set by state_tiers.py): back a node's device snapshot up to a host slot (False: no room), free a
+        # host state slot; host_states_cached counts the nodes holding one
+        self.backup_state: Callable[[TreeNode], bool] | None = None
+        self.free_host_state_slot: Callable[[int], None] | None = None
+        self.host_states_cached = 0
+        self.evicted_host_states = 0
 
     # ---------------------------------------------------------------- hooks
     def _on_insert(self, node: TreeNode) -> None:
@@ -37,6 +48,67 @@ class HiRadixCache(RadixCache):
         assert node.host_pages is None
         node.host_pages = pages
         self.host_pages_cached += len(pages)
+
+    # ---------------------------------------------------------------- hybrids: host snapshots
+    def set_host_state(self, node: TreeNode, slot: int) -> bool:
+        """Give ``node`` (which has host pages) the host snapshot in ``slot``; False when it already has one."""
+        assert node.host_pages is not None, "a host snapshot needs its node's host pages"
+        if node.host_state_slot is not None:
+            return False
+        node.host_state_slot = slot
+        self.host_states_cached += 1
+        return True
+
+    def _drop_host_state(self, node: TreeNode) -> None:
+        if node.host_state_slot is not None:
+            self.free_host_state_slot(node.host_state_slot)
+            node.host_state_slot = None
+            self.host_states_cached -= 1
+
+    def _on_set_state(self, node: TreeNode) -> None:
+        if node.host_pages is not None and self.backup_state is not None:
+            self.backup_state(node)  # write_through: the pages went to the host before the node had its snapshot
+
+    def _drop_state(self, node: TreeNode) -> None:
+        """A device snapshot goes (its pages are evicted, or the state pool is short): keep it on the host first."""
+        if node.state_slot is not None and node.host_state_slot is None and self.backup_state is not None \
+                and node.device_pages is not None:
+            if node.host_pages is None:
+                self._backup_node(node)  # pages and snapshot
+            else:
+                self.backup_state(node)
+        super()._drop_state(node)
+
+    def evict_host_states(self, num: int) -> int:
+        """Free at least ``num`` host snapshots of unlocked nodes in eviction-policy order; a host-only leaf goes
+        with its pages (then so does each ancestor left a snapshot-less host-only leaf). Returns snapshots freed."""
+        nodes, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.host_state_slot is not None and n.lock_ref == 0:
+                nodes.append(n)
+        # host copies of snapshots still on the device first: dropping them loses nothing yet
+        nodes.sort(key=lambda n: (n.state_slot is None, self.eviction_priority(n)))
+        for node in nodes[:num]:
+            self._drop_host_state(node)
+            self.evicted_host_states += 1
+            self._prune_leaf(node)
+        return min(num, len(nodes))
+
+    def _prune_leaf(self, node: TreeNode) -> None:
+        """Drop ``node`` and then its ancestors while each is an unlocked leaf without a snapshot in any tier: its
+        pages (device and host) can never end a match."""
+        while node is not self.root and node.state_slot is None and node.host_state_slot is None and \
+                not node.children and node.lock_ref == 0:
+            parent = node.parent
+            if node.host_pages is not None:
+                self._drop_host(node)
+            if node.device_pages is not None:
+                RadixCache._evict_node(self, node)  # frees the pages and unlinks the node
+            else:
+                del parent.children[self._page_key(node.key, 0)]
+            node = parent
 
     def attach_device_pages(self, node: TreeNode, pages: list[int]) -> None:
         """Give a host-only node its device pages back (after a load from L2)."""
@@ -79,6 +151,8 @@ class HiRadixCache(RadixCache):
 
     # ---------------------------------------------------------------- device eviction: demote
     def _evict_node(self, node: TreeNode) -> int:
+        if node.device_pages is None:  # a hybrid's stateless leaf pruned meanwhile (_prune_leaf)
+            return 0
         if node.host_pages is None:
             self._backup_node(node)  # write_back, or a write-through copy that did not fit earlier
         pages = node.device_pages
@@ -86,19 +160,21 @@ class HiRadixCache(RadixCache):
             if node.children:  # host-only descendants would become unreachable: drop them too
                 self._drop_subtree_host(node)
             return super()._evict_node(node)
+        if self.free_state_slot is not None:
+            self._drop_state(node)  # kept on the host first when there is room
         self._free_device_pages(pages)
         self.device_pages_cached -= len(pages)
         node.device_pages = None
         self.demoted_pages += len(pages)
+        if self.free_state_slot is not None:
+            self._prune_leaf(node)  # demoted without a snapshot (no host state slot): useless on its own
         return len(pages)
 
     def _drop_subtree_host(self, node: TreeNode) -> None:
         for child in list(node.children.values()):
             self._drop_subtree_host(child)
             if child.host_pages is not None:
-                self._free_host_pages(child.host_pages)
-                self.host_pages_cached -= len(child.host_pages)
-                self.evicted_host_pages += len(child.host_pages)
+                self._drop_host(child)
             assert child.device_pages is None and child.lock_ref == 0
             del node.children[self._page_key(child.key, 0)]
 
@@ -118,9 +194,15 @@ class HiRadixCache(RadixCache):
         heapq.heapify(heap)
         while freed < num_pages and heap:
             node = heapq.heappop(heap)[-1]
+            if node.host_pages is None:  # pruned meanwhile
+                continue
             freed += self._drop_host(node)
             parent = node.parent
             del parent.children[self._page_key(node.key, 0)]
+            if self.free_state_slot is not None and parent.lock_ref == 0:  # hybrids: no snapshot-less host leaf
+                before = self.host_pages_cached
+                self._prune_leaf(parent)
+                freed += before - self.host_pages_cached
             if parent is not self.root and parent.host_pages is not None and parent.device_pages is None \
                     and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, self._heap_entry(parent))
@@ -135,11 +217,20 @@ class HiRadixCache(RadixCache):
             for node in sorted(both, key=self.eviction_priority):
                 if freed >= num_pages:
                     break
+                if node.host_pages is None:  # pruned with a leaf below it
+                    continue
+                if node.lock_ref > 0 and node.state_slot is None and node.host_state_slot is not None:
+                    continue  # a hybrid's only snapshot of a path in use
                 freed += self._drop_host(node)
+                if self.free_state_slot is not None:
+                    self._prune_leaf(node)  # its only snapshot was the host copy
         return freed
 
     def _drop_host(self, node: TreeNode) -> int:
         pages = node.host_pages
+        if node.host_state_slot is not None:
+            self._drop_host_state(node)
+            self.evicted_host_states += 1
         self._free_host_pages(pages)
         self.host_pages_cached -= len(pages)
         self.evicted_host_pages += len(pages)
@@ -166,5 +257,12 @@ class HiRadixCache(RadixCache):
                 self._free_device_pages(n.device_pages)
             if n.host_pages is not None:
                 self._free_host_pages(n.host_pages)
+            if n.state_slot is not None:
+                self.free_state_slot(n.state_slot)
+                n.state_slot = None
+            if n.host_state_slot is not None:
+                self.free_host_state_slot(n.host_state_slot)
+                n.host_state_slot = None
         self.root.children.clear()
         self.device_pages_cached = self.device_pages_locked = self.host_pages_cached = 0
+        self.states_cached = self.host_states_cached = 0

@@ -322,16 +322,26 @@ def size_kv_tiers(
         host_pages = plan.host_kv_tokens // ps
         if host_pages < 1:
             raise MemoryPlanError("the host KV pool would hold no pages; raise --hicache-ratio or --hicache-size")
-        if snapshots and state_slot_bytes:
-            # as many snapshots per page on the host as on the device, out of the same host budget
+        if snapshots and state_slot_bytes and args.hicache_size <= 0:
+            # --hicache-ratio sizes the host tier against the device tier's KV *and* snapshots: ratio x each,
+            # within the host RAM the KV pages leave
+            room = facts.ram_available_bytes - headroom_for(facts.ram_total_bytes) - host_pages * ps * kv_bytes_per_token
+            host_state_slots = min(max(1, round(args.hicache_ratio * snapshots)), max(0, room) // state_slot_bytes)
+            if host_state_slots < 1:
+                raise MemoryPlanError(f"no host RAM left for one {state_slot_bytes / 2**20:.2f} MiB state snapshot "
+                                      "after the host KV pages; lower --hicache-ratio or --max-running-requests")
+            reasons.append(f"{host_state_slots} host state snapshot slots of {state_slot_bytes / 2**20:.2f} MiB "
+                           f"(--hicache-ratio x the device's {snapshots}, next to the host KV pages)")
+        elif snapshots and state_slot_bytes:
+            # --hicache-size: as many snapshots per page on the host as on the device, out of that budget
             host_state_slots = max(1, round(snapshots * host_pages / device_pages))
             host_pages -= -(-host_state_slots * state_slot_bytes // (kv_bytes_per_token * ps))
             if host_pages < 1:
                 raise MemoryPlanError(f"the host tier's {host_state_slots} state snapshot slots of "
                                       f"{state_slot_bytes / 2**20:.2f} MiB leave no host KV pages; raise "
-                                      "--hicache-ratio or --hicache-size")
+                                      "--hicache-size")
             reasons.append(f"{host_state_slots} host state snapshot slots of {state_slot_bytes / 2**20:.2f} MiB taken "
-                           "from the host KV budget")
+                           "from the --hicache-size budget")
     return TierPlan(plan, ps, device_pages, host_pages, context_length, warnings, reasons, state_slots, state_bytes,
                     host_state_slots, host_state_slots * state_slot_bytes)
 

@@ -165,10 +165,17 @@ def test_the_memory_plan_sets_live_and_snapshot_state_slots_aside():
     hicache = parse_args(["--mem-fraction-static", "0.001", "--max-running-requests", "4", "--page-size", "4",
                           "--enable-hierarchical-cache", "--hicache-ratio", "2"])
     hybrid_l2 = size_kv_tiers(CPU_BOX, decision, hicache, **sizes, state_slot_bytes=2**20)
-    # the host keeps as many snapshots per page as the device (2 x the 8 snapshot slots), out of the host KV budget
+    # --hicache-ratio 2: twice the device's 8 snapshot slots, next to twice its KV pages
     assert (hybrid_l2.host_state_slots, hybrid_l2.host_state_bytes) == (16, 16 * 2**20)
-    assert hybrid_l2.host_pages == 2 * hybrid_l2.device_pages - 16 * 2**20 // (4 * 1024)
+    assert hybrid_l2.host_pages == 2 * hybrid_l2.device_pages
     assert hybrid_l2.to_dict()["host_state_slots"] == 16
+    sized = parse_args(["--mem-fraction-static", "0.001", "--max-running-requests", "4", "--page-size", "4",
+                        "--enable-hierarchical-cache", "--hicache-size", "0.05"])
+    by_size = size_kv_tiers(CPU_BOX, decision, sized, **sizes, state_slot_bytes=2**20)
+    plain_l2 = size_kv_tiers(CPU_BOX, decision, sized, **sizes)
+    # --hicache-size: one byte budget; the snapshots (as many per page as on the device) come out of it
+    assert by_size.host_state_slots > 0
+    assert plain_l2.host_pages - by_size.host_pages == -(-by_size.host_state_slots * 2**20 // (4 * 1024))
 
 
 # ------------------------------------------------------------------------------------------ runtime level
@@ -446,7 +453,7 @@ def test_hicache_eviction_in_both_tiers_keeps_the_reference_and_the_accounting(b
     prompts = [SYSTEM[:16 + 4 * (i % 3)] + [(i * 13 + j) % 270 + 5 for j in range(9 + i)] for i in range(6)]
     refs = [reference_greedy(model, p, 8) for p in prompts]
     for policy in ("write_through", "write_back"):
-        engine = _hicache(model, backend_name, storage=False, hicache_write_policy=policy, hicache_ratio=8.0)
+        engine = _hicache(model, backend_name, storage=False, hicache_write_policy=policy, hicache_ratio=1.5)
         try:
             for _ in range(2):
                 for p, ref in zip(prompts, refs):

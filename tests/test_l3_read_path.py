@@ -529,17 +529,18 @@ def test_the_admission_wait_never_outlasts_the_prefetch_budget():
 
 def test_a_probe_that_finds_pages_waits_for_the_rest_as_for_known_pages():
     """Pages another server stored (a shared Mooncake store) are unknown to this one's index: the request waits
-    only PROBE_WAIT_S for the first, and once that one is found, the timeout budget of all its pages."""
+    only the store's probe wait for the first, and once that one is found, the timeout budget of all its pages."""
     import time
     from types import SimpleNamespace
 
-    from tierlm.runtime.hicache.controller import PROBE_WAIT_S, HiCacheManager
+    from tierlm.runtime.hicache.controller import HiCacheManager
     from tierlm.runtime.request import PendingPrefetch
 
-    mgr = SimpleNamespace(prefetch_policy="timeout", prefetch_timeout=(0.5, 0.002))
+    mgr = SimpleNamespace(prefetch_policy="timeout", prefetch_timeout=(0.5, 0.002),
+                          storage=SimpleNamespace(probe_wait_s=0.05))
     handle = SimpleNamespace(keys=["k"] * 100, num_loaded=0)
     pf = PendingPrefetch(0, handle, time.perf_counter(), known_pages=0)
-    assert HiCacheManager._prefetch_budget(mgr, pf) == PROBE_WAIT_S  # nothing found yet: a cold request
+    assert HiCacheManager._prefetch_budget(mgr, pf) == 0.05  # nothing found yet: a cold request
     handle.num_loaded = 1
     assert HiCacheManager._prefetch_budget(mgr, pf) == pytest.approx(0.5 + 0.002 * 100)
     pf.known_pages = 10  # pages the index knows keep their own budget

@@ -56,9 +56,6 @@ PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
 # wait_complete waits at most one I/O time limit plus 50 ms a page (25x the timeout policy's 2 ms): every stuck
 # read is abandoned after the limit, so this only cuts off a disk slower than 20 pages/s.
 WAIT_COMPLETE_PER_PAGE_S = 0.05
-# A request whose pages the index does not know waits this long for the probe of the first one (one stat or one
-# round trip when nothing is there); once that page is found, the request waits for the rest as for known pages.
-PROBE_WAIT_S = 0.05
 # The first time a request with a read in flight is offered for admission, the scheduler waits this long at most
 # for it: page-cache reads of a prompt's pages land within milliseconds, and admitting it now instead of after the
 # next forward of the running requests saves that whole step. Once per request, so a hung disk costs this once.
@@ -326,7 +323,7 @@ class HiCacheManager(KVCacheManager):
         pages = pf.known_pages
         if pages == 0:
             if pf.handle.num_loaded == 0:
-                return PROBE_WAIT_S  # only a probe for pages another server may have stored: a cold request
+                return self.storage.probe_wait_s  # only a probe for pages another server may have stored
             # The probe found a page another server stored (a shared store, or a folder another process
             # writes): the rest are likely there too, so wait for them as for pages the index knows.
             pages = len(pf.handle.keys)

@@ -180,6 +180,7 @@ class MooncakeKVStorage(KVStorage):
     """KVStorage on Mooncake Store; see the module docstring. ``store_class``: MooncakeDistributedStore (tests)."""
 
     name = "mooncake"
+    probe_wait_s = 0.2  # a metadata round trip to the master and a transfer: tens of ms on a busy 2-core machine
 
     def __init__(self, config: MooncakeConfig, namespace: StorageNamespace, page_bytes: int, *,
                  connect_wait_s: float = DEFAULT_CONNECT_WAIT_S, retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,

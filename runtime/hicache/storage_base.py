@@ -99,6 +99,10 @@ class KVStorage(ABC):
     def get(self, key: str) -> bytes | None:
         """The payload stored under key, verified; None on a miss or a damaged entry."""
 
+    # How long a request whose pages this server's index does not know waits for the probe of the first one (one
+    # stat, or one round trip, when nothing is there); once that page is found it waits for the rest as for known
+    # pages (controller.py). A networked store's round trip is slower, and slower still on a loaded machine.
+    probe_wait_s: float = 0.05
     # Pages a prefetch asks for in one call. A networked store answers many keys per round trip (Mooncake: one
     # metadata RPC and parallel transfers), so reading them one by one would pay the round trip per page.
     read_batch_pages: int = 1

@@ -423,41 +423,43 @@ def test_engine_keeps_serving_when_the_master_dies_and_uses_it_again_when_it_ret
         _stop(proc)
         proc = None
 
-    engine = hicache_engine("torch", tiny_llama, **kw)
     try:
-        prompts = [doc(30 + i) + [i + 1] for i in range(3)]
-        outs = _stream_all(engine, prompts, greedy(16), kill_master)
-        assert proc is None  # the master really died mid-stream
-        for prompt, toks in zip(prompts, outs):
-            assert toks == reference_greedy(tiny_llama, prompt, 16)
-        again = run(engine, prompts + [doc(33) + [7]], greedy(4))  # L1/L2 hits and one new prompt, master still dead
-        for prompt, out in zip(prompts + [doc(33) + [7]], again):
-            assert out.last.error is None and out.token_ids == reference_greedy(tiny_llama, prompt, 4)
-        assert again[0].last.cached.total > 0
-        deadline = time.monotonic() + 20  # the failed writes and exists calls surface as degraded
-        while storage_tier(engine)["state"] != "degraded" and time.monotonic() < deadline:
-            run(engine, [doc(40) + [int(time.monotonic() * 10) % 200]], greedy(1))
-            time.sleep(0.2)
-        assert storage_tier(engine)["state"] == "degraded"
-        assert settles_clean(engine)
+        engine = hicache_engine("torch", tiny_llama, **kw)
+        try:
+            prompts = [doc(30 + i) + [i + 1] for i in range(3)]
+            outs = _stream_all(engine, prompts, greedy(16), kill_master)
+            assert proc is None  # the master really died mid-stream
+            for prompt, toks in zip(prompts, outs):
+                assert toks == reference_greedy(tiny_llama, prompt, 16)
+            again = run(engine, prompts + [doc(33) + [7]], greedy(4))  # L1/L2 hits, one new prompt; master dead
+            for prompt, out in zip(prompts + [doc(33) + [7]], again):
+                assert out.last.error is None and out.token_ids == reference_greedy(tiny_llama, prompt, 4)
+            assert again[0].last.cached.total > 0
+            deadline = time.monotonic() + 20  # the failed writes and exists calls surface as degraded
+            while storage_tier(engine)["state"] != "degraded" and time.monotonic() < deadline:
+                run(engine, [doc(40) + [int(time.monotonic() * 10) % 200]], greedy(1))
+                time.sleep(0.2)
+            assert storage_tier(engine)["state"] == "degraded"
+            assert settles_clean(engine)
 
-        proc = _start_master(rpc)
-        holder = _holder(address)
-        fresh = doc(50) + [8]
-        deadline = time.monotonic() + 20  # no request touches L3 meanwhile: the health probe notices the master
-        while storage_tier(engine)["state"] != "online" and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert storage_tier(engine)["state"] == "online", json.dumps(storage_tier(engine))
-        cold, = run(engine, [fresh], greedy(8))
-    finally:
-        engine.shutdown()  # flushes the backup of ``fresh`` to the master that came back
-    assert pool_is_clean(engine)
-    engine = hicache_engine("torch", tiny_llama, **kw)
-    try:
-        hot, = run(engine, [fresh], greedy(8))
-        assert hot.last.cached.storage == 60 and hot.token_ids == cold.token_ids
-    finally:
-        engine.shutdown()
+            proc = _start_master(rpc)
+            holder = _holder(address)
+            fresh = doc(50) + [8]
+            deadline = time.monotonic() + 20  # no request touches L3 meanwhile: the health probe notices it
+            while storage_tier(engine)["state"] != "online" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert storage_tier(engine)["state"] == "online", json.dumps(storage_tier(engine))
+            cold, = run(engine, [fresh], greedy(8))
+        finally:
+            engine.shutdown()  # flushes the backup of ``fresh`` to the master that came back
+        assert pool_is_clean(engine)
+        engine = hicache_engine("torch", tiny_llama, **kw)
+        try:
+            hot, = run(engine, [fresh], greedy(8))
+            assert hot.last.cached.storage == 60 and hot.token_ids == cold.token_ids
+        finally:
+            engine.shutdown()
+    finally:  # whatever failed, no master outlives the test
         if holder is not None:
             holder.close()
         if proc is not None:

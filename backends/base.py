@@ -307,6 +307,9 @@ class ModelBackend(ABC):
     page_layout: str | None = None  # SHARED_PAGE_LAYOUT when its pages hold those bytes
     device: str = "cpu"
     info: ModelInfo
+    # A hybrid's recurrent-state pool and its copies (backends/*/linear_state.py: init_pool, copy_slots, to_host,
+    # from_host); None for attention-only models and on a backend without one.
+    linear_state: Any = None
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token across all layers in the device pool (in the KV storage dtype)."""
@@ -336,24 +339,30 @@ class ModelBackend(ABC):
         return None
 
     def init_state_pool(self, num_slots: int) -> None:
-        """Allocate ``num_slots`` recurrent-state slots (ModelInfo.state); nothing to do for attention-only models.
-        A backend that serves hybrids overrides it."""
-        if self.info.state is not None:
+        """Allocate ``num_slots`` recurrent-state slots (ModelInfo.state); nothing to do for attention-only models."""
+        if self.linear_state is not None:
+            self.linear_state.init_pool(num_slots)
+        elif self.info.state is not None:
             raise NotImplementedError(f"the {self.name} backend has no state pool for hybrid models")
 
     def copy_state_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy state slot ``src[i]`` to ``dst[i]`` (int32 arrays; a snapshot into a request's live slot), ordered
-        before the next forward. A backend that serves hybrids overrides it."""
-        raise NotImplementedError(f"the {self.name} backend has no state pool to copy within")
+        before the next forward."""
+        self._state_pool("has no state pool to copy within").copy_slots(src, dst)
 
     def copy_states_to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None:
         """Copy state slot ``slots[i]`` into host slot ``host_slots[i]`` (SHARED_STATE_LAYOUT), done on return (an
-        L3 writer may read it next). A backend that serves hybrids with HiCache overrides it."""
-        raise NotImplementedError(f"the {self.name} backend has no host tier for state snapshots")
+        L3 writer may read it next)."""
+        self._state_pool("has no host tier for state snapshots").to_host(slots, host, host_slots)
 
     def copy_states_from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None:
         """Copy host slot ``host_slots[i]`` into state slot ``slots[i]``, ordered before the next forward."""
-        raise NotImplementedError(f"the {self.name} backend has no host tier for state snapshots")
+        self._state_pool("has no host tier for state snapshots").from_host(host, host_slots, slots)
+
+    def _state_pool(self, missing: str) -> Any:
+        if self.linear_state is None:
+            raise NotImplementedError(f"the {self.name} backend {missing}")
+        return self.linear_state
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

@@ -225,16 +225,21 @@ TURN_A, TURN_B, TURN_C = SYSTEM + list(range(40, 49)), SYSTEM + list(range(90, 9
 REUSE_DEPTHS = {(4, 16): (16, 24, 44), (1, 5): (20, 24, 44), (16, 512): (0, 16, 32)}
 
 
-def _check_state_pool(engine) -> None:
-    """free + cached + in_use == total, nothing in use, and the cached slots are exactly the tree's snapshots."""
-    acc = engine.server_info()["state_pool"]
-    assert acc["in_use_slots"] == 0 and acc["free_slots"] + acc["cached_slots"] == acc["total_slots"], acc
-    tree = engine.parts.cache.tree
+def _tree_nodes(tree) -> list:
     nodes, stack = [], [tree.root]
     while stack:
         n = stack.pop()
         stack.extend(n.children.values())
         nodes.append(n)
+    return nodes
+
+
+def _check_state_pool(engine) -> None:
+    """free + cached + in_use == total, nothing in use, and the cached slots are exactly the tree's snapshots."""
+    acc = engine.server_info()["state_pool"]
+    assert acc["in_use_slots"] == 0 and acc["free_slots"] + acc["cached_slots"] == acc["total_slots"], acc
+    tree = engine.parts.cache.tree
+    nodes = _tree_nodes(tree)
     slots = [n.state_slot for n in nodes if n.state_slot is not None]
     assert len(slots) == len(set(slots)) == acc["cached_slots"]
     assert all(n.state_slot is not None for n in nodes if n is not tree.root and not n.children), "stateless leaf"
@@ -404,11 +409,7 @@ def _check_host_states(engine, host_snapshots: bool = True) -> None:
     assert acc["host_in_use_slots"] == 0, acc
     assert acc["host_free_slots"] + acc["host_cached_slots"] == acc["host_total_slots"], acc
     tree = engine.parts.cache.tree
-    nodes, stack = [], [tree.root]
-    while stack:
-        n = stack.pop()
-        stack.extend(n.children.values())
-        nodes.append(n)
+    nodes = _tree_nodes(tree)
     device = [n.state_slot for n in nodes if n.state_slot is not None]
     assert len(device) == len(set(device)) == acc["cached_slots"]
     host = [n.host_state_slot for n in nodes if n.host_state_slot is not None]

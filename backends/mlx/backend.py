@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, HostStatePool,
-                                  KVCacheDtypeError, ModelBackend, ModelInfo)
+from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
+                                  ModelBackend, ModelInfo)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.mlx.grammar_mask import apply_token_bitmask
 from tierlm.backends.mlx.hybrid_families import ModelParts, attention_attributes
@@ -101,19 +101,6 @@ class MLXBackend(ModelBackend):
     # --- sizing ---
     def weight_bytes(self) -> int:
         return self._weight_bytes
-
-    def init_state_pool(self, num_slots: int) -> None:
-        if self.linear_state is not None:
-            self.linear_state.init_pool(num_slots)
-
-    def copy_state_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.linear_state.copy_slots(src, dst)
-
-    def copy_states_to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None:
-        self.linear_state.to_host(slots, host, host_slots)
-
-    def copy_states_from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None:
-        self.linear_state.from_host(host, host_slots, slots)
 
     def _arrays(self) -> list[mx.array]:
         """What a step writes: the KV pool, and a hybrid's state pool."""

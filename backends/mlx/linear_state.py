@@ -23,6 +23,7 @@ import numpy as np
 from tierlm.backends.base import ForwardBatch, HostStatePool, StateGeometry, host_state_layer_bytes
 from tierlm.backends.mlx.state_pool import MLXStatePool
 from tierlm.backends.model_source.hybrid_layout import HybridLayout
+from tierlm.backends.state_steps import StateStepSplit
 
 
 class StateCache:
@@ -51,25 +52,13 @@ class StepPlan:
     permutation from [decode rows, segments...] back to flat row order."""
 
     def __init__(self, batch: ForwardBatch) -> None:
-        if batch.state_slots is None:
-            raise ValueError("a hybrid model's ForwardBatch needs state_slots (one state slot per request)")
-        q_lens = np.asarray(batch.q_lens, np.int64)
-        kv_lens = np.asarray(batch.kv_lens, np.int64)
-        slots = np.asarray(batch.state_slots, np.int64)
-        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
-        fresh = kv_lens == q_lens
-        decode = (q_lens == 1) & ~fresh
-        self.decode_rows = mx.array(starts[decode].astype(np.int32)) if decode.any() else None
-        self.decode_slots = mx.array(slots[decode].astype(np.int32)) if decode.any() else None
-        none = np.full(len(q_lens), -1, np.int64)  # no snapshot in this step
-        at = none if batch.snapshot_at is None else np.asarray(batch.snapshot_at, np.int64)
-        dst = none if batch.snapshot_dst is None else np.asarray(batch.snapshot_dst, np.int64)
-        snap = decode & (at > 0)  # a decode row's only point is after its token
-        self.decode_snap = (mx.array(slots[snap].astype(np.int32)), mx.array(dst[snap].astype(np.int32))) \
-            if snap.any() else None
-        self.prefills = [(int(slots[i]), int(starts[i]), int(starts[i] + q_lens[i]), bool(fresh[i]), int(at[i]),
-                          int(dst[i])) for i in np.nonzero(~decode)[0]]
-        order = np.concatenate([starts[decode]] + [np.arange(p[1], p[2]) for p in self.prefills]).astype(np.int64)
+        s = StateStepSplit(batch)
+        a = lambda v: mx.array(v.astype(np.int32))  # noqa: E731
+        self.decode_rows = a(s.decode_rows) if len(s.decode_rows) else None
+        self.decode_slots = a(s.decode_slots) if len(s.decode_slots) else None
+        self.decode_snap = (a(s.snap_src), a(s.snap_dst)) if len(s.snap_src) else None
+        self.prefills = s.prefills
+        order = np.concatenate([s.decode_rows] + [np.arange(p[1], p[2]) for p in self.prefills]).astype(np.int64)
         self.in_order = bool((order == np.arange(len(order))).all())
         self.unpermute = None if self.in_order else mx.array(np.argsort(order).astype(np.int32))
 

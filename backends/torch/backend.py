@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, HostStatePool,
-                                  KVCacheDtypeError, ModelBackend, ModelInfo)
+from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
+                                  ModelBackend, ModelInfo)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.folder_facts import read_generation_eos
@@ -101,19 +101,6 @@ class TorchBackend(ModelBackend):
     # --- sizing ---
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
-
-    def init_state_pool(self, num_slots: int) -> None:
-        if self.linear_state is not None:
-            self.linear_state.init_pool(num_slots)
-
-    def copy_state_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.linear_state.copy_slots(src, dst)
-
-    def copy_states_to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None:
-        self.linear_state.to_host(slots, host, host_slots)
-
-    def copy_states_from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None:
-        self.linear_state.from_host(host, host_slots, slots)
 
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tierlm.backends.base import ForwardBatch, HostStatePool, StateGeometry, host_state_layer_bytes
 from tierlm.backends.model_source.folder_facts import text_config
 from tierlm.backends.model_source.hybrid_layout import HybridLayout, hybrid_layout
+from tierlm.backends.state_steps import StateStepSplit
 from tierlm.backends.torch.state_pool import TorchStatePool
 
 
@@ -78,24 +79,12 @@ class StepPlan:
     """One step's split of the flat rows, shared by every linear layer: decode rows and prefill segments."""
 
     def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
-        if batch.state_slots is None:
-            raise ValueError("a hybrid model's ForwardBatch needs state_slots (one state slot per request)")
-        q_lens = np.asarray(batch.q_lens, np.int64)
-        kv_lens = np.asarray(batch.kv_lens, np.int64)
-        slots = np.asarray(batch.state_slots, np.int64)
-        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
-        fresh = kv_lens == q_lens
-        decode = (q_lens == 1) & ~fresh
-        self.decode_rows = torch.from_numpy(starts[decode]).to(device) if decode.any() else None
-        self.decode_slots = torch.from_numpy(slots[decode]).to(device) if decode.any() else None
-        none = np.full(len(q_lens), -1, np.int64)  # no snapshot in this step
-        at = none if batch.snapshot_at is None else np.asarray(batch.snapshot_at, np.int64)
-        dst = none if batch.snapshot_dst is None else np.asarray(batch.snapshot_dst, np.int64)
-        snap = decode & (at > 0)  # a decode row's only point is after its token
-        self.decode_snap = (torch.from_numpy(slots[snap]).to(device), torch.from_numpy(dst[snap]).to(device)) \
-            if snap.any() else None
-        self.prefills = [(int(slots[i]), int(starts[i]), int(starts[i] + q_lens[i]), bool(fresh[i]), int(at[i]),
-                          int(dst[i])) for i in np.nonzero(~decode)[0]]
+        s = StateStepSplit(batch)
+        t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        self.decode_rows = t(s.decode_rows) if len(s.decode_rows) else None
+        self.decode_slots = t(s.decode_slots) if len(s.decode_slots) else None
+        self.decode_snap = (t(s.snap_src), t(s.snap_dst)) if len(s.snap_src) else None
+        self.prefills = s.prefills
 
 
 class LinearMixer(torch.nn.Module):

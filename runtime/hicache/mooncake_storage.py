@@ -343,17 +343,9 @@ class MooncakeKVStorage(KVStorage):
 
     def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
                        ) -> list[bool]:
-        """One get_batch round trip for the keys, each verified and copied into its buffers; stops at the first
-        page not read."""
-        self._check_open()
-        for key in keys:
-            self._check_key(key)
-        store = self._client()
-        if store is None:
-            self._count(misses=0 if probe else min(1, len(keys)))
-            return [False] * len(keys)
+        """batch_read's one round trip, each page copied into its buffers; stops at the first page not read."""
         got: list[bool] = []
-        for page, out in zip(self._get_batch(store, keys, absent_is_miss=not probe), outs):
+        for page, out in zip(self.batch_read(keys, probe=probe), outs):
             if page is None:
                 break
             copy_into(page, out)

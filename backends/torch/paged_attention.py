@@ -195,24 +195,17 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 (lib := cpu_paged_decode.load()) is not None:
             # bf16 decode reading the pages in place (no gathers, no copies), transformers' bf16 eager numerics
             og = cpu_paged_decode.paged_decode(lib, qg[:, :, 0], pool.k[layer], pool.v[layer], g.page_rows,
-                                               g.kv_lens, pool.page_size, scaling)[:, :, None]
-            og = og.transpose(1, 2).reshape(g.G, H, D)
-            if meta.identity_rows:
-                return og[None], None
-            if g.all_valid:
-                out.index_copy_(0, g.rows_flat, og)
-            else:
-                out.index_copy_(0, g.dst_rows, og.index_select(0, g.valid_idx))
-            continue
-        kg = pool.dequantize(k_pages.index_select(0, g.kv_pages), q.dtype)
-        vg = pool.dequantize(v_pages.index_select(0, g.kv_pages), q.dtype)
-        kg = kg.view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
-        vg = vg.view(g.G, g.L, -1, D).transpose(1, 2)
-        mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
-        if g.Q == 1 and s_aux is None and q.dtype in _EAGER_DECODE_DTYPES and q.device.type == "cpu":
-            og = attend_decode_eager(qg, kg, vg, mask, scaling)
+                                               g.kv_lens, pool.page_size, scaling)[:, :, None]  # [G, H, 1, D]
         else:
-            og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
+            kg = pool.dequantize(k_pages.index_select(0, g.kv_pages), q.dtype)
+            vg = pool.dequantize(v_pages.index_select(0, g.kv_pages), q.dtype)
+            kg = kg.view(g.G, g.L, -1, D).transpose(1, 2)  # [G, Hkv, L, D]
+            vg = vg.view(g.G, g.L, -1, D).transpose(1, 2)
+            mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
+            if g.Q == 1 and s_aux is None and q.dtype in _EAGER_DECODE_DTYPES and q.device.type == "cpu":
+                og = attend_decode_eager(qg, kg, vg, mask, scaling)
+            else:
+                og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
         if meta.identity_rows:
             return og[None], None

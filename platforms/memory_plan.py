@@ -204,7 +204,7 @@ class TierPlan:
     state_slots: int = 0
     state_bytes: int = 0
     # ...and with HiCache host (L2) snapshot slots, hicache_ratio x the device snapshot slots, taken from the host
-    # KV budget (runtime/hicache/state_tiers.py)
+    # KV budget (runtime/cache/state_tiers.py)
     host_state_slots: int = 0
     host_state_bytes: int = 0
 
@@ -279,7 +279,7 @@ def size_kv_tiers(
 
     ``state_slot_bytes`` (hybrid models: one request's recurrent state, backends/base.StateGeometry.slot_bytes):
     one live slot per --max-running-requests, plus SNAPSHOT_SLOTS_PER_RUNNING_REQUEST snapshot slots per request
-    when the radix cache is on (runtime/state_snapshots.py), are set aside like the weights before the KV pages
+    when the radix cache is on (runtime/cache/state_snapshots.py), are set aside like the weights before the KV pages
     are sized.
     """
     ps = args.page_size

@@ -54,7 +54,7 @@ def build_forward_batch(items: list[tuple[Req, int]], page_size: int,
                          sampling=sampling_batch(sampling_reqs), page_size=page_size)
     if items[0][0].state_slot is not None:  # a hybrid model: every request runs in its state slot
         batch.state_slots = np.fromiter((r.state_slot for r, _ in items), np.int32, R)
-        if any(r.snap_at for r, _ in items):  # snapshots (runtime/state_snapshots.py): page-aligned, in this step
+        if any(r.snap_at for r, _ in items):  # snapshots (runtime/cache/state_snapshots.py): page-aligned, in this step
             batch.snapshot_at = np.fromiter((r.snap_at - r.kv_len if r.snap_at else -1 for r, _ in items), np.int32, R)
             batch.snapshot_dst = np.fromiter((r.snap_slot if r.snap_at else -1 for r, _ in items), np.int32, R)
     return batch, sampling_reqs

@@ -32,16 +32,16 @@ from tierlm.platforms import BackendChoiceError, Decision, Facts, MemoryPlanErro
 from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.grammar.manager import GrammarManager
-from tierlm.runtime.hicache.controller import HiCacheManager
+from tierlm.runtime.cache.hicache_manager import HiCacheManager
 from tierlm.runtime.io_struct import GenerateOutput
-from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
 from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
 from tierlm.runtime.speculative.speculator import NgramSpeculator
-from tierlm.runtime.state_slots import StateSlots
+from tierlm.runtime.cache.state_slots import StateSlots
 from tierlm.runtime.warm_up import warm_up
 
 IO_BACKEND_MEANING = {"kernel": "pages move as one batched gather and one copy per direction",
@@ -459,7 +459,7 @@ def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes
                                      tiers.host_state_slots)
     if args.hicache_storage_backend:
         raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
-    if tiers.state_slots:  # a hybrid model: prefix reuse up to state snapshots (runtime/state_snapshots.py)
+    if tiers.state_slots:  # a hybrid model: prefix reuse up to state snapshots (runtime/cache/state_snapshots.py)
         cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache,
                                state_slots=StateSlots(tiers.state_slots), copy_state_slots=backend.copy_state_slots)
         log.info("radix cache for this hybrid model: %s", "prefixes reused up to the deepest page-aligned state "

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 from tierlm.runtime.detokenizer import IncrementalDetokenizer
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.logprobs import LogprobState
-from tierlm.runtime.radix_cache import TreeNode
+from tierlm.runtime.cache.radix_cache import TreeNode
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.stop_checker import StopChecker
 
 if TYPE_CHECKING:  # only HiCache creates one; a plain radix cache never loads the L3 modules
-    from tierlm.runtime.hicache.storage_io import PrefetchHandle
+    from tierlm.runtime.cache.storage.storage_io import PrefetchHandle
 
 
 @dataclass
@@ -40,8 +40,8 @@ class Req:
     pages: list[int] = field(default_factory=list)
     tree_pages: int = 0
     last_node: TreeNode | None = None
-    state_slot: int | None = None  # hybrids: the recurrent-state slot it runs in (runtime/state_slots.py)
-    # hybrids, prefix reuse (runtime/state_snapshots.py): ``snap_slot`` holds the state after position snap_len - 1
+    state_slot: int | None = None  # hybrids: the recurrent-state slot it runs in (runtime/cache/state_slots.py)
+    # hybrids, prefix reuse (runtime/cache/state_snapshots.py): ``snap_slot`` holds the state after position snap_len - 1
     # (page-aligned), not yet on a tree node; ``fork_len`` is where the cached KV went deeper than any snapshot (a
     # snapshot is taken there); ``snap_at`` is the point this step's forward copies the state at (0: none).
     snap_slot: int | None = None

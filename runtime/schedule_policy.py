@@ -25,8 +25,8 @@ import logging
 import random
 from typing import Iterable
 
-from tierlm.runtime.kv_cache_manager import KVCacheManager
-from tierlm.runtime.radix_cache import TreeNode
+from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
+from tierlm.runtime.cache.radix_cache import TreeNode
 from tierlm.runtime.request import Req
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 # --schedule-policy values: the order waiting requests are admitted in (runtime/schedule_policy.py).
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "lof")
 # --radix-eviction-policy values: which unlocked cache pages go first when a tier (device or host) is full
-# (runtime/eviction_policy.py).
+# (runtime/cache/eviction_policy.py).
 RADIX_EVICTION_POLICIES = ("lru", "lfu", "slru", "loop")
 # --speculative-algorithm values tierlm implements (runtime/speculative/); SGLang's others are refused.
 SPECULATIVE_ALGORITHMS = ("NGRAM",)

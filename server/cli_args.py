@@ -276,7 +276,7 @@ def _load_extra_config(value: str | None) -> str | None:
     """Resolve '@file', check the text is a JSON object, and return it as compact JSON text."""
     if value is None:
         return None
-    from tierlm.runtime.hicache.file_storage import parse_extra_config
+    from tierlm.runtime.cache.storage.file_storage import parse_extra_config
 
     return json.dumps(parse_extra_config(value))
 
@@ -299,7 +299,7 @@ def _check_cli_only(args: ServerArgs) -> None:
     if args.hicache_size < 0:
         raise ValueError(f"--hicache-size must be >= 0 GB, got {args.hicache_size}")
     if args.hicache_storage_backend is not None:
-        from tierlm.runtime.hicache import storage_registry
+        from tierlm.runtime.cache.storage import registry as storage_registry
 
         if args.hicache_storage_backend not in storage_registry.BACKENDS:
             others = [n for n in storage_registry.names() if n != "file"]

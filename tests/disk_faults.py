@@ -6,7 +6,7 @@ import builtins
 import errno
 import os
 
-from tierlm.runtime.hicache import file_storage as fs_mod
+from tierlm.runtime.cache.storage import file_storage as fs_mod
 
 class _FaultyFile:
     """A file object whose writes fail with ``err``, after the file itself was created."""

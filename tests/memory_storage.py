@@ -1,7 +1,7 @@
 """An in-memory KVStorage for tests of the L3 I/O machinery; subclasses gate or hang its calls."""
 from __future__ import annotations
 
-from tierlm.runtime.hicache.storage_base import KVStorage
+from tierlm.runtime.cache.storage.base import KVStorage
 
 
 class MemoryStorage(KVStorage):

@@ -5,10 +5,10 @@ import pytest
 from engine_harness import greedy, pool_is_clean, run
 from test_hicache import doc, hicache_engine, push_out_of_device
 from test_radix_cache import make
-from tierlm.runtime.eviction_policy import POLICIES, eviction_priority
-from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
-from tierlm.runtime.page_allocator import PageAllocator
-from tierlm.runtime.radix_cache import TreeNode
+from tierlm.runtime.cache.eviction_policy import POLICIES, eviction_priority
+from tierlm.runtime.cache.hiradix_cache import HiRadixCache
+from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.radix_cache import TreeNode
 
 # Five one-page branches, oldest use first: B never reused, E reused once, D 3 times, A twice, C once just now.
 BRANCHES = {"A": [1, 1], "B": [2, 2], "C": [3, 3], "D": [4, 4], "E": [5, 5]}
@@ -170,7 +170,7 @@ def test_loop_lets_new_documents_in_after_a_burst_of_one_shot_prompts(tiny_llama
 def test_a_retracted_request_coming_back_is_not_a_new_reuse() -> None:
     """hit_count counts admissions that reuse a node; a request retracted for lack of pages and admitted again
     already counted its hits the first time."""
-    from tierlm.runtime.kv_cache_manager import KVCacheManager
+    from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
     from tierlm.runtime.request import Req
     from tierlm.runtime.sampling_params import SamplingParams
 

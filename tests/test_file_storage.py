@@ -16,15 +16,15 @@ import pytest
 from disk_faults import inject_disk_fault
 from memory_storage import MemoryStorage
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.hicache import file_storage as fs_mod
-from tierlm.runtime.hicache.file_storage import (
+from tierlm.runtime.cache.storage import file_storage as fs_mod
+from tierlm.runtime.cache.storage.file_storage import (
     HEADER_SIZE, NAMESPACE_FILE, STORAGE_DIR_ENV, TEMP_PREFIX, FileKVStorage, default_storage_dir,
     max_size_bytes_from_config, parse_extra_config,
 )
-from tierlm.runtime.hicache.page_keys import is_page_key, page_key, page_keys
-from tierlm.runtime.hicache.storage_base import STAT_FIELDS
-from tierlm.runtime.hicache.storage_io import StorageIO
-from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+from tierlm.runtime.cache.storage.page_keys import is_page_key, page_key, page_keys
+from tierlm.runtime.cache.storage.base import STAT_FIELDS
+from tierlm.runtime.cache.storage.storage_io import StorageIO
+from tierlm.runtime.cache.storage.namespace import StorageNamespace
 
 PAGE_BYTES = 512
 NS_FIELDS = {
@@ -75,7 +75,7 @@ def test_page_keys_chain_full_pages_only():
 def test_page_keys_identical_in_another_process():
     tokens = list(range(1000, 1037))
     code = (
-        "import json;from tierlm.runtime.hicache.page_keys import page_keys;"
+        "import json;from tierlm.runtime.cache.storage.page_keys import page_keys;"
         f"print(json.dumps(page_keys({tokens!r}, 8)))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -585,7 +585,7 @@ def test_a_hung_read_or_write_is_abandoned_and_later_io_still_runs():
 
 
 def test_when_every_thread_is_stuck_l3_is_bypassed(monkeypatch):
-    from tierlm.runtime.hicache import storage_io as sio_mod
+    from tierlm.runtime.cache.storage import storage_io as sio_mod
 
     monkeypatch.setattr(sio_mod, "MAX_STUCK_THREADS", 1)
     storage = HangingStorage()
@@ -609,7 +609,7 @@ def test_when_every_thread_is_stuck_l3_is_bypassed(monkeypatch):
 
 
 def test_close_returns_within_seconds_while_workers_are_stuck():
-    from tierlm.runtime.hicache.controller import CLOSE_TIMEOUT_S
+    from tierlm.runtime.cache.hicache_manager import CLOSE_TIMEOUT_S
 
     storage = HangingStorage()
     keys = keys_for(3)
@@ -629,7 +629,7 @@ def test_close_returns_within_seconds_while_workers_are_stuck():
 
 
 def test_storage_io_bounds_the_write_backlog_by_default():
-    from tierlm.runtime.hicache.storage_io import DEFAULT_MAX_PENDING_WRITE_BYTES
+    from tierlm.runtime.cache.storage.storage_io import DEFAULT_MAX_PENDING_WRITE_BYTES
 
     io = StorageIO(GatedStorage())
     assert io.max_pending_write_bytes == DEFAULT_MAX_PENDING_WRITE_BYTES

@@ -257,7 +257,7 @@ def _drop_memory_tiers(engine) -> None:
 def test_wait_complete_with_a_fifo_in_place_of_a_page_file_serves_the_cold_output(tiny_llama, store, backend_name):
     import os
 
-    from tierlm.runtime.hicache.page_keys import page_keys
+    from tierlm.runtime.cache.storage.page_keys import page_keys
 
     prompt = doc(9) + [6]
     engine = hicache_engine(backend_name, tiny_llama)  # wait_complete
@@ -283,7 +283,7 @@ def test_wait_complete_with_a_fifo_in_place_of_a_page_file_serves_the_cold_outpu
 def test_wait_complete_with_a_hung_read_serves_the_cold_output(tiny_llama, store, backend_name):
     import threading
 
-    from tierlm.runtime.hicache.page_keys import page_keys
+    from tierlm.runtime.cache.storage.page_keys import page_keys
 
     prompt = doc(10) + [6]
     engine = hicache_engine(backend_name, tiny_llama,
@@ -420,7 +420,7 @@ def test_the_scheduler_never_touches_the_disk_and_still_finds_pages_another_serv
     another server sharing the folder stored after this one started are still found, by the prefetch probe."""
     import threading
 
-    from tierlm.runtime.hicache.file_storage import FileKVStorage
+    from tierlm.runtime.cache.storage.file_storage import FileKVStorage
 
     prompt = doc(12) + [3]
     writer = hicache_engine(backend_name, tiny_llama)

@@ -182,8 +182,8 @@ def test_the_memory_plan_sets_live_and_snapshot_state_slots_aside():
 
 
 def test_tree_snapshot_rules_match_cut_split_tombstone_and_state_eviction():
-    from tierlm.runtime.radix_cache import RadixCache
-    from tierlm.runtime.state_slots import StateSlots
+    from tierlm.runtime.cache.radix_cache import RadixCache
+    from tierlm.runtime.cache.state_slots import StateSlots
 
     slots, freed = StateSlots(4), []
     tree = RadixCache(2, freed.extend)
@@ -500,8 +500,8 @@ def test_hicache_storage_hit_after_restart_loads_pages_and_their_snapshot(writer
     files = _state_files(store)
     assert files, "no snapshot reached L3"
     if damage == "missing":  # the snapshot at the prompt's last full page (40 tokens) is gone: the one at 32 serves
-        from tierlm.runtime.hicache.page_keys import page_keys
-        from tierlm.runtime.hicache.state_tiers import state_key
+        from tierlm.runtime.cache.storage.page_keys import page_keys
+        from tierlm.runtime.cache.state_tiers import state_key
 
         deepest = state_key(page_keys(prompt[:40], 4)[-1])
         (f,) = [f for f in files if f.name.startswith(deepest)]

@@ -14,11 +14,11 @@ import pytest
 
 from engine_harness import greedy, pool_is_clean, run, start_engine
 from memory_storage import MemoryStorage
-from tierlm.runtime.hicache import file_storage as fs_mod
-from tierlm.runtime.hicache.file_storage import HEADER_SIZE, FileKVStorage
-from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_io import StorageIO
-from tierlm.runtime.hicache.storage_namespace import CACHE_FORMAT_VERSION, StorageNamespace
+from tierlm.runtime.cache.storage import file_storage as fs_mod
+from tierlm.runtime.cache.storage.file_storage import HEADER_SIZE, FileKVStorage
+from tierlm.runtime.cache.storage.page_keys import page_keys
+from tierlm.runtime.cache.storage.storage_io import StorageIO
+from tierlm.runtime.cache.storage.namespace import CACHE_FORMAT_VERSION, StorageNamespace
 
 LAYERS = 4
 PAGE_BYTES = LAYERS * 256
@@ -392,7 +392,7 @@ def test_bench_prefix_summary_reports_the_l3_read_rate():
 
 # --- the write path: host pages are written without a copy ---
 def test_borrowed_page_is_written_from_its_memory_without_a_copy(store):
-    from tierlm.runtime.hicache.storage_base import BorrowedPage
+    from tierlm.runtime.cache.storage.base import BorrowedPage
 
     k, k2 = keys_for(2)
     pool = np.frombuffer(payload(k), np.uint8).reshape(LAYERS, 1, -1).copy()
@@ -435,7 +435,7 @@ def test_borrowed_page_reused_before_it_is_published_is_dropped(store, when):
 def test_a_detached_borrowed_page_is_written_from_its_copy(store, when):
     """The owner frees a host page whose L3 write is still pending: it detaches (copies) the page first, then
     reuses the memory; the write goes on from the copy and stores the original bytes."""
-    from tierlm.runtime.hicache.storage_base import BorrowedPage
+    from tierlm.runtime.cache.storage.base import BorrowedPage
 
     (k,) = keys_for(1)
     pool = np.frombuffer(payload(k), np.uint8).reshape(1, -1).copy()
@@ -498,7 +498,7 @@ def _offer(handle: _Handle, budget: float = 5.0):
     import time
     from types import SimpleNamespace
 
-    from tierlm.runtime.hicache.controller import HiCacheManager
+    from tierlm.runtime.cache.hicache_manager import HiCacheManager
     from tierlm.runtime.request import PendingPrefetch
 
     mgr = SimpleNamespace(prefetch_policy="timeout", _prefetch_budget=lambda pf: budget, states=None)
@@ -513,7 +513,7 @@ def test_a_read_that_lands_within_milliseconds_is_admitted_on_the_first_offer():
 
 
 def test_a_hung_read_costs_one_short_wait_then_never_blocks_the_scheduler():
-    from tierlm.runtime.hicache.controller import ADMISSION_WAIT_S
+    from tierlm.runtime.cache.hicache_manager import ADMISSION_WAIT_S
 
     handle = _Handle(None)
     offer = _offer(handle)
@@ -533,7 +533,7 @@ def test_a_probe_that_finds_pages_waits_for_the_rest_as_for_known_pages():
     import time
     from types import SimpleNamespace
 
-    from tierlm.runtime.hicache.controller import HiCacheManager
+    from tierlm.runtime.cache.hicache_manager import HiCacheManager
     from tierlm.runtime.request import PendingPrefetch
 
     mgr = SimpleNamespace(prefetch_policy="timeout", prefetch_timeout=(0.5, 0.002),

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.hicache import storage_registry
-from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+from tierlm.runtime.cache.storage import registry as storage_registry
+from tierlm.runtime.cache.storage.page_keys import page_keys
+from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.server.bench.mooncake_master import INSTALL_HINT as HINT
 from tierlm.server.bench.mooncake_master import MooncakeMaster, MooncakeMasterError
 
@@ -93,13 +93,13 @@ def test_registry_names_and_refusal() -> None:
     assert {"file", "mooncake"} <= set(storage_registry.names())
     with pytest.raises(ValueError, match="file, mooncake"):
         storage_registry.check_name("hf3fs")
-    from tierlm.runtime.hicache.file_storage import open_storage as file_open
+    from tierlm.runtime.cache.storage.file_storage import open_storage as file_open
 
     assert storage_registry.factory("file") is file_open
 
 
 def test_config_follows_sglang_order(tmp_path: Path) -> None:
-    from tierlm.runtime.hicache.mooncake_storage import DEFAULT_GLOBAL_SEGMENT_SIZE, MooncakeConfig
+    from tierlm.runtime.cache.storage.mooncake_storage import DEFAULT_GLOBAL_SEGMENT_SIZE, MooncakeConfig
 
     env = {"MOONCAKE_MASTER": "envhost:1", "MOONCAKE_PROTOCOL": "rdma", "MOONCAKE_DEVICE": "mlx5_0",
            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb", "LOCAL_HOSTNAME": "me"}
@@ -269,7 +269,7 @@ def test_a_restarted_master_is_noticed_without_traffic_and_its_lost_pages_are_wr
 def test_missing_package_names_the_install_command(monkeypatch) -> None:
     import builtins
 
-    from tierlm.runtime.hicache import mooncake_storage
+    from tierlm.runtime.cache.storage import mooncake_storage
 
     real = builtins.__import__
 

@@ -1,6 +1,6 @@
 import pytest
 
-from tierlm.runtime.page_allocator import OutOfPages, PageAllocator
+from tierlm.runtime.cache.page_allocator import OutOfPages, PageAllocator
 
 
 def test_alloc_and_free_account_exactly():

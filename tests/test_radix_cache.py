@@ -1,5 +1,5 @@
-from tierlm.runtime.page_allocator import PageAllocator
-from tierlm.runtime.radix_cache import RadixCache
+from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.radix_cache import RadixCache
 
 PS = 2
 

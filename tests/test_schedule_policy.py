@@ -7,7 +7,7 @@ import itertools
 import pytest
 from engine_harness import greedy, run, start_engine
 
-from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.request import Req
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.schedule_policy import LPM_QUEUE_LIMIT, SchedulePolicy

@@ -8,7 +8,7 @@ calls the *original* mlx-lm module with ``StateCache``, a duck of mlx-lm's ``Arr
 - prefill chunks run one call each (batch 1): from zeros when the chunk starts its request (kv_len == q_len),
   else from its slot. One call per segment: right padding would corrupt Nemotron-H's final SSM state (its
   ``ssm_update`` ignores lengths) and left padding would put zeros between a resumed conv state and new tokens.
-- snapshots (prefix reuse, runtime/state_snapshots.py): ``ForwardBatch.snapshot_at/dst`` ask for a request's state
+- snapshots (prefix reuse, runtime/cache/state_snapshots.py): ``ForwardBatch.snapshot_at/dst`` ask for a request's state
   after some of its new tokens to be copied into another slot; a prefill segment is run as two calls split there,
   a decode row (or a segment whose end is the point) is copied after its call.
 """

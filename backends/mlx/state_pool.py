@@ -3,7 +3,7 @@
 mlx-lm's layouts: per linear layer a conv state ``[slots, K-1, conv_dim]`` (channels-last, the last K-1 inputs)
 in the model's dtype and a recurrent state in float32: gated DeltaNet ``[slots, Hv, Dv, Dk]`` (transposed against
 transformers' ``[Hv, Dk, Dv]``), Mamba2 ``[slots, H, head_dim, d_state]``. The runtime owns the slot indices
-(runtime/state_slots.py); the contents belong here.
+(runtime/cache/state_slots.py); the contents belong here.
 """
 from __future__ import annotations
 

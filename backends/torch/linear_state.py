@@ -10,7 +10,7 @@ the transformers cache holding that request's conv and recurrent state from ``To
   slots; transformers updates them (the conv state in place) and they are scattered back;
 - prefill chunks run one call each (batch 1): from zeros when the chunk starts the request (kv_len == q_len),
   else from its slot. One call per segment avoids padding, which would corrupt a resumed conv state.
-- snapshots (prefix reuse, runtime/state_snapshots.py): ``ForwardBatch.snapshot_at/dst`` ask for a request's state
+- snapshots (prefix reuse, runtime/cache/state_snapshots.py): ``ForwardBatch.snapshot_at/dst`` ask for a request's state
   after some of its new tokens to be copied into another slot; a prefill segment is run as two calls split there,
   a decode row (or a segment whose end is the point) is copied after its call.
 

@@ -2,7 +2,7 @@
 
 Per linear layer (in ``HybridLayout.linear_layers`` order) a conv state ``[slots, conv_dim, K]`` in the model's
 dtype (all K columns: transformers' ``causal_conv1d_update`` shifts the state in place, K wide) and a recurrent
-state ``[slots, *rec_shape]`` in float32. The runtime owns the slot *indices* (runtime/state_slots.py), like page
+state ``[slots, *rec_shape]`` in float32. The runtime owns the slot *indices* (runtime/cache/state_slots.py), like page
 indices; the contents belong here.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tierlm.server.bench.server_process import BenchServer
 
 CASE = "L3 other instance"
 SEGMENT_MARGIN_BYTES = 64 * 2**20
-PAGE_HEADER_BYTES = 128  # runtime/hicache/page_header.py: each stored value is header + page
+PAGE_HEADER_BYTES = 128  # runtime/cache/storage/page_header.py: each stored value is header + page
 
 
 def unavailable() -> str | None:

@@ -25,25 +25,25 @@ import numpy as np
 
 from tierlm.backends.base import HostKVPool, HostStatePool, ModelBackend
 from tierlm.runtime.errors import RequestError, StartupError
-from tierlm.runtime.hicache import storage_registry
-from tierlm.runtime.hicache.file_storage import FileKVStorage, parse_extra_config
-from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
-from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.state_tiers import StateTiers, state_namespace_fields
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
-from tierlm.runtime.hicache.storage_io import (DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, PrefetchHandle,
+from tierlm.runtime.cache.storage import registry as storage_registry
+from tierlm.runtime.cache.storage.file_storage import FileKVStorage, parse_extra_config
+from tierlm.runtime.cache.hiradix_cache import HiRadixCache
+from tierlm.runtime.cache.storage.page_keys import page_keys
+from tierlm.runtime.cache.state_tiers import StateTiers, state_namespace_fields
+from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage
+from tierlm.runtime.cache.storage.storage_io import (DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, PrefetchHandle,
                                                StorageIO)
-from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.io_struct import CachedTokens
-from tierlm.runtime.kv_cache_manager import KVCacheManager
+from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.logprobs import cacheable_prefix_len
 from tierlm.runtime.metrics import EngineMetrics
-from tierlm.runtime.page_allocator import PageAllocator
-from tierlm.runtime.radix_cache import MatchResult, TreeNode
+from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.radix_cache import MatchResult, TreeNode
 from tierlm.runtime.request import PendingPrefetch, Req
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.runtime.state_slots import StateSlots
-from tierlm.runtime.state_snapshots import StateSnapshots
+from tierlm.runtime.cache.state_slots import StateSlots
+from tierlm.runtime.cache.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 

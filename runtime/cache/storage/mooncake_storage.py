@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.hicache import page_header
-from tierlm.runtime.hicache.page_header import HEADER_SIZE
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage, byte_views, check_page_key, copy_into
-from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+from tierlm.runtime.cache.storage import page_header
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
+from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key, copy_into
+from tierlm.runtime.cache.storage.namespace import StorageNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -602,7 +602,7 @@ def _close_quietly(store: Any) -> None:
 
 def open_storage(args: Any, namespace: StorageNamespace, page_bytes: int,
                  extra_config: Mapping[str, Any]) -> MooncakeKVStorage:
-    """The 'mooncake' backend of storage_registry.py."""
+    """The 'mooncake' backend of registry.py."""
     cfg = dict(extra_config or {})
     store_class = import_store_class()  # the install hint before any config question
     unknown = sorted(set(cfg) - set(CONFIG_KEYS) - set(TIERLM_KEYS) - set(SGLANG_IGNORED_KEYS))

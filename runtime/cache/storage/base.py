@@ -1,6 +1,6 @@
 """The L3 storage contract: a namespaced key -> page-bytes store that a HiCache controller can back up to and
 prefetch from. Backends (file_storage.py, mooncake_storage.py) implement ``KVStorage`` and are chosen by name
-in storage_registry.py.
+in registry.py.
 
 Rules every backend keeps: ``get`` (and ``get_into``) returns either the exact bytes that ``set`` stored for
 that key in this namespace or None (never partial or foreign bytes); a damaged entry is a miss, counted in
@@ -12,7 +12,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
-from tierlm.runtime.hicache.page_keys import is_page_key
+from tierlm.runtime.cache.storage.page_keys import is_page_key
 
 # Keys of stats(): counts since this object was created, except files/bytes (current content it knows of).
 STAT_FIELDS = (
@@ -101,7 +101,7 @@ class KVStorage(ABC):
 
     # How long a request whose pages this server's index does not know waits for the probe of the first one (one
     # stat, or one round trip, when nothing is there); once that page is found it waits for the rest as for known
-    # pages (controller.py). A networked store's round trip is slower, and slower still on a loaded machine.
+    # pages (hicache_manager.py). A networked store's round trip is slower, and slower still on a loaded machine.
     probe_wait_s: float = 0.05
     # Pages a prefetch asks for in one call. A networked store answers many keys per round trip (Mooncake: one
     # metadata RPC and parallel transfers), so reading them one by one would pay the round trip per page.

@@ -4,14 +4,14 @@ host eviction in HiRadixCache.evict_host). A policy maps a TreeNode to a sort ke
 SGLang's names and keys: lru = last access; lfu = (hits, last access); slru = (hit at least twice, last access),
 i.e. a probation segment (nodes reused at most once) that always goes before the protected one. tierlm adds loop
 (loop-resistant; measured in docs/performance.md, "Host tier eviction policy"). ``hit_count``
-counts request admissions that reused the node from any tier (runtime/radix_cache.py, runtime/hicache).
+counts request admissions that reused the node from any tier (radix_cache.py, hiradix_cache.py).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from tierlm.runtime.radix_cache import TreeNode
+    from tierlm.runtime.cache.radix_cache import TreeNode
 
 Priority = Callable[["TreeNode"], tuple]
 

@@ -2,7 +2,7 @@
 
 A slot holds the conv and recurrent state of every linear layer. Requests hold slots (*in use*: one live slot per
 running request, plus the one its latest unpublished snapshot sits in); radix-tree nodes hold snapshots
-(*cached*, runtime/state_snapshots.py). The backend owns the contents, this file only the indices, as
+(*cached*, runtime/cache/state_snapshots.py). The backend owns the contents, this file only the indices, as
 PageAllocator does for KV pages. The invariant, shown in /server_info:
 
     free + cached + in_use == total

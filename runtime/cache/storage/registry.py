@@ -1,7 +1,7 @@
 """L3 storage backends by name: what ``--hicache-storage-backend NAME`` opens.
 
 Each backend is one module exposing ``open_storage(args, namespace, page_bytes, extra_config) -> KVStorage``
-(storage_base.py is the contract). Modules are imported only when their backend is opened, so an optional
+(base.py is the contract). Modules are imported only when their backend is opened, so an optional
 dependency (mooncake) costs nothing to servers that do not use it. A third store (3FS, NIXL, Redis/Valkey) is
 one module plus one line in ``BACKENDS`` (or a ``register()`` call from code that runs before the engine).
 """
@@ -11,16 +11,16 @@ import importlib
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
-    from tierlm.runtime.hicache.storage_base import KVStorage
-    from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+    from tierlm.runtime.cache.storage.base import KVStorage
+    from tierlm.runtime.cache.storage.namespace import StorageNamespace
 
 # (args: ServerArgs, namespace, page_bytes, extra_config without the controller's own keys) -> KVStorage
 StorageFactory = Callable[[Any, "StorageNamespace", int, Mapping[str, Any]], "KVStorage"]
 
 # name -> "module path" holding open_storage(), or the factory itself (register()).
 BACKENDS: dict[str, str | StorageFactory] = {
-    "file": "tierlm.runtime.hicache.file_storage",
-    "mooncake": "tierlm.runtime.hicache.mooncake_storage",
+    "file": "tierlm.runtime.cache.storage.file_storage",
+    "mooncake": "tierlm.runtime.cache.storage.mooncake_storage",
 }
 
 

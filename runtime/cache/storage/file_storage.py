@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.hicache import page_header
-from tierlm.runtime.hicache.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage, byte_views, check_page_key
-from tierlm.runtime.hicache.storage_namespace import StorageNamespace
+from tierlm.runtime.cache.storage import page_header
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
+from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key
+from tierlm.runtime.cache.storage.namespace import StorageNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -629,5 +629,5 @@ def _unlink_quietly(path: Path) -> bool:
 
 def open_storage(args: Any, namespace: StorageNamespace, page_bytes: int,
                  extra_config: Mapping[str, Any]) -> FileKVStorage:
-    """The 'file' backend of storage_registry.py: the folder of SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR."""
+    """The 'file' backend of registry.py: the folder of SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR."""
     return FileKVStorage.from_extra_config(namespace, page_bytes, extra_config)

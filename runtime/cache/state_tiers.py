@@ -1,6 +1,6 @@
 """Hybrid models under HiCache: recurrent-state snapshots in the host (L2) and storage (L3) tiers.
 
-A hybrid's prefix is usable only up to a node holding a snapshot (runtime/state_snapshots.py), so a snapshot
+A hybrid's prefix is usable only up to a node holding a snapshot (runtime/cache/state_snapshots.py), so a snapshot
 travels with its node's pages:
 - **L2**: a host state pool (backends/base.HostStatePool, one row per snapshot in SHARED_STATE_LAYOUT) whose slots
   belong to tree nodes with host pages (``TreeNode.host_state_slot``). A snapshot is copied there when its node's
@@ -22,13 +22,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from tierlm.backends.base import SHARED_STATE_LAYOUT, HostStatePool, ModelBackend
-from tierlm.runtime.hicache.hiradix_cache import HiRadixCache
-from tierlm.runtime.hicache.page_keys import page_keys
-from tierlm.runtime.hicache.storage_base import KVStorage
-from tierlm.runtime.hicache.storage_io import PrefetchHandle, StorageIO
-from tierlm.runtime.radix_cache import TreeNode
-from tierlm.runtime.state_slots import StateSlots
-from tierlm.runtime.state_snapshots import StateSnapshots
+from tierlm.runtime.cache.hiradix_cache import HiRadixCache
+from tierlm.runtime.cache.storage.page_keys import page_keys
+from tierlm.runtime.cache.storage.base import KVStorage
+from tierlm.runtime.cache.storage.storage_io import PrefetchHandle, StorageIO
+from tierlm.runtime.cache.radix_cache import TreeNode
+from tierlm.runtime.cache.state_slots import StateSlots
+from tierlm.runtime.cache.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from tierlm.runtime.radix_cache import RadixCache, TreeNode
+from tierlm.runtime.cache.radix_cache import RadixCache, TreeNode
 from tierlm.runtime.request import Req
-from tierlm.runtime.state_slots import StateSlots
+from tierlm.runtime.cache.state_slots import StateSlots
 
 
 class StateSnapshots:
@@ -54,7 +54,7 @@ class StateSnapshots:
         """Cut a KV match (``kv_pages`` pages in device memory, ending at ``last_node``) to the deepest device
         snapshot on its path and copy that snapshot into ``req``'s live slot (allocated beforehand). Returns (that
         node, its depth in pages); records the fork point. HiCache brings host and storage snapshots to the device
-        before (runtime/hicache/state_tiers.py)."""
+        before (runtime/cache/state_tiers.py)."""
         node, pages = self.tree.state_ancestor(last_node, kv_pages)
         if req.state_slot is None:  # no slot to resume in: start from zeros
             node, pages = self.tree.root, 0

@@ -2,8 +2,8 @@
 
 A node's pages live on the device, on the host, or both. Evicting a device leaf demotes it to the host when it
 has (or can get) a host copy instead of dropping it; the host tier evicts host-only leaves on its own, in the
-order of the same eviction policy (--radix-eviction-policy, runtime/eviction_policy.py). The controller
-(``controller.py``) decides when pages are backed up (write policy) and loads host pages back.
+order of the same eviction policy (--radix-eviction-policy, runtime/cache/eviction_policy.py). The controller
+(``hicache_manager.py``) decides when pages are backed up (write policy) and loads host pages back.
 
 Hybrid models: a node's state snapshot follows its pages through the tiers. It is backed up to a host state slot
 (``host_state_slot``, only on a node with host pages) when the node's pages reach the host with a snapshot, when a
@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Sequence
 
-from tierlm.runtime.radix_cache import RadixCache, TreeNode
+from tierlm.runtime.cache.radix_cache import RadixCache, TreeNode
 
 
 class HiRadixCache(RadixCache):

@@ -4,8 +4,8 @@ where they go when it finishes. The one place that keeps the pool invariant
     free + cached + in_use == total        (cached: pages in the radix tree; in_use: pages only requests hold)
 
 Hybrid models (linear-attention / Mamba layers) also need one recurrent-state slot per running request
-(runtime/state_slots.py): taken at admission, given back on finish, abort or retraction. With a radix tree their
-prefixes are reused only up to a state snapshot (runtime/state_snapshots.py): a match is cut to the deepest node
+(runtime/cache/state_slots.py): taken at admission, given back on finish, abort or retraction. With a radix tree their
+prefixes are reused only up to a state snapshot (runtime/cache/state_snapshots.py): a match is cut to the deepest node
 holding one, which is copied into the request's live slot, and a request publishes pages only up to its own
 latest snapshot. Without a radix tree every prompt is prefilled from a zero state.
 """
@@ -19,11 +19,11 @@ import numpy as np
 from tierlm.runtime.io_struct import CachedTokens
 from tierlm.runtime.logprobs import cacheable_prefix_len
 from tierlm.runtime.metrics import EngineMetrics
-from tierlm.runtime.page_allocator import PageAllocator
-from tierlm.runtime.radix_cache import MatchResult, RadixCache, TreeNode
+from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.radix_cache import MatchResult, RadixCache, TreeNode
 from tierlm.runtime.request import Req
-from tierlm.runtime.state_slots import StateSlots
-from tierlm.runtime.state_snapshots import StateSnapshots
+from tierlm.runtime.cache.state_slots import StateSlots
+from tierlm.runtime.cache.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 

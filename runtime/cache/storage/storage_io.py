@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from tierlm.runtime.hicache.storage_base import BorrowedPage, KVStorage
+from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 Each edge holds whole pages of tokens and the device pages with their KV. A request locks the path it reads
 (``lock``/``unlock``), so locked pages are never evicted; unlocked leaves go in the order of the eviction
-policy (runtime/eviction_policy.py, least recently used by default) when the allocator runs dry. With HiCache,
-a node may also (or only) hold host pages; ``runtime/hicache`` extends eviction to demote instead of drop.
+policy (runtime/cache/eviction_policy.py, least recently used by default) when the allocator runs dry. With HiCache,
+a node may also (or only) hold host pages; ``hiradix_cache.py`` extends eviction to demote instead of drop.
 
-Hybrid models (runtime/state_snapshots.py) also hang a recurrent-state snapshot on some nodes (``state_slot``: the
+Hybrid models (runtime/cache/state_snapshots.py) also hang a recurrent-state snapshot on some nodes (``state_slot``: the
 state after the node's last token). A prefix is only usable up to the deepest node holding one; a node's state
 goes with its pages on eviction, and ``evict_states`` frees states on their own (a leaf then loses its pages too:
 KV that no snapshot at or below it can resume is dead weight).
@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from tierlm.runtime.eviction_policy import eviction_priority
+from tierlm.runtime.cache.eviction_policy import eviction_priority
 
 _clock = itertools.count()
 _tiebreak = itertools.count()  # heap entries with equal policy keys never compare nodes

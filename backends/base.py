@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -300,6 +300,18 @@ class KVCacheDtypeError(ValueError):
     """A --kv-cache-dtype the chosen backend cannot store; the message says which to use instead."""
 
 
+class StatePoolOps(Protocol):
+    """A hybrid's recurrent-state pool as ModelBackend drives it (backends/*/linear_state.py LinearState)."""
+
+    def init_pool(self, num_slots: int) -> None: ...
+
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None: ...
+
+    def to_host(self, slots: np.ndarray, host: HostStatePool, host_slots: np.ndarray) -> None: ...
+
+    def from_host(self, host: HostStatePool, host_slots: np.ndarray, slots: np.ndarray) -> None: ...
+
+
 class ModelBackend(ABC):
     """A backend executes the model and owns every tensor: weights, the device KV pool, sampling math."""
 
@@ -307,9 +319,8 @@ class ModelBackend(ABC):
     page_layout: str | None = None  # SHARED_PAGE_LAYOUT when its pages hold those bytes
     device: str = "cpu"
     info: ModelInfo
-    # A hybrid's recurrent-state pool and its copies (backends/*/linear_state.py: init_pool, copy_slots, to_host,
-    # from_host); None for attention-only models and on a backend without one.
-    linear_state: Any = None
+    # A hybrid's recurrent-state pool and its copies; None for attention-only models and on a backend without one.
+    linear_state: StatePoolOps | None = None
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token across all layers in the device pool (in the KV storage dtype)."""
@@ -359,7 +370,7 @@ class ModelBackend(ABC):
         """Copy host slot ``host_slots[i]`` into state slot ``slots[i]``, ordered before the next forward."""
         self._state_pool("has no host tier for state snapshots").from_host(host, host_slots, slots)
 
-    def _state_pool(self, missing: str) -> Any:
+    def _state_pool(self, missing: str) -> StatePoolOps:
         if self.linear_state is None:
             raise NotImplementedError(f"the {self.name} backend {missing}")
         return self.linear_state

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.backends.model_source.folder_facts import read_json
+from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 
 FLAG = "--trust-unverified-architecture"
 BACKENDS = ("torch", "mlx")
@@ -82,7 +82,7 @@ def verified_list(backend: str) -> str:
     return ", ".join(f"{a} ({t})" for a, t in verified_for(backend).items())
 
 
-def check_architecture(model_dir: str | Path, backend: str, trust_unverified: bool = False,
+def check_architecture(model_dir: ModelFolder | str | Path, backend: str, trust_unverified: bool = False,
                        trust_remote_code: bool = False) -> ArchitectureCheck:
     """Whether ``backend`` may load the model, before any weights load: raises UnverifiedArchitectureError for
     an unverified architecture unless ``trust_unverified`` (then the result's ``warning`` is set)."""
@@ -92,7 +92,8 @@ def check_architecture(model_dir: str | Path, backend: str, trust_unverified: bo
     return check
 
 
-def assess_architecture(model_dir: str | Path, backend: str, trust_remote_code: bool = False) -> ArchitectureCheck:
+def assess_architecture(model_dir: ModelFolder | str | Path, backend: str, trust_remote_code: bool = False
+                        ) -> ArchitectureCheck:
     """Read config.json and say whether ``backend`` verifies the model's architecture; cheap (no weights, no
     libraries). Raises UnverifiedArchitectureError only when config.json cannot be read.
 
@@ -100,8 +101,8 @@ def assess_architecture(model_dir: str | Path, backend: str, trust_remote_code: 
     verified class of that model_type. With ``trust_remote_code`` on torch, a config whose ``auto_map`` names its
     own AutoModelForCausalLM runs remote code, which no test covers.
     """
-    folder = Path(model_dir)
-    config = read_json(folder / "config.json")
+    model = as_model_folder(model_dir)
+    folder, config = model.path, model.config
     if not config:
         raise UnverifiedArchitectureError(
             f"{folder} has no readable config.json, so its architecture cannot be checked; pass a Hugging Face "

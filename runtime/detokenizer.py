@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tierlm.runtime.engine_api import Tokenizer
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM uses 5 as well)

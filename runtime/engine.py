@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence, Union
 
-from tierlm.runtime.engine_api import Tokenizer
+from tierlm.runtime.chat_format import ChatFormat
 from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.grammar.manager import GrammarError
@@ -23,6 +23,7 @@ from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.request import Req
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Engine:
         self.ready = False
         self.parts: EngineParts | None = None
         self.tokenizer: Tokenizer | None = None  # set by start()
+        self.chat_format: ChatFormat | None = None  # set by start()
         self.context_length: int = 0
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -76,6 +78,7 @@ class Engine:
         """Load tokenizer and model (with progress bars), size the pools, start the scheduler thread."""
         self.parts = build_engine_parts(self.args, emit=self._emit)
         self.tokenizer = self.parts.tokenizer
+        self.chat_format = self.parts.chat_format
         self.context_length = self.parts.context_length
         self._thread = threading.Thread(target=self._loop, name="tierlm-scheduler", daemon=True)
         self._thread.start()
@@ -215,11 +218,19 @@ class Engine:
 
     # ------------------------------------------------------------ reporting
     def server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"version": _version(), "ready": self.ready, "server_args": self.args.to_dict(),
+        info: dict[str, Any] = {"version": _version(), "ready": self.ready, "server_args": self._args_info(),
                                 "uptime_s": round(time.time() - self.started_at, 1)}
         if self.parts is not None:
             info.update(self.parts.describe())
         return info
+
+    def _args_info(self) -> dict[str, Any]:
+        """The launch settings, with the parsers as decided (a flag's, or the model's: what SGLang shows)."""
+        args = self.args.to_dict()
+        if self.chat_format is not None:
+            args.update(reasoning_parser=self.chat_format.reasoning_parser,
+                        tool_call_parser=self.chat_format.tool_call_parser)
+        return args
 
     def metrics_text(self) -> bytes:
         return self.parts.metrics.text() if self.parts is not None else b""

@@ -1,26 +1,14 @@
-"""The runtime's doors to the HTTP layer: EngineAPI (what the server needs from an engine; ``Engine`` and the
-tests' FakeEngine implement it) and Tokenizer (what tierlm uses of a transformers tokenizer)."""
+"""The runtime's door to the HTTP layer: EngineAPI, what the server needs from an engine (``Engine`` and the
+tests' FakeEngine implement it); the tokenizer it hands out is runtime/tokenizer_protocol.Tokenizer."""
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
 
+from tierlm.runtime.chat_format import ChatFormat
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.server_args import ServerArgs
-
-
-class Tokenizer(Protocol):
-    """The part of a transformers tokenizer tierlm uses (optional attributes such as eos_token_id are read
-    with getattr)."""
-
-    chat_template: str | None
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], **kwargs: Any) -> str: ...
-
-    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """Token ids (a list, or a mapping with input_ids in transformers >= 5) when tokenize=True."""
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 
 @runtime_checkable
@@ -28,6 +16,7 @@ class EngineAPI(Protocol):
     args: ServerArgs
     ready: bool  # False while the model loads (the server answers 503)
     tokenizer: Tokenizer  # once ready
+    chat_format: ChatFormat  # once ready: the chat template and the reasoning / tool-call parsers, decided once
     context_length: int
 
     def validate(self, req: GenerateRequest) -> None:

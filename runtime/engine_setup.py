@@ -17,31 +17,45 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from tierlm.backends.base import GrammarBackend, KVCacheDtypeError, ModelBackend, ModelInfo
+from tierlm.backends.base import GrammarBackend, HostStatePool, KVCacheDtypeError, ModelBackend, ModelInfo
 from tierlm.backends.dtypes import DTYPE_BYTES, dtype_decision
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.chat_templates import resolve_chat_template
 from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
-from tierlm.backends.model_source.folder_facts import read_json, text_config
 from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid_layout
+from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
 from tierlm.platforms import BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect, size_kv_tiers
-from tierlm.runtime.engine_api import Tokenizer
+from tierlm.runtime.cache.hicache_manager import LAYOUTS, WRITE_POLICIES, HiCacheManager
+from tierlm.runtime.cache.hiradix_cache import HiRadixCache
+from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
+from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.radix_cache import RadixCache
+from tierlm.runtime.cache.state_slots import StateSlots
+from tierlm.runtime.cache.state_tiers import state_namespace_fields
+from tierlm.runtime.cache.storage import registry as storage_registry
+from tierlm.runtime.cache.storage.base import KVStorage
+from tierlm.runtime.cache.storage.namespace import StorageNamespace
+from tierlm.runtime.cache.storage.storage_io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, StorageIO
+from tierlm.runtime.cache.storage_prefetch import (
+    PREFETCH_POLICIES,
+    PREFETCH_TIMEOUT_BASE_S,
+    PREFETCH_TIMEOUT_PER_PAGE_S,
+)
+from tierlm.runtime.chat_format import ChatFormat, decide_chat_format
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.grammar.manager import GrammarManager
-from tierlm.runtime.cache.hicache_manager import HiCacheManager
 from tierlm.runtime.io_struct import GenerateOutput
-from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
 from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
 from tierlm.runtime.speculative.speculator import NgramSpeculator
-from tierlm.runtime.cache.state_slots import StateSlots
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 from tierlm.runtime.warm_up import warm_up
 
 IO_BACKEND_MEANING = {"kernel": "pages move as one batched gather and one copy per direction",
@@ -64,7 +78,7 @@ class TierSizes:
 @dataclass
 class EngineParts:
     args: ServerArgs
-    model_dir: Path
+    folder: ModelFolder
     tokenizer: Tokenizer
     backend: ModelBackend
     cache: KVCacheManager
@@ -74,12 +88,14 @@ class EngineParts:
     decision: Decision
     architecture_verified: bool = True  # False: loaded only because of --trust-unverified-architecture
     warnings: list[str] = field(default_factory=list)  # shown in /server_info (and logged at startup)
-    chat_template_source: str | None = None  # where the chat template came from; None: the model has none
-    reasoning_parser_source: str = ""  # why args.reasoning_parser is what it is
-    tool_call_parser_source: str = ""  # why args.tool_call_parser is what it is
+    chat_format: ChatFormat = field(default_factory=ChatFormat)  # template, parsers and why: choose_chat_format
     attention: tuple[str, str] = ("", "")  # (attention implementation, why): check_attention_backend
     dtype_reason: str = ""  # why the model computes in its dtype: choose_dtype
     decode_graphs: dict[str, Any] | None = None  # the static decode path (buckets, captured sizes, why): setup_decode_graphs
+
+    @property
+    def model_dir(self) -> Path:
+        return self.folder.path
 
     @property
     def grammar(self) -> GrammarManager:
@@ -115,9 +131,11 @@ class EngineParts:
             "radix_cache": self.cache.tree is not None,
             "state_pool": self.cache.state_accounting(),  # hybrids: free + cached + in_use == total; else None
             "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
-            "chat_template": self.chat_template_source,
-            "reasoning_parser": {"name": self.args.reasoning_parser, "chosen_by": self.reasoning_parser_source},
-            "tool_call_parser": {"name": self.args.tool_call_parser, "chosen_by": self.tool_call_parser_source},
+            "chat_template": self.chat_format.chat_template_source,
+            "reasoning_parser": {"name": self.chat_format.reasoning_parser,
+                                 "chosen_by": self.chat_format.reasoning_parser_source},
+            "tool_call_parser": {"name": self.chat_format.tool_call_parser,
+                                 "chosen_by": self.chat_format.tool_call_parser_source},
             "speculative": self.scheduler.spec.info() if self.scheduler.spec is not None else None,
             "attention_backend": {"name": self.attention[0], "chosen_by": self.attention[1]},
             "decode_graphs": self.decode_graphs_info(),
@@ -137,21 +155,20 @@ class EngineParts:
 
 def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     args.check()
-    model_dir = resolve_model(args)
+    folder = resolve_model(args)  # config.json and the rest read here, once
     facts = detect()  # before the weights load, so the memory plan counts them once
     decision = decide_backend(args, facts)
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
     attention = check_attention_backend(args, decision)
     log_accepted_flags(args, decision)
-    arch = check_model_architecture(decision, model_dir, args)  # fail fast: before the tokenizer and weights
-    check_hybrid_flags(model_dir, args)
-    tokenizer, template_source = tokenizer_for(args, model_dir)
-    parser_source = choose_reasoning_parser(args, model_dir, tokenizer)
-    tool_parser_source = choose_tool_call_parser(args, model_dir, tokenizer)
-    dtype, dtype_reason = choose_dtype(args, decision, model_dir)
-    backend = load_backend(decision, model_dir, args, attention[0], dtype)
+    arch = check_model_architecture(decision, folder, args)  # fail fast: before the tokenizer and weights
+    check_hybrid_flags(folder, args)
+    tokenizer, template_source = tokenizer_for(args, folder.path)
+    chat_format = choose_chat_format(args, folder, tokenizer, template_source)
+    dtype, dtype_reason = choose_dtype(args, decision, folder)
+    backend = load_backend(decision, folder, args, attention[0], dtype)
     info = backend.info
-    log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", model_dir,
+    log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", folder.path,
              info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
              backend.weight_bytes() / 2**20)
     context_length = check_context_length(args.context_length, info.max_position_embeddings, os.environ)
@@ -164,18 +181,18 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
         backend.set_host_io_backend(args.hicache_io_backend)
     cache = make_cache_manager(args, backend, tiers)
     cache.register_gauges(metrics)
-    outputs = OutputProcessor(tokenizer, stop_token_ids(info, tokenizer, args.reasoning_parser), metrics)
-    grammar = GrammarManager(make_grammar_backend(args, tokenizer, info))
+    stop_ids = stop_token_ids(info, tokenizer, chat_format.extra_stop_tokens)
+    outputs = OutputProcessor(tokenizer, stop_ids, metrics)
+    grammar = GrammarManager(make_grammar_backend(args, tokenizer, info, stop_ids))
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
                           grammar=grammar, max_prefill_tokens=args.max_prefill_tokens,
                           stream_interval=args.stream_interval, schedule_policy=args.schedule_policy,
                           random_seed=args.random_seed, speculator=NgramSpeculator.create(args, metrics))
     scheduler.register_gauges(metrics)
-    parts = EngineParts(args, model_dir, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
+    parts = EngineParts(args, folder, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
-                        chat_template_source=template_source, reasoning_parser_source=parser_source,
-                        tool_call_parser_source=tool_parser_source, attention=attention, dtype_reason=dtype_reason,
+                        chat_format=chat_format, attention=attention, dtype_reason=dtype_reason,
                         decode_graphs=decode_graphs)
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
@@ -184,7 +201,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     return parts
 
 
-def check_context_length(requested: int | None, model_max: int, env: Any) -> int:
+def check_context_length(requested: int | None, model_max: int, env: Mapping[str, str]) -> int:
     """--context-length, or the model's max_position_embeddings. Above the model's limit is a StartupError unless
     SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (SGLang's rule), which turns it into a warning."""
     if not requested:
@@ -202,7 +219,8 @@ def check_context_length(requested: int | None, model_max: int, env: Any) -> int
     return requested
 
 
-def check_attention_backend(args: ServerArgs, decision: Decision, env: Any = None) -> tuple[str, str]:
+def check_attention_backend(args: ServerArgs, decision: Decision, env: Mapping[str, str] | None = None
+                            ) -> tuple[str, str]:
     """The attention implementation and why (logged; /server_info shows it). --attention-backend must name one of
     the chosen backend's (ServerArgs.check() refused unknown names); tierlm_paged is torch_native's old name.
     Default on torch: triton on CUDA when Triton is installed, else torch_native. triton off CUDA is a
@@ -213,7 +231,7 @@ def check_attention_backend(args: ServerArgs, decision: Decision, env: Any = Non
     return name, reason
 
 
-def resolve_attention_backend(args: ServerArgs, decision: Decision, env: Any) -> tuple[str, str]:
+def resolve_attention_backend(args: ServerArgs, decision: Decision, env: Mapping[str, str]) -> tuple[str, str]:
     name = args.attention_backend
     if name is not None:
         owner = ATTENTION_BACKENDS[name]
@@ -288,7 +306,8 @@ def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:
                      "loads on a copy stream", args.hicache_io_backend, IO_BACKEND_MEANING[args.hicache_io_backend])
 
 
-def resolve_model(args: ServerArgs) -> Path:
+def resolve_model(args: ServerArgs) -> ModelFolder:
+    """--model-path as a local folder, read once (config.json, generation_config.json, the weight files)."""
     try:
         model_dir = resolve_model_path(args.model_path, revision=args.revision,
                                        cache_dir=Path(args.download_dir).expanduser() if args.download_dir else None)
@@ -296,7 +315,7 @@ def resolve_model(args: ServerArgs) -> Path:
         raise StartupError(str(e)) from e
     if args.model_path is None:
         log.warning(DEMO_MODEL_NOTICE)
-    return model_dir
+    return ModelFolder.read(model_dir)
 
 
 def tokenizer_for(args: ServerArgs, model_dir: Path) -> tuple[Tokenizer, str | None]:
@@ -317,103 +336,69 @@ def tokenizer_for(args: ServerArgs, model_dir: Path) -> tuple[Tokenizer, str | N
     return tokenizer, source
 
 
-def choose_reasoning_parser(args: ServerArgs, model_dir: Path, tokenizer: Tokenizer) -> str:
-    """--reasoning-parser, or the one the model unambiguously needs (gpt_oss -> gpt-oss; qwen3 with <think> in
-    its chat template -> qwen3); sets args.reasoning_parser and returns why (shown in /server_info)."""
-    if args.reasoning_parser:
-        why = "--reasoning-parser"
-    else:
-        model_type = read_json(model_dir / "config.json").get("model_type")
-        template = str(getattr(tokenizer, "chat_template", None) or "")
-        if model_type == "gpt_oss":
-            args.reasoning_parser, why = "gpt-oss", "the model (model_type gpt_oss: harmony channels)"
-        elif model_type in ("qwen3", "qwen3_moe") and "<think>" in template:
-            args.reasoning_parser, why = "qwen3", f"the model (model_type {model_type}, <think> in its chat template)"
-        else:
-            why = "none: the model needs none that is known; set --reasoning-parser to choose one"
-    log.info("reasoning parser: %s (%s)", args.reasoning_parser or "none", why)
-    return why
-
-
-def choose_tool_call_parser(args: ServerArgs, model_dir: Path, tokenizer: Tokenizer) -> str:
-    """--tool-call-parser, or the format the model unambiguously uses (server/chat_parsing/tool_registry.py has the
-    parsers); sets args.tool_call_parser and returns why (shown in /server_info)."""
-    if args.tool_call_parser:
-        why = "--tool-call-parser"
-    else:
-        model_type = str(read_json(model_dir / "config.json").get("model_type") or "")
-        args.tool_call_parser, why = detect_tool_call_parser(
-            model_type, str(getattr(tokenizer, "chat_template", None) or ""))
-    log.info("tool-call parser: %s (%s)", args.tool_call_parser or "none", why)
-    return why
-
-
-def detect_tool_call_parser(model_type: str, template: str) -> tuple[str | None, str]:
-    """(parser name or None, why) from config.json's model_type and the chat template's text."""
-    if model_type == "gpt_oss":
-        return "gpt-oss", "the model (model_type gpt_oss: harmony commentary channel)"
-    if "<tool_call>" in template:
-        name = "qwen25" if model_type.startswith("qwen") else "hermes"
-        return name, f"the model (model_type {model_type}, <tool_call> in its chat template)"
-    if "<|python_tag|>" in template and model_type.startswith("llama"):
-        return "llama3", f"the model (model_type {model_type}, <|python_tag|> in its chat template)"
-    if "[TOOL_CALLS]" in template:
-        return "mistral", f"the model (model_type {model_type}, [TOOL_CALLS] in its chat template)"
-    return None, ("none: the chat template names no known tool-call format; tools still reach the template, calls "
-                  "are not parsed; set --tool-call-parser to choose one")
+def choose_chat_format(args: ServerArgs, folder: ModelFolder, tokenizer: Tokenizer, template_source: str | None
+                       ) -> ChatFormat:
+    """The chat format, decided once (runtime/chat_format.py): --reasoning-parser and --tool-call-parser, or the
+    parsers the model unambiguously needs (gpt_oss -> gpt-oss; qwen3 with <think> in its template -> qwen3; the
+    tool-call format its template names); each logged with why (/server_info shows it). ServerArgs stays as parsed."""
+    template = getattr(tokenizer, "chat_template", None)  # a transformers tokenizer may have none
+    fmt = decide_chat_format(folder.model_type, str(template) if template else None, template_source,
+                             args.reasoning_parser, args.tool_call_parser)
+    log.info("reasoning parser: %s (%s)", fmt.reasoning_parser or "none", fmt.reasoning_parser_source)
+    log.info("tool-call parser: %s (%s)", fmt.tool_call_parser or "none", fmt.tool_call_parser_source)
+    return fmt
 
 
 def decide_backend(args: ServerArgs, facts: Facts) -> Decision:
     """Backend + device with the reasons; the platform layer decides from the machine's facts."""
     try:
-        return choose_backend(facts, os.environ, args.device)
+        return choose_backend(facts, os.environ, args.device, backend_override=args.backend)
     except BackendChoiceError as e:  # says what to install or which flag to change
         raise StartupError(str(e)) from e
 
 
-def check_model_architecture(decision: Decision, model_dir: Path, args: ServerArgs) -> ArchitectureCheck:
+def check_model_architecture(decision: Decision, folder: ModelFolder, args: ServerArgs) -> ArchitectureCheck:
     """Whether the chosen backend serves the model's architecture verified (backends/verified_architectures.py),
     from config.json alone; an unverified one is refused unless --trust-unverified-architecture (the backend
     logs the warning when it loads)."""
     try:
-        return check_architecture(model_dir, decision.backend, args.trust_unverified_architecture,
+        return check_architecture(folder, decision.backend, args.trust_unverified_architecture,
                                   args.trust_remote_code)
     except UnverifiedArchitectureError as e:  # names the verified list and the flag
         raise StartupError(str(e)) from e
 
 
-def choose_dtype(args: ServerArgs, decision: Decision, model_dir: Path) -> tuple[str, str]:
+def choose_dtype(args: ServerArgs, decision: Decision, folder: ModelFolder) -> tuple[str, str]:
     """The dtype the torch backend computes in and why (logged; /server_info shows it): --dtype, or for auto the
     device's rule (backends/dtypes.py) with the platform's native-bf16 fact. The MLX backend resolves auto
     itself (its CPU kernels gain nothing from bf16), so for MLX this returns --dtype as given."""
     if decision.backend != "torch":
         return args.dtype, "--dtype" if args.dtype != "auto" else "--dtype auto, resolved by the MLX backend"
-    config = read_json(model_dir / "config.json")
-    stored = config.get("torch_dtype") or config.get("dtype")
+    stored = folder.config.get("torch_dtype") or folder.config.get("dtype")
     dtype, why = dtype_decision(args.dtype, decision.device, stored if isinstance(stored, str) else None,
                                 cpu_bf16=decision.native_bf16)
     log.info("dtype: %s (%s)", dtype, why)
     return dtype, why
 
 
-def load_backend(decision: Decision, model_dir: Path, args: ServerArgs, attention_backend: str | None = None,
+def load_backend(decision: Decision, folder: ModelFolder, args: ServerArgs, attention_backend: str | None = None,
                  dtype: str | None = None) -> ModelBackend:
     """``attention_backend``: check_attention_backend's choice (resolved here when not given); ``dtype``:
     choose_dtype's (resolved here when not given)."""
     if attention_backend is None:
         attention_backend = resolve_attention_backend(args, decision, os.environ)[0]
     if dtype is None:
-        dtype = choose_dtype(args, decision, model_dir)[0]
+        dtype = choose_dtype(args, decision, folder)[0]
     try:
         if decision.backend == "mlx":
             from tierlm.backends.mlx.backend import MLXBackend
 
-            return MLXBackend(model_dir, dtype=args.dtype, seed=args.random_seed, device=decision.device,
+            return MLXBackend(folder, dtype=args.dtype, seed=args.random_seed, device=decision.device,
                               trust_unverified_architecture=args.trust_unverified_architecture,
                               kv_cache_dtype=args.kv_cache_dtype)
         from tierlm.backends.torch.backend import TorchBackend
 
-        return TorchBackend(model_dir, dtype=dtype, device=decision.device,
+        return TorchBackend(folder, dtype=dtype, device=decision.device,
                             trust_remote_code=args.trust_remote_code, seed=args.random_seed,
                             trust_unverified_architecture=args.trust_unverified_architecture,
                             kv_cache_dtype=args.kv_cache_dtype, attention_backend=attention_backend)
@@ -439,7 +424,7 @@ def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: Mode
     if plan.state_slots:
         log.info("state pool: %d recurrent-state slots (live + snapshots), %.1f MiB", plan.state_slots,
                  plan.state_bytes / 2**20)
-    # HiCacheManager.create logs the host pools
+    # make_hicache_manager logs the host pools
     return TierSizes(plan.device_pages, plan.host_pages, plan.state_slots, plan.host_state_slots)
 
 
@@ -454,27 +439,116 @@ def kv_dtype_note(info: ModelInfo) -> str:
 
 
 def make_cache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes) -> KVCacheManager:
+    """The device pool and the radix tree over it (built here and handed to the manager), plus HiCache's host
+    pool and L3 store when the flags ask for them."""
+    allocator = PageAllocator(tiers.device_pages)
     if args.enable_hierarchical_cache:
-        return HiCacheManager.create(args, backend, tiers.device_pages, tiers.host_pages, tiers.state_slots,
-                                     tiers.host_state_slots)
-    if args.hicache_storage_backend:
-        raise StartupError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        return make_hicache_manager(args, backend, tiers, allocator)
+    ps = args.page_size
+    tree = None if args.disable_radix_cache else RadixCache(ps, allocator.free, args.radix_eviction_policy)
     if tiers.state_slots:  # a hybrid model: prefix reuse up to state snapshots (runtime/cache/state_snapshots.py)
-        cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache,
-                               state_slots=StateSlots(tiers.state_slots), copy_state_slots=backend.copy_state_slots)
+        cache = KVCacheManager(allocator, ps, tree, state_slots=StateSlots(tiers.state_slots),
+                               copy_state_slots=backend.copy_state_slots)
         log.info("radix cache for this hybrid model: %s", "prefixes reused up to the deepest page-aligned state "
-                 "snapshot" if cache.tree is not None else "off (--disable-radix-cache): every prompt is prefilled")
+                 "snapshot" if tree is not None else "off (--disable-radix-cache): every prompt is prefilled")
     else:
-        cache = KVCacheManager(tiers.device_pages, args.page_size, enable_radix=not args.disable_radix_cache)
-    if cache.tree is not None:
-        cache.tree.set_eviction_policy(args.radix_eviction_policy)
+        cache = KVCacheManager(allocator, ps, tree)
+    if tree is not None:
         log.info("radix cache: eviction policy %s (--radix-eviction-policy)", args.radix_eviction_policy)
     return cache
 
 
-def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo) -> GrammarBackend | None:
-    """xgrammar over the model's tokenizer and the logits' width (ModelInfo.vocab_size); None for
-    --grammar-backend none (every grammar is then refused with a 400)."""
+def make_hicache_manager(args: ServerArgs, backend: ModelBackend, tiers: TierSizes, allocator: PageAllocator
+                         ) -> HiCacheManager:
+    """HiCache from the flags: a HiRadixCache over ``allocator``, ``tiers.host_pages`` host pages (and for a
+    hybrid model ``tiers.state_slots``, ``tiers.host_state_slots``) from the memory plan, the L3 store if set."""
+    check_hicache_flags(args)
+    ps = args.page_size
+    hybrid = backend.info.state is not None and tiers.state_slots > 0
+    storage = storage_io = state_storage = None
+    timeout = (PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_PAGE_S)
+    if args.hicache_storage_backend:
+        storage, storage_io, timeout, state_storage = open_storage_tier(args, backend, hybrid)
+    mgr = HiCacheManager(backend, allocator, ps, HiRadixCache(ps, allocator.free, args.radix_eviction_policy),
+                         tiers.host_pages, write_policy=args.hicache_write_policy, layout=args.hicache_mem_layout,
+                         storage=storage, storage_io=storage_io, prefetch_policy=args.hicache_storage_prefetch_policy,
+                         prefetch_timeout=timeout, state_slots=StateSlots(tiers.state_slots) if hybrid else None,
+                         host_state_slots=tiers.host_state_slots, state_storage=state_storage)
+    log_hicache(args, mgr)
+    return mgr
+
+
+def check_hicache_flags(args: ServerArgs) -> None:
+    """StartupError naming the flag unless each HiCache choice is one tierlm has."""
+    for name, value, allowed in (("--hicache-write-policy", args.hicache_write_policy, WRITE_POLICIES),
+                                 ("--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy,
+                                  PREFETCH_POLICIES),
+                                 ("--hicache-mem-layout", args.hicache_mem_layout, LAYOUTS),
+                                 ("--hicache-io-backend", args.hicache_io_backend, ("kernel", "direct"))):
+        if value not in allowed:
+            raise StartupError(f"{name} {value!r} is not one of {', '.join(allowed)}")
+
+
+def log_hicache(args: ServerArgs, mgr: HiCacheManager) -> None:
+    """The host pools and the L3 store, as sized and opened."""
+    ps = args.page_size
+    if mgr.states is not None:
+        hs = mgr.states.host
+        log.info("HiCache host state pool (L2): %d snapshot slots x %.2f MiB = %.1f MiB%s", hs.num_slots,
+                 hs.slot_bytes / 2**20, hs.total_bytes / 2**20,
+                 "; snapshots also stored in L3 beside the pages" if mgr.states.storage is not None else "")
+    log.info("HiCache host pool (L2): %d pages x %d tokens = %d tokens, %.1f MiB, layout %s, write policy %s, "
+             "eviction policy %s (--radix-eviction-policy, device and host tiers)", mgr.host.num_pages, ps,
+             mgr.host.num_pages * ps, mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy,
+             args.radix_eviction_policy)
+    if mgr.storage is not None:
+        st = mgr.storage.stats()
+        log.info("HiCache storage (L3): %s backend at %s, %d pages already stored (%.1f MiB), "
+                 "prefetch policy %s, I/O time limit %g s", args.hicache_storage_backend, mgr.storage.location,
+                 st.get("files", 0), st.get("bytes", 0) / 2**20, args.hicache_storage_prefetch_policy,
+                 mgr.storage_io.io_timeout_s)
+
+
+def open_storage_tier(args: ServerArgs, backend: ModelBackend, hybrid: bool = False
+                      ) -> tuple[KVStorage, StorageIO, tuple[float, float], tuple[KVStorage, StorageIO] | None]:
+    """--hicache-storage-backend's store and its I/O threads, the prefetch timeout (base, per page) from the
+    extra-config, and for a hybrid model the store of its state snapshots."""
+    try:
+        cfg = storage_registry.parse_extra_config(args.hicache_storage_backend_extra_config)
+    except ValueError as e:
+        raise StartupError(f"--hicache-storage-backend-extra-config: {e}") from e
+    # the manager's own keys; the rest goes to the store
+    timeout = (float(cfg.pop("prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S)),
+               float(cfg.pop("prefetch_timeout_per_page", PREFETCH_TIMEOUT_PER_PAGE_S)))
+    io_timeout = cfg.pop("io_timeout", DEFAULT_IO_TIMEOUT_S)
+    if isinstance(io_timeout, bool) or not isinstance(io_timeout, (int, float)) or not io_timeout > 0:
+        raise StartupError("--hicache-storage-backend-extra-config: io_timeout (time limit of one L3 read or write) "
+                           f"must be a positive number of seconds, got {io_timeout!r}")
+    name, page_bytes = args.hicache_storage_backend, backend.kv_bytes_per_token() * args.page_size
+    # Host pages are always written to L3 in page-first byte order, whatever the host layout.
+    ns = StorageNamespace.from_fields({**backend.kv_namespace(), "page_size": args.page_size, "layout": "page_first"})
+    state_cfg = dict(cfg)  # as the page store gets it
+    storage = storage_registry.open_storage(name, ns, page_bytes, cfg)
+    io = StorageIO(storage, num_threads=1, max_pending_write_bytes=write_backlog(page_bytes), io_timeout_s=io_timeout)
+    state_storage = None
+    if hybrid:  # snapshots: a second store of the same backend, in a namespace of their own (state_tiers.py)
+        slot_bytes = HostStatePool(0, backend.info.state).slot_bytes
+        state_ns = StorageNamespace.from_fields(state_namespace_fields(backend, args.page_size))
+        st = storage_registry.open_storage(name, state_ns, slot_bytes, state_cfg)
+        state_storage = (st, StorageIO(st, num_threads=1, max_pending_write_bytes=write_backlog(slot_bytes),
+                                       io_timeout_s=io_timeout))
+    return storage, io, timeout, state_storage
+
+
+def write_backlog(entry_bytes: int) -> int:
+    """The L3 write backlog holds page copies: 256 MiB, or 16 entries where entries are larger than 16 MiB."""
+    return max(DEFAULT_MAX_PENDING_WRITE_BYTES, 16 * entry_bytes)
+
+
+def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo, stop_ids: list[int]
+                         ) -> GrammarBackend | None:
+    """xgrammar over the model's tokenizer and the logits' width (ModelInfo.vocab_size), ending at ``stop_ids``
+    (stop_token_ids); None for --grammar-backend none (every grammar is then refused with a 400)."""
     if args.grammar_backend == "none":
         log.info("structured output: off (--grammar-backend none)")
         return None
@@ -483,35 +557,32 @@ def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo
     except ImportError as e:
         raise StartupError(f"--grammar-backend xgrammar needs the xgrammar package ({e}); install it with "
                            "`pip install xgrammar`, or start with --grammar-backend none") from e
-    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_token_ids(info, tokenizer, args.reasoning_parser))
+    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_ids)
     log.info("structured output: xgrammar (%d-token vocabulary)", info.vocab_size)
     return backend
 
 
-HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")  # gpt-oss: the answer is done / a tool call waits for its result
-
-
-def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer, reasoning_parser: str | None = None) -> list[int]:
-    """The model's EOS ids (generation_config, config), plus the tokenizer's eos token when it names another;
-    with the gpt-oss (harmony) parser also <|return|> and <|call|> (the released generation_config lists them;
-    a copy that does not still stops there)."""
+def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer, extra_stop_tokens: tuple[str, ...] = ()) -> list[int]:
+    """The model's EOS ids (generation_config, config), plus the tokenizer's eos token when it names another, plus
+    the chat format's extra stop tokens (gpt-oss's <|return|> and <|call|>: the released generation_config lists
+    them; a copy that does not still stops there)."""
     eos = list(info.eos_token_ids)
     extra = [getattr(tokenizer, "eos_token_id", None)]
-    if reasoning_parser == "gpt-oss":
+    if extra_stop_tokens:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        extra += [vocab.get(t) for t in HARMONY_STOP_TOKENS]
+        extra += [vocab.get(t) for t in extra_stop_tokens]
     for tok in extra:
         if tok is not None and tok not in eos:
             eos.append(tok)
     return eos
 
 
-def check_hybrid_flags(model_dir: Path, args: ServerArgs) -> None:
+def check_hybrid_flags(folder: ModelFolder, args: ServerArgs) -> None:
     """Hybrid models (linear-attention / Mamba layers, backends/model_source/hybrid_layout.py) keep a recurrent
     state per request: refuse, from config.json and before any weights load, the features that cannot serve
     them correctly yet."""
     try:
-        layout = hybrid_layout(text_config(model_dir))
+        layout = hybrid_layout(folder.text_config)
     except HybridLayoutError as e:
         raise StartupError(str(e)) from e
     if layout is None:

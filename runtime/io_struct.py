@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierlm.runtime.logprobs import LogprobOutput
 from tierlm.runtime.sampling_params import SamplingParams
 
 
@@ -30,6 +29,24 @@ class CachedTokens:
 
     def to_dict(self) -> dict[str, int]:
         return {"device": self.device, "host": self.host, "storage": self.storage}
+
+
+TopList = list[tuple[int, float]]  # (token id, logprob), sorted by logprob, descending
+
+
+@dataclass
+class LogprobOutput:
+    """The logprobs of one output increment; lists align with the tokens they describe.
+
+    ``input_*``: prompt tokens from ``logprob_start_len`` on (the first has logprob None); ``output_*``: the
+    increment's output tokens (GenerateOutput.token_ids). ``*_top`` is None when top_logprobs_num is 0."""
+
+    input_token_ids: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[TopList] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopList] | None = None
 
 
 @dataclass

@@ -8,67 +8,16 @@ scored chunk by chunk with the prefill; only requests that ask add rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierlm.backends.base import ForwardBatch, ForwardOutput
+from tierlm.runtime.io_struct import LogprobOutput
+from tierlm.runtime.logprob_state import LogprobState
 
 if TYPE_CHECKING:
     from tierlm.runtime.request import Req
-
-TopList = list[tuple[int, float]]  # (token id, logprob), sorted by logprob, descending
-
-
-@dataclass
-class LogprobOutput:
-    """The logprobs of one output increment; lists align with the tokens they describe.
-
-    ``input_*``: prompt tokens from ``logprob_start_len`` on (the first has logprob None); ``output_*``: the
-    increment's output tokens (GenerateOutput.token_ids). ``*_top`` is None when top_logprobs_num is 0."""
-
-    input_token_ids: list[int] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top: list[TopList] | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top: list[TopList] | None = None
-
-
-@dataclass
-class _Entries:
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
-    sent: int = 0  # entries already handed out in increments
-
-    def take(self, everything: bool, with_top: bool) -> tuple[list[int], list, list[TopList] | None]:
-        start = 0 if everything else self.sent
-        self.sent = len(self.ids)
-        top = None
-        if with_top:
-            top = [list(zip(i, v)) for i, v in zip(self.top_ids[start:], self.top_logprobs[start:])]
-        return self.ids[start:], self.logprobs[start:], top
-
-
-@dataclass
-class LogprobState:
-    """What one request asked for and what has been scored so far."""
-
-    top_k: int
-    output: bool  # logprobs of the output tokens
-    prompt_start: int  # first prompt token reported; -1: no prompt logprobs
-    prompt_len: int
-    prompt_next: int  # next prompt row to score: row p scores prompt token p + 1 (rows p < prompt_len - 1)
-    prefill_only: bool = False  # max_new_tokens == 0 with prompt logprobs: prefill, sample nothing, finish
-    inputs: _Entries = field(default_factory=_Entries)
-    outputs: _Entries = field(default_factory=_Entries)
-
-    @property
-    def prompt_rows_pending(self) -> bool:
-        return self.prompt_start >= 0 and self.prompt_next < self.prompt_len - 1
 
 
 def init_logprobs(req: Req) -> None:
@@ -91,16 +40,6 @@ def init_logprobs(req: Req) -> None:
     if req.finish_reason == "length" and p.max_new_tokens == 0 and st.prompt_rows_pending:
         req.finish_reason = None
         st.prefill_only = True
-
-
-def cacheable_prefix_len(req: Req) -> int:
-    """How many leading tokens of ``req`` may come from the prefix cache: all but the last, and none at or past
-    the next prompt row still to score (a cached position has no logits)."""
-    n = req.seq_len - 1
-    st = req.logprobs
-    if st is not None and st.prompt_rows_pending:
-        n = min(n, st.prompt_next)
-    return max(n, 0)
 
 
 def samples(req: Req) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 import time
 
 from tierlm.runtime.detokenizer import IncrementalDetokenizer
-from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.logprobs import take_logprobs
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.request import Req
 from tierlm.runtime.stop_checker import StopChecker
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 
 class OutputProcessor:

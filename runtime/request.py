@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tierlm.runtime.detokenizer import IncrementalDetokenizer
-from tierlm.runtime.io_struct import CachedTokens
-from tierlm.runtime.logprobs import LogprobState
 from tierlm.runtime.cache.radix_cache import TreeNode
+from tierlm.runtime.detokenizer import IncrementalDetokenizer
+from tierlm.runtime.grammar.spec import RequestGrammar
+from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.logprob_state import LogprobState
 from tierlm.runtime.sampling_params import SamplingParams
+from tierlm.runtime.speculative.ngram import NgramState
+from tierlm.runtime.speculative.spec_stats import SpecStats
 from tierlm.runtime.stop_checker import StopChecker
 
 if TYPE_CHECKING:  # only HiCache creates one; a plain radix cache never loads the L3 modules
@@ -51,11 +54,11 @@ class Req:
     cached: CachedTokens = field(default_factory=CachedTokens)
     admitted_once: bool = False
     prefetch: PendingPrefetch | None = None  # HiCache: set while its L3 pages are read in the background
-    grammar: Any = None  # runtime/grammar/manager.RequestGrammar of a structured-output request
+    grammar: RequestGrammar | None = None  # set by GrammarManager.attach for a structured-output request
     logprobs: LogprobState | None = None  # set by runtime/logprobs.init_logprobs when the request asks for any
     # speculative decoding (runtime/speculative/): counts, the drafter's per-request index, output tokens it has seen
-    spec: Any = None  # SpecStats once the request took part in a verify step
-    spec_state: Any = None
+    spec: SpecStats | None = None  # once the request took part in a verify step
+    spec_state: NgramState | None = None
     spec_seen: int = 0
     # output
     detokenizer: IncrementalDetokenizer | None = None  # set by OutputProcessor.init_request

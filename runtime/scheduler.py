@@ -13,9 +13,9 @@ from typing import Callable
 
 from tierlm.backends.base import ModelBackend
 from tierlm.runtime.batch_builder import build_forward_batch
+from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.grammar.manager import GrammarManager
 from tierlm.runtime.io_struct import GenerateOutput
-from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.logprobs import add_logprob_rows, init_logprobs, record_logprobs, samples
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor

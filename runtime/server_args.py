@@ -1,13 +1,17 @@
 """ServerArgs: every launch setting in one typed record, shared by the server, runtime and backends.
 
 Names follow SGLang's flags (``--model-path`` -> ``model_path``) so SGLang commands run unchanged.
-Parsing from the command line lives in ``server/cli_args.py``; this file only holds and checks values.
+Parsing from the command line lives in ``server/cli_args.py``; this file only holds and checks values. The record
+is frozen: what the engine decides at startup (the chat format, the backend, the pool sizes) lives in its own
+records, never written back into the launch settings.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from tierlm.runtime.cache.storage import registry as storage_registry
 
 # --attention-backend values: tierlm's attention implementations, and the backend each one belongs to. torch:
 # triton (kernels reading KV pages in place; CUDA), torch_native (SDPA over gathered pages; the reference);
@@ -26,7 +30,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM",)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerArgs:
     # model
     model_path: str | None = None  # None -> the built-in demo model
@@ -35,6 +39,7 @@ class ServerArgs:
     context_length: int | None = None  # None -> the model's max_position_embeddings
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | mps (mps: MLX on Apple Silicon)
+    backend: str | None = None  # torch | mlx, set in code (tests, embedders); None: TIERLM_BACKEND or the machine
     trust_remote_code: bool = False
     trust_unverified_architecture: bool = False  # serve an architecture the reference tests do not cover
     chat_template: str | None = None  # a jinja file, inline template or built-in name; None: the model's own
@@ -105,6 +110,10 @@ class ServerArgs:
     # values of refused ones): flag -> what was given and why nothing changes; logged at startup
     accepted_sglang_flags: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_algorithm, str) and self.speculative_algorithm.upper() == "NGRAM":
+            object.__setattr__(self, "speculative_algorithm", "NGRAM")  # the flag's spelling is free (SGLang's rule)
+
     @property
     def model_name(self) -> str:
         """The name clients see in /v1/models and in responses."""
@@ -145,6 +154,11 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.hicache_storage_backend is not None:
+            storage_registry.check_name(self.hicache_storage_backend)
+            if not self.enable_hierarchical_cache:
+                raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (storage is the third "
+                                 "tier)")
         self._check_sglang_compat()
 
     def _check_sglang_compat(self) -> None:
@@ -208,7 +222,6 @@ class ServerArgs:
             raise ValueError(f"--speculative-algorithm {algo}: tierlm implements NGRAM only (drafts looked up in the "
                              "tokens already seen, no draft model); EAGLE, EAGLE3, NEXTN and STANDALONE need a draft "
                              "model tierlm cannot run yet")
-        self.speculative_algorithm = "NGRAM"
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if not 1 <= lo <= hi:
             raise ValueError(f"--speculative-ngram-min-match-window-size ({lo}) and -max- ({hi}) must satisfy "

@@ -23,13 +23,25 @@ from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.grammar.spec import grammar_spec
 from tierlm.runtime.sampling_params import SamplingParams
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 from tierlm.server.chat_parsing.base import OutputParser, ToolCallDelta
 from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls, merge_call_deltas
 from tierlm.server.chat_parsing.tool_parsers import new_call_id
-from tierlm.server.chat_parsing.tool_registry import (HARMONY, forced_call_grammar, forced_call_parser,
-                                                      json_parser_class, tool_format)
-from tierlm.server.protocol import (ChatCompletionRequest, ChatMessage, DeltaFunctionCall, DeltaToolCall,
-                                    FunctionCallOut, ToolCallOut)
+from tierlm.server.chat_parsing.tool_registry import (
+    HARMONY,
+    forced_call_grammar,
+    forced_call_parser,
+    json_parser_class,
+    tool_format,
+)
+from tierlm.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
+)
 
 
 @dataclass
@@ -40,16 +52,17 @@ class ToolPlan:
     fmt: str | None = None  # tool_registry format: hermes | llama3 | mistral | harmony | None (bare JSON list)
     grammar: str | None = None  # the structural tag of a forced call
     parallel: bool = True
+    harmony: bool = False  # the server's reasoning parser is harmony's (ChatFormat.harmony), which reads calls too
 
     def parser(self, reasoning: OutputParser | None) -> ChoiceParser | None:
         """A fresh parser for one choice; ``reasoning``: the server's reasoning parser for it (or None)."""
         if not self.parse:
             return None if reasoning is None else ChoiceParser(reasoning)
         if self.fmt == HARMONY:
-            if reasoning is None or not _is_harmony(reasoning):
+            if reasoning is None or not self.harmony:
                 reasoning = _harmony_parser() or reasoning
             return ChoiceParser(reasoning, None, self.parallel)
-        if reasoning is not None and _is_harmony(reasoning):
+        if reasoning is not None and self.harmony:
             return ChoiceParser(reasoning, None, self.parallel)  # harmony reads the calls itself
         cls = json_parser_class(self.fmt)
         tools = forced_call_parser(self.fmt) if self.grammar else (cls() if cls is not None else None)
@@ -62,11 +75,6 @@ def _harmony_parser() -> OutputParser | None:
     except ImportError:
         return None
     return HarmonyParser()
-
-
-def _is_harmony(parser: OutputParser) -> bool:
-    inner = getattr(parser, "_inner", parser)  # ReasoningAsContent (separate_reasoning: false) wraps it
-    return type(inner).__name__ == "HarmonyParser"
 
 
 def check_tools(body: ChatCompletionRequest) -> None:
@@ -87,19 +95,20 @@ def tool_plan(engine: EngineAPI, body: ChatCompletionRequest) -> ToolPlan:
     parallel = body.parallel_tool_calls is not False
     if not body.tools or choice == "none":
         return ToolPlan(parallel=parallel)
-    fmt = tool_format(getattr(engine.args, "tool_call_parser", None))
+    fmt, harmony = tool_format(engine.chat_format.tool_call_parser), engine.chat_format.harmony
     if choice == "auto":
-        return ToolPlan(parse=fmt is not None, fmt=fmt, parallel=parallel)
+        return ToolPlan(parse=fmt is not None, fmt=fmt, parallel=parallel, harmony=harmony)
     if fmt == HARMONY:
         parallel = False  # one commentary message per call; <|call|> ends the generation
     functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice.function.name]
         parallel = False
-    return ToolPlan(parse=True, fmt=fmt, grammar=forced_call_grammar(fmt, functions, parallel), parallel=parallel)
+    return ToolPlan(parse=True, fmt=fmt, grammar=forced_call_grammar(fmt, functions, parallel), parallel=parallel,
+                    harmony=harmony)
 
 
-def keeps_special_tokens(plan: ToolPlan, tokenizer: Any) -> bool:
+def keeps_special_tokens(plan: ToolPlan, tokenizer: Tokenizer) -> bool:
     """The format's markers are special tokens of this tokenizer (Mistral's [TOOL_CALLS], Llama's <|python_tag|>):
     decode with them, or the parser never sees them."""
     if plan.parse and plan.fmt == HARMONY:
@@ -107,7 +116,7 @@ def keeps_special_tokens(plan: ToolPlan, tokenizer: Any) -> bool:
     cls = json_parser_class(plan.fmt) if plan.parse else None
     if cls is None:
         return False
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    special = set(tokenizer.all_special_tokens)
     return any(m in special for m in (*cls.markers, cls.end_marker) if m)
 
 
@@ -171,8 +180,8 @@ def message_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCallOut] | None:
     return [ToolCallOut(id=c["id"] or new_call_id(), function=FunctionCallOut(**c["function"])) for c in calls]
 
 
-def tool_finish_reason(parser: Any, reason: str | None) -> str | None:
+def tool_finish_reason(parser: ChoiceParser | None, reason: str | None) -> str | None:
     """``tool_calls`` when the choice called a tool and ended on its own (not at max_tokens)."""
-    if reason == "stop" and getattr(parser, "called", False):
+    if reason == "stop" and parser is not None and parser.called:
         return "tool_calls"
     return reason

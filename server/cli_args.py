@@ -276,7 +276,7 @@ def _load_extra_config(value: str | None) -> str | None:
     """Resolve '@file', check the text is a JSON object, and return it as compact JSON text."""
     if value is None:
         return None
-    from tierlm.runtime.cache.storage.file_storage import parse_extra_config
+    from tierlm.runtime.cache.storage.registry import parse_extra_config
 
     return json.dumps(parse_extra_config(value))
 
@@ -298,16 +298,6 @@ def _check_cli_only(args: ServerArgs) -> None:
         )
     if args.hicache_size < 0:
         raise ValueError(f"--hicache-size must be >= 0 GB, got {args.hicache_size}")
-    if args.hicache_storage_backend is not None:
-        from tierlm.runtime.cache.storage import registry as storage_registry
-
-        if args.hicache_storage_backend not in storage_registry.BACKENDS:
-            others = [n for n in storage_registry.names() if n != "file"]
-            raise ValueError(f"--hicache-storage-backend {args.hicache_storage_backend}: only file is implemented "
-                             f"(a folder) and {', '.join(others)} (shared stores), docs/hicache.md; "
-                             "hf3fs, nixl, aibrix and SGLang's other backends are not")
-    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
-        raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (storage is the third tier)")
     if args.hicache_storage_backend_extra_config and not args.hicache_storage_backend:
         raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend")
 

@@ -17,12 +17,22 @@ from typing import Any, Iterator, Sequence
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, write_demo_model
-from tierlm.backends.model_source.folder_facts import model_size, text_config
-from tierlm.backends.model_source.hub import _cached_snapshot
-from tierlm.backends.model_source.resolve import _looks_like_path
+from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.backends.model_source.hub import cached_snapshot
+from tierlm.backends.model_source.model_folder import ModelFolder
+from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
-from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
-                              install_command, pitfalls, size_kv_tiers)
+from tierlm.platforms import (
+    BackendChoiceError,
+    Decision,
+    Facts,
+    MemoryPlanError,
+    choose_backend,
+    detect,
+    install_command,
+    pitfalls,
+    size_kv_tiers,
+)
 from tierlm.runtime.engine_setup import check_context_length
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
@@ -54,38 +64,39 @@ def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | Non
             yield write_demo_model(Path(tmp)), DEMO_LABEL, None, None
         return
     given = args.model_path
-    if Path(given).expanduser().exists() or _looks_like_path(given):
+    if Path(given).expanduser().exists() or looks_like_path(given):
         try:  # a local folder: checked as serve checks it, no network
             yield resolve_model_path(given), given, None, None
         except ModelSourceError as e:
             yield None, given, None, str(e)
         return
     cache = Path(args.download_dir).expanduser() if args.download_dir else None
-    folder = _cached_snapshot(given, args.revision, str(cache) if cache else None)
+    folder = cached_snapshot(given, args.revision, str(cache) if cache else None)
     why = None if folder else (
         f"--model-path {given} is not in the local Hugging Face cache (serve would download it): its config.json "
         "is unknown, so tier sizes are byte budgets only, not tokens")
     yield folder, given, why, None
 
 
-def model_sizes(folder: Path, label: str, args: ServerArgs, device: str, native_bf16: bool = False
+def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, native_bf16: bool = False
                 ) -> dict[str, Any]:
     """KV bytes per token, weight bytes and max_position_embeddings of a model folder as served on ``device`` with
     --dtype and --kv-cache-dtype (raises KeyError/TypeError/ValueError for a config without the usual fields)."""
     size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype, cpu_bf16=native_bf16).to_dict()
     size["path"] = label
     size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
-    size["max_position_embeddings"] = int(text_config(folder).get("max_position_embeddings")
+    size["max_position_embeddings"] = int(folder.text_config.get("max_position_embeddings")
                                           or DEFAULT_CONTEXT_LENGTH)
     return size
 
 
-def model_architecture(args, folder: Path, backend: str) -> tuple[dict[str, Any] | None, str | None]:
+def model_architecture(args: ServerArgs, folder: ModelFolder, backend: str
+                       ) -> tuple[dict[str, Any] | None, str | None]:
     """Whether ``backend`` serves the model folder's architecture verified, from config.json, as `serve` checks
     it: (architecture, model_type, verified) and serve's refusal message, or its warning under
     --trust-unverified-architecture (None when verified)."""
     try:
-        check = assess_architecture(str(folder), backend, args.trust_remote_code)
+        check = assess_architecture(folder, backend, args.trust_remote_code)
     except UnverifiedArchitectureError as e:  # config.json unreadable
         return None, str(e)
     facts = {"architecture": check.architecture, "model_type": check.model_type, "verified": check.verified}
@@ -139,9 +150,10 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     return report
 
 
-def _check_model(report: dict[str, Any], args: ServerArgs, folder: Path, label: str, decision: Decision,
+def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: str, decision: Decision,
                  env: dict[str, str]) -> None:
     """The architecture check, the model's sizes and the context length, as serve finds them."""
+    folder = ModelFolder.read(path)  # config.json read once, as serve reads it
     report["architecture"], arch_note = model_architecture(args, folder, decision.backend)
     if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
         report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(

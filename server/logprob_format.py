@@ -1,4 +1,4 @@
-"""Engine logprobs (runtime/logprobs.LogprobOutput) in each endpoint's response shape (docs/logprobs.md).
+"""Engine logprobs (runtime/io_struct.LogprobOutput) in each endpoint's response shape (docs/logprobs.md).
 
 Token strings are the tokenizer's decoded piece of each token: ``decode([t, t])`` minus ``decode([t])``, so a
 piece keeps the leading space a SentencePiece tokenizer drops at the start of a text (as it appears after other
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierlm.runtime.engine_api import Tokenizer
-from tierlm.runtime.logprobs import LogprobOutput, TopList
+from tierlm.runtime.io_struct import LogprobOutput, TopList
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 
 class Pieces:

@@ -12,14 +12,35 @@ from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.chat_parsing.base import OutputParser, ParsedDelta
 from tierlm.server.chat_parsing.reasoning import needs_special_tokens, prompt_opens_thinking, reasoning_parser_for
-from tierlm.server.chat_tools import (apply_tool_grammar, delta_tool_calls, keeps_special_tokens, message_tool_calls,
-                                      template_messages, template_tools, tool_finish_reason, tool_plan)
+from tierlm.server.chat_tools import (
+    apply_tool_grammar,
+    delta_tool_calls,
+    keeps_special_tokens,
+    message_tool_calls,
+    template_messages,
+    template_tools,
+    tool_finish_reason,
+    tool_plan,
+)
 from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
-from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
-                                      unless_disconnected)
+from tierlm.server.generation import (
+    collect_outputs,
+    finish_reason_of,
+    stream_choices,
+    summed_usage,
+    unless_disconnected,
+)
 from tierlm.server.logprob_format import Pieces, chat_logprob_content
-from tierlm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, ChatDelta, ChatMessageOut, make_usage)
+from tierlm.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    make_usage,
+)
 from tierlm.server.sampling_mapping import chat_max_tokens, openai_sampling_params, reject_unsupported_chat
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
 from tierlm.server.structured_output import check_grammars
@@ -40,7 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     response_id = new_id("chatcmpl-")
     reasoning = [output_parser(engine, body, ids) for _ in range(body.n)]  # one per choice: they keep state
     keep_special = reasoning[0] is not None and needs_special_tokens(
-        engine.args.reasoning_parser, getattr(engine.tokenizer, "all_special_tokens", ()))
+        engine.chat_format.reasoning_parser, engine.tokenizer.all_special_tokens)
     keep_special = keep_special or keeps_special_tokens(plan, engine.tokenizer)
     parsers = [plan.parser(r) for r in reasoning]  # reasoning, then tool calls over the content
     reqs: list[GenerateRequest] = []
@@ -82,7 +103,7 @@ def template_kwargs(body: ChatCompletionRequest) -> dict:
 def output_parser(engine: EngineAPI, body: ChatCompletionRequest, prompt_ids: list[int]) -> OutputParser | None:
     """A fresh parser for one choice: the server's reasoning parser (--reasoning-parser or the model's), with the
     request's separate_reasoning; qwen3 starts inside the thinking when the prompt already opened it."""
-    name = engine.args.reasoning_parser
+    name = engine.chat_format.reasoning_parser
     if not name:
         return None
     starts = None

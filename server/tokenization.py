@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tierlm.runtime.engine_api import Tokenizer
 from tierlm.runtime.errors import RequestError
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 from tierlm.server.protocol import ChatMessage
 
 T = TypeVar("T")
@@ -89,7 +89,7 @@ def _message_to_template_dict(i: int, m: ChatMessage) -> dict[str, Any]:
 
 def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Render messages with the model's chat template and tokenize, ready for the assistant's reply."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not tokenizer.chat_template:
         raise RequestError(
             "this model's tokenizer has no chat template, so /v1/chat/completions cannot build a prompt; start the "
             "server with --chat-template (a jinja file, or a built-in name such as chatml), or use /v1/completions "

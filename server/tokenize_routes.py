@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from tierlm.runtime.engine_api import EngineAPI, Tokenizer
+from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
+from tierlm.runtime.tokenizer_protocol import Tokenizer
 from tierlm.server.chat_tools import template_messages
 from tierlm.server.deps import check_model, ready_engine
 from tierlm.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse

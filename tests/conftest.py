@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny seeded models per family, the real stories260K model when ../shared is present."""
+"""Shared fixtures: tiny seeded models per family, the real stories260K model when ../shared is present, the
+backend under test (``backend_name``, torch and mlx), and the ``mlx`` marker's skip."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
 
+from backends_under_test import BACKENDS, MLX_MISSING, mlx_importable  # noqa: E402
 from model_factory import FAMILIES, build_tiny_model  # noqa: E402
 
 REPO_ROOT = TESTS_DIR.parent
@@ -48,30 +50,25 @@ STORIES_TEXT = (", there was a little girl named Lily. She loved to play outside
                 "One day, she saw a big, red ball.")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """TIERLM_TEST_DEVICE=cuda checks the torch backend on the GPU: every case parametrized with MLX is skipped."""
-    if os.environ.get("TIERLM_TEST_DEVICE", "").strip().lower() != "cuda":
+    """The ``mlx`` marker means "needs MLX": such tests are skipped, with one reason, where mlx does not import
+    and under TIERLM_TEST_DEVICE=cuda (the GPU check runs the torch backend only)."""
+    if os.environ.get("TIERLM_TEST_DEVICE", "").strip().lower() == "cuda":
+        reason = "TIERLM_TEST_DEVICE=cuda: the MLX backend does not run on CUDA"
+    elif not mlx_importable():
+        reason = MLX_MISSING
+    else:
         return
-    skip = pytest.mark.skip(reason="TIERLM_TEST_DEVICE=cuda: the MLX backend does not run on CUDA")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if "mlx" in [v for v in params.values() if isinstance(v, str)]:
+        if item.get_closest_marker("mlx") is not None:
             item.add_marker(skip)
 
 
-def _mlx_importable() -> bool:
-    try:
-        import mlx.core  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-@pytest.fixture(params=["torch", "mlx"])
+@pytest.fixture(params=BACKENDS)
 def backend_name(request) -> str:
-    """Runs a test once per backend; MLX is skipped where mlx cannot be imported."""
-    if request.param == "mlx" and not _mlx_importable():
-        pytest.skip("mlx is not installed (pip install 'mlx[cpu]' mlx-lm on Linux)")
+    """Runs a test once per backend ("torch", "mlx"); pass it to make_backend or start_engine."""
     return request.param
 
 

@@ -8,6 +8,7 @@ import os
 
 from tierlm.runtime.cache.storage import file_storage as fs_mod
 
+
 class _FaultyFile:
     """A file object whose writes fail with ``err``, after the file itself was created."""
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from dataclasses import dataclass
 
 from backend_driver import TEST_DEVICE, device_under_test
+
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.sampling_params import SamplingParams
@@ -24,25 +24,17 @@ class Result:
 
 
 def start_engine(model_path, backend: str = "torch", **kw) -> Engine:
-    """An engine on ``backend`` ("torch" | "mlx"), chosen the way users do: the TIERLM_BACKEND variable.
-    With TIERLM_TEST_DEVICE set, a torch engine runs on that device (float32 unless ``dtype`` is given, the
-    dtype of the references); without it, on the engine's own choice of device, in float32 too (--dtype auto is
+    """An engine on ``backend`` ("torch" | "mlx"), passed as ServerArgs.backend (it wins over TIERLM_BACKEND).
+    With TIERLM_TEST_DEVICE set, a torch engine runs on that device (float32 unless ``dtype`` is given, the dtype
+    of the references); without it, on the engine's own choice of device, in float32 too (--dtype auto is
     bfloat16 on CUDA and on a CPU with native bf16 matmuls)."""
     kw.setdefault("warmup", False)
     if backend == "torch" and TEST_DEVICE and "device" not in kw:
         kw["device"] = device_under_test()
     if backend == "torch":
         kw.setdefault("dtype", "float32")
-    engine = Engine(ServerArgs(model_path=str(model_path), **kw))
-    old = os.environ.get("TIERLM_BACKEND")
-    os.environ["TIERLM_BACKEND"] = backend
-    try:
-        engine.start()
-    finally:
-        if old is None:
-            os.environ.pop("TIERLM_BACKEND", None)
-        else:
-            os.environ["TIERLM_BACKEND"] = old
+    engine = Engine(ServerArgs(model_path=str(model_path), backend=backend, **kw))
+    engine.start()
     assert engine.parts.backend.name == backend
     return engine
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from tierlm.runtime.chat_format import decide_chat_format
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import CachedTokens, GenerateOutput, GenerateRequest
 from tierlm.runtime.server_args import ServerArgs
-
 
 VOCAB_SIZE = 0x110000  # every Unicode code point is a token
 
 
 class FakeTokenizer:
     chat_template: str | None = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    all_special_tokens: list[str] = []
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -44,6 +45,9 @@ class FakeEngine:
         self.args = args or ServerArgs(model_path="fake/model")
         self.ready = ready
         self.tokenizer = FakeTokenizer()
+        # as the engine decides it: the flags, else nothing (the fake model type needs no parser)
+        self.chat_format = decide_chat_format("fake", self.tokenizer.chat_template, "the model's tokenizer",
+                                              self.args.reasoning_parser, self.args.tool_call_parser)
         self.context_length = context_length
         self.received: list[GenerateRequest] = []
         self.aborted: list[str] = []

@@ -8,7 +8,7 @@ class MemoryStorage(KVStorage):
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
-    def exists(self, keys):
+    def known(self, keys):
         return [k in self.data for k in keys]
 
     def get(self, key):
@@ -17,9 +17,6 @@ class MemoryStorage(KVStorage):
     def set(self, key, payload):
         self.data[key] = bytes(payload)
         return True
-
-    def delete(self, key):
-        return self.data.pop(key, None) is not None
 
     def clear(self):
         n = len(self.data)

@@ -3,57 +3,20 @@ token (tiny families, stories260K), whatever the batch mix, chunking and page si
 tier and back are lossless."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from backend_driver import GreedyDriver, device_under_test, run_greedy
+from backend_driver import GreedyDriver, run_greedy
+from backends_under_test import make_backend
 from conftest import STORIES_FIRST_40, STORIES_PROMPT
 from model_factory import build_tiny_model, reference_greedy
+
 from tierlm.backends.base import HostKVPool, ModelBackend
 
-BACKENDS = ["torch", "mlx"]
 NEW_TOKENS = 64
-
-
-def _missing_reason(name: str) -> str | None:
-    if name == "torch":
-        return "torch is not installed" if importlib.util.find_spec("torch") is None else None
-    try:
-        import mlx.core  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken native library
-        return f"mlx cannot be imported ({exc}); install it with `pip install 'mlx[cpu]' mlx-lm`"
-    return None
-
-
-_BACKENDS: dict[tuple[str, str, str], ModelBackend] = {}
-
-
-def make_backend(name: str, model_dir: Path, dtype: str = "float32") -> ModelBackend:
-    """A loaded backend (cached per name, folder and dtype; every driver run re-initialises its KV pool)."""
-    reason = _missing_reason(name)
-    if reason:
-        pytest.skip(reason)
-    key = (name, str(model_dir), dtype)
-    if key not in _BACKENDS:
-        if name == "torch":
-            from tierlm.backends.torch.backend import TorchBackend
-
-            _BACKENDS[key] = TorchBackend(model_dir, dtype=dtype, device=device_under_test())
-        else:
-            from tierlm.backends.mlx.backend import MLXBackend
-
-            _BACKENDS[key] = MLXBackend(model_dir, dtype=dtype)
-    return _BACKENDS[key]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_name(request) -> str:
-    return request.param
 
 
 def prompts_of(model_dir: Path, lengths, seed: int = 0) -> list[list[int]]:
@@ -229,6 +192,7 @@ def test_copy_to_host_is_byte_exact_in_bfloat16(backend_name, tiny_llama):
         assert second.page_to_bytes(3 + i) == first.page_to_bytes(i)
 
 
+@pytest.mark.mlx
 @pytest.mark.parametrize("writer_name,reader_name", [("torch", "mlx"), ("mlx", "torch")])
 def test_pages_written_by_one_backend_continue_on_the_other(tiny_llama, writer_name, reader_name):
     """Both pools store post-RoPE K/V as [layer, K/V, token, head, dim] float32: a page one backend wrote

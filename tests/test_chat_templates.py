@@ -10,8 +10,15 @@ import pytest
 
 from tierlm.backends.model_source import ModelSourceError
 from tierlm.backends.model_source.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
+from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer, save_byte_tokenizer
 from tierlm.runtime import engine_setup
+from tierlm.runtime.chat_format import (
+    DETECTED_REASONING_PARSERS,
+    DETECTED_TOOL_CALL_PARSERS,
+    HARMONY_PARSER,
+    HARMONY_STOP_TOKENS,
+)
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
 
@@ -71,14 +78,28 @@ def test_template_replaces_the_models_own(tmp_path: Path) -> None:
 def test_reasoning_parser_from_the_model(tmp_path: Path, model_type, template, flag, expected) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     args = ServerArgs(reasoning_parser=flag)
-    why = engine_setup.choose_reasoning_parser(args, tmp_path, SimpleNamespace(chat_template=template))
-    assert args.reasoning_parser == expected
+    fmt = engine_setup.choose_chat_format(args, ModelFolder.read(tmp_path), SimpleNamespace(chat_template=template),
+                                          None)
+    assert fmt.reasoning_parser == expected and args.reasoning_parser == flag  # the args stay as parsed
+    why = fmt.reasoning_parser_source
     assert why == "--reasoning-parser" if flag else why.startswith("the model" if expected else "none")
+    assert fmt.harmony == (expected == "gpt-oss")
+    assert fmt.extra_stop_tokens == (HARMONY_STOP_TOKENS if expected == "gpt-oss" else ())
 
 
 def test_gpt_oss_stop_tokens_include_return_and_call() -> None:
     vocab = {"<|return|>": 200002, "<|call|>": 200012, "<|end|>": 200007}
     tok = SimpleNamespace(eos_token_id=199999, get_vocab=lambda: vocab)
     info = SimpleNamespace(eos_token_ids=[200002])
-    assert engine_setup.stop_token_ids(info, tok, "gpt-oss") == [200002, 199999, 200012]
+    assert engine_setup.stop_token_ids(info, tok, HARMONY_STOP_TOKENS) == [200002, 199999, 200012]
     assert engine_setup.stop_token_ids(info, tok) == [200002, 199999]
+
+
+def test_the_parsers_a_model_can_choose_are_the_servers() -> None:
+    # runtime/chat_format.py names what a model may choose; server/chat_parsing owns the names a flag may give.
+    from tierlm.server.chat_parsing.reasoning import HARMONY, REASONING_PARSER_NAMES
+    from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS
+
+    assert HARMONY == HARMONY_PARSER
+    assert set(DETECTED_REASONING_PARSERS) <= set(REASONING_PARSER_NAMES)
+    assert set(DETECTED_TOOL_CALL_PARSERS) <= set(TOOL_CALL_PARSERS)

@@ -319,7 +319,7 @@ def test_sglang_spellings_of_supported_values() -> None:
 
 @pytest.mark.parametrize("argv,message", [
     (["--grammar-backend", "llguidance"], "use xgrammar"),
-    (["--enable-hierarchical-cache", "--hicache-storage-backend", "hf3fs"], "only file is implemented"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "hf3fs"], "are not implemented"),
     (["--tokenizer-mode", "slow"], "fast tokenizer"),
     (["--preferred-sampling-params", '{"temperature": 0}'], "send them with each request"),
     (["--ssl-certfile", "c.pem"], "reverse proxy"),

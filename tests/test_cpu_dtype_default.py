@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tierlm.backends.dtypes import dtype_decision, serving_dtype
+from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.platforms import Facts, choose_backend
 from tierlm.platforms.facts import cpu_bf16_isa
 from tierlm.runtime import engine_setup
@@ -72,11 +73,11 @@ def test_facts_without_the_new_field_still_load():
 
 def test_the_composition_root_resolves_auto_with_the_fact(tmp_path):
     (tmp_path / "config.json").write_text('{"torch_dtype": "float32"}')
-    native = choose_backend(box("amx_bf16"), {}, "cpu")
-    dtype, why = engine_setup.choose_dtype(ServerArgs(dtype="auto"), native, tmp_path)
+    native, folder = choose_backend(box("amx_bf16"), {}, "cpu"), ModelFolder.read(tmp_path)
+    dtype, why = engine_setup.choose_dtype(ServerArgs(dtype="auto"), native, folder)
     assert dtype == "bfloat16" and "float32 served in bfloat16" in why
-    assert engine_setup.choose_dtype(ServerArgs(dtype="float32"), native, tmp_path) == ("float32", "--dtype")
-    assert engine_setup.choose_dtype(ServerArgs(), choose_backend(box(None), {}, "cpu"), tmp_path)[0] == "float32"
+    assert engine_setup.choose_dtype(ServerArgs(dtype="float32"), native, folder) == ("float32", "--dtype")
+    assert engine_setup.choose_dtype(ServerArgs(), choose_backend(box(None), {}, "cpu"), folder)[0] == "float32"
 
 
 @pytest.mark.parametrize("isa, expected", [("avx512_bf16", "bfloat16"), (None, "float32")])

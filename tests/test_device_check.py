@@ -114,11 +114,15 @@ def test_test_device_variable(monkeypatch):
         backend_driver.device_under_test()
 
     marks = []
-    item = SimpleNamespace(callspec=SimpleNamespace(params={"backend_name": "mlx"}), add_marker=marks.append)
-    other = SimpleNamespace(callspec=SimpleNamespace(params={"backend_name": "torch"}), add_marker=marks.append)
+    item = SimpleNamespace(get_closest_marker={"mlx": pytest.mark.mlx}.get, add_marker=marks.append)  # needs MLX
+    other = SimpleNamespace(get_closest_marker={}.get, add_marker=marks.append)
+    monkeypatch.setattr(conftest, "mlx_importable", lambda: True)
     monkeypatch.setenv("TIERLM_TEST_DEVICE", "cuda")
     conftest.pytest_collection_modifyitems(None, [item, other])
     assert len(marks) == 1 and "MLX" in marks[0].kwargs["reason"]
     monkeypatch.delenv("TIERLM_TEST_DEVICE")
     conftest.pytest_collection_modifyitems(None, [item])
     assert len(marks) == 1
+    monkeypatch.setattr(conftest, "mlx_importable", lambda: False)  # no MLX here: the same marker, one reason
+    conftest.pytest_collection_modifyitems(None, [item, other])
+    assert len(marks) == 2 and marks[1].kwargs["reason"] == conftest.MLX_MISSING

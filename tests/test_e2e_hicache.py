@@ -14,10 +14,9 @@ from typing import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import STORIES_PROMPT, STORIES_TEXT
 from e2e_server import ServerProcess, ServerStartError, start_server
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
@@ -230,19 +229,10 @@ def test_two_servers_share_one_folder_then_a_third_reads_it(stories_dir: Path, t
 
 # ------------------------------------------------------------------ MLX backend
 
-def _mlx_available() -> bool:
-    try:
-        import mlx.core  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means no MLX here
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def mlx_server(first_run: FirstRun, stories_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[ServerProcess]:
-    if not _mlx_available():
-        pytest.skip("mlx is not installed (import mlx.core failed)")
+    """Only the ``mlx``-marked tests below use it (conftest skips them where mlx does not import)."""
     root = tmp_path_factory.mktemp("hicache_mlx")
     storage_dir = root / "l3"
     shutil.copytree(first_run.snapshot_dir, storage_dir)  # pages the torch server wrote

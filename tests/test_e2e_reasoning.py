@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
-
+from backends_under_test import BACKENDS
 from conftest import STORIES_PROMPT, STORIES_TEXT
 from e2e_server import ServerProcess, start_server
 from model_factory import build_tiny_gpt_oss
@@ -43,10 +43,8 @@ def _env(backend: str) -> dict[str, str]:
 # ---------------------------------------------------------------- --chat-template on stories260K
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def stories_server(request, stories_dir: Path, tmp_path_factory) -> Iterator[ServerProcess]:
-    if request.param == "mlx":
-        pytest.importorskip("mlx.core", reason="mlx is not installed")
     folder = tmp_path_factory.mktemp(f"chat_template_{request.param}")
     template = folder / "story.jinja"
     template.write_text(STORIES_TEMPLATE, encoding="utf-8")
@@ -91,10 +89,8 @@ def test_a_bad_template_stops_startup_with_the_reason(stories_dir: Path, tmp_pat
 # ---------------------------------------------------------------- gpt-oss: harmony channels
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def gpt_oss_server(request, tiny_models_root: Path, tmp_path_factory) -> Iterator[ServerProcess]:
-    if request.param == "mlx":
-        pytest.importorskip("mlx.core", reason="mlx is not installed")
     model = build_tiny_gpt_oss(tiny_models_root / "gpt_oss")
     folder = tmp_path_factory.mktemp(f"harmony_{request.param}")
     template = folder / "harmony.jinja"

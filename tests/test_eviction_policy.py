@@ -1,10 +1,10 @@
 """--radix-eviction-policy: the order each policy evicts in (device and host tiers, hand-built trees), hits counted
 from every tier, and the host tier under a cyclic workload larger than it (through the real engine)."""
 import pytest
-
 from engine_harness import greedy, pool_is_clean, run
 from test_hicache import doc, hicache_engine, push_out_of_device
 from test_radix_cache import make
+
 from tierlm.runtime.cache.eviction_policy import POLICIES, eviction_priority
 from tierlm.runtime.cache.hiradix_cache import HiRadixCache
 from tierlm.runtime.cache.page_allocator import PageAllocator
@@ -59,8 +59,8 @@ def _hi_tree(policy: str, device_pages: int = 8, host_pages: int = 8):
         tree.set_host_pages(node, host.alloc(len(node.device_pages)))
         return True
 
-    tree = HiRadixCache(2, dev.free, host.free, backup_node=backup, on_new_node=lambda n: None,
-                        eviction_policy=policy)
+    tree = HiRadixCache(2, dev.free, eviction_policy=policy)
+    tree.bind_host_tier(host.free, backup_node=backup, on_new_node=lambda n: None)
     return dev, host, tree
 
 
@@ -171,10 +171,13 @@ def test_a_retracted_request_coming_back_is_not_a_new_reuse() -> None:
     """hit_count counts admissions that reuse a node; a request retracted for lack of pages and admitted again
     already counted its hits the first time."""
     from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
+    from tierlm.runtime.cache.page_allocator import PageAllocator
+    from tierlm.runtime.cache.radix_cache import RadixCache
     from tierlm.runtime.request import Req
     from tierlm.runtime.sampling_params import SamplingParams
 
-    cache = KVCacheManager(num_pages=64, page_size=4)
+    alloc = PageAllocator(64)
+    cache = KVCacheManager(alloc, 4, RadixCache(4, alloc.free))
     prompt = list(range(10, 31))  # 5 whole pages reusable (a request always computes its last token)
 
     def admit(admitted_once: bool) -> Req:

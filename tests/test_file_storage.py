@@ -12,19 +12,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from disk_faults import inject_disk_fault
 from memory_storage import MemoryStorage
-from tierlm.runtime.errors import StartupError
+from storage_helpers import backup_all, exists_prefix, get_all, set_all
+
 from tierlm.runtime.cache.storage import file_storage as fs_mod
-from tierlm.runtime.cache.storage.file_storage import (
-    HEADER_SIZE, NAMESPACE_FILE, STORAGE_DIR_ENV, TEMP_PREFIX, FileKVStorage, default_storage_dir,
-    max_size_bytes_from_config, parse_extra_config,
-)
-from tierlm.runtime.cache.storage.page_keys import is_page_key, page_key, page_keys
 from tierlm.runtime.cache.storage.base import STAT_FIELDS
-from tierlm.runtime.cache.storage.storage_io import StorageIO
+from tierlm.runtime.cache.storage.file_storage import (
+    HEADER_SIZE,
+    NAMESPACE_FILE,
+    STORAGE_DIR_ENV,
+    TEMP_PREFIX,
+    FileKVStorage,
+    default_storage_dir,
+    max_size_bytes_from_config,
+)
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
+from tierlm.runtime.cache.storage.page_keys import is_page_key, page_key, page_keys
+from tierlm.runtime.cache.storage.registry import parse_extra_config
+from tierlm.runtime.cache.storage.storage_io import StorageIO
+from tierlm.runtime.errors import StartupError
 
 PAGE_BYTES = 512
 NS_FIELDS = {
@@ -121,9 +128,9 @@ def test_file_from_another_namespace_copied_in_is_a_miss(tmp_path):
 def test_round_trip_and_stats(store):
     keys = keys_for(3)
     assert store.exists(keys) == [False] * 3 and store.get(keys[0]) is None
-    assert store.batch_set(keys[:2], [payload_for(k) for k in keys[:2]]) == [True, True]
-    assert store.exists(keys) == [True, True, False] and store.batch_exists_prefix(keys) == 2
-    assert store.batch_get(keys) == [payload_for(keys[0]), payload_for(keys[1]), None]
+    assert set_all(store, keys[:2], [payload_for(k) for k in keys[:2]]) == [True, True]
+    assert store.exists(keys) == [True, True, False] and exists_prefix(store, keys) == 2
+    assert get_all(store, keys) == [payload_for(keys[0]), payload_for(keys[1]), None]
     assert store.set(keys[0], payload_for(keys[0], salt=1))  # already stored: kept, not rewritten
     st = store.stats()
     assert set(STAT_FIELDS) <= set(st)
@@ -274,7 +281,7 @@ def test_clear_empties_only_this_namespace(tmp_path):
     k1, k2 = keys_for(2)
     a = FileKVStorage(tmp_path, make_ns(), PAGE_BYTES)
     other = FileKVStorage(tmp_path, make_ns(dtype="float16"), PAGE_BYTES)
-    a.batch_set([k1, k2], [payload_for(k1), payload_for(k2)])
+    set_all(a, [k1, k2], [payload_for(k1), payload_for(k2)])
     other.set(k1, payload_for(k1))
     assert a.clear() == 2 and a.stats()["files"] == 0 and a.exists([k1, k2]) == [False, False]
     assert other.get(k1) == payload_for(k1)
@@ -390,7 +397,7 @@ def test_storage_io_backup_then_prefetch_on_files(store):
     io = StorageIO(store)
     keys = keys_for(4)
     done: list[tuple[str, bool]] = []
-    assert io.backup_many(keys[:3], [payload_for(k) for k in keys[:3]], on_done=lambda k, ok: done.append((k, ok))) == 3
+    assert backup_all(io, keys[:3], [payload_for(k) for k in keys[:3]], on_done=lambda k, ok: done.append((k, ok))) == 3
     assert io.flush(timeout=30)
     assert sorted(done) == sorted((k, True) for k in keys[:3]) and store.exists(keys[:3]) == [True] * 3
     got: list[list[bytes]] = []

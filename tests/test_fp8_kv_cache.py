@@ -9,32 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
-
 from backend_driver import GreedyDriver, run_greedy
+from backends_under_test import make_backend
 from engine_harness import greedy, pool_is_clean, run, start_engine
 from test_hicache import PS
 from test_hicache import hicache_engine as hicache_engine_with_grammar
+
 from tierlm.backends.base import ForwardBatch, HostKVPool, ModelBackend, SamplingBatch
 from tierlm.runtime.errors import StartupError
 
 
-
 def doc(seed: int, n: int = 60) -> list[int]:
     return [(seed * 31 + j * 7) % 270 + 5 for j in range(n)]
-
-
-def make_backend(name: str, model_dir: Path, kv_cache_dtype: str, dtype: str = "float32") -> ModelBackend:
-    if name == "torch":
-        from tierlm.backends.torch.backend import TorchBackend
-
-        return TorchBackend(model_dir, dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype)
-    from tierlm.backends.mlx.backend import MLXBackend
-
-    return MLXBackend(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def hicache_engine(backend, model, storage=True, **kw):
@@ -121,7 +110,7 @@ def test_greedy_agreement_with_bf16_kv_on_stories260k(stories_dir):
     prompts = [tok(s)["input_ids"] for s in STORY_STARTS]
     runs, backends = {}, {}
     for kv in ("bf16", "fp8_e4m3", "fp8_e5m2"):
-        backends[kv] = make_backend("torch", stories_dir, kv)
+        backends[kv] = make_backend("torch", stories_dir, kv_cache_dtype=kv, device="cpu", cached=False)
         runs[kv] = run_greedy(backends[kv], prompts, NEW, page_size=16, num_pages=20 * 6, stagger=0)
 
     def free_running(kv: str) -> float:
@@ -188,7 +177,7 @@ def test_chunked_and_batched_prefill_agree_with_unchunked_under_both_formats(tin
     kvs = ("fp8_e4m3", "bf16") if backend_name == "mlx" else ("fp8_e4m3", "fp8_e5m2", "bf16")
     prompts = [doc(s, 21 + s) for s in range(3)]
     for kv in kvs:
-        backend = make_backend(backend_name, tiny_llama, kv)
+        backend = make_backend(backend_name, tiny_llama, kv_cache_dtype=kv, device="cpu", cached=False)
         whole = run_greedy(backend, prompts, 10, page_size=PS, num_pages=64)
         assert run_greedy(backend, prompts, 10, page_size=PS, num_pages=64, chunk_size=5, stagger=2) == whole, kv
         assert [run_greedy(backend, [p], 10, page_size=PS, num_pages=64)[0] for p in prompts] == whole, kv
@@ -227,7 +216,7 @@ def _host(backend: ModelBackend, num_pages: int, layout: str = "page_first") -> 
 def test_fp8_pages_travel_byte_exact_through_the_host_tier(tiny_llama, backend_name, kv):
     if backend_name == "mlx" and kv == "fp8_e5m2":
         pytest.skip("MLX stores fp8_e4m3 only")
-    backend = make_backend(backend_name, tiny_llama, kv)
+    backend = make_backend(backend_name, tiny_llama, kv_cache_dtype=kv, device="cpu", cached=False)
     info = backend.info
     assert info.kv_dtype == kv and backend.kv_bytes_per_token() == info.num_layers * 2 * info.num_kv_heads * \
         info.head_dim
@@ -244,19 +233,11 @@ def test_fp8_pages_travel_byte_exact_through_the_host_tier(tiny_llama, backend_n
         assert second.page_to_bytes(3 + i) == first.page_to_bytes(i)
 
 
-def _mlx_or_skip():
-    try:
-        import mlx.core as mx
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"mlx cannot be imported ({e})")
-    return mx
-
-
 @pytest.mark.mlx
 def test_torch_and_mlx_write_the_same_e4m3_bits():
     """The shared page layout holds across backends: mx.to_fp8 and torch's saturated float8_e4m3fn cast give the
     same byte for every finite input (rounding, subnormals, saturation), and both decode all 256 bytes alike."""
-    mx = _mlx_or_skip()
+    import mlx.core as mx
     import torch
 
     rng = np.random.default_rng(0)
@@ -276,9 +257,8 @@ def test_torch_and_mlx_write_the_same_e4m3_bits():
 @pytest.mark.mlx
 @pytest.mark.parametrize("writer_name,reader_name", [("torch", "mlx"), ("mlx", "torch")])
 def test_fp8_pages_written_by_one_backend_continue_on_the_other(tiny_llama, writer_name, reader_name):
-    _mlx_or_skip()
-    writer = make_backend(writer_name, tiny_llama, "fp8_e4m3")
-    reader = make_backend(reader_name, tiny_llama, "fp8_e4m3")
+    writer = make_backend(writer_name, tiny_llama, kv_cache_dtype="fp8_e4m3", device="cpu", cached=False)
+    reader = make_backend(reader_name, tiny_llama, kv_cache_dtype="fp8_e4m3", device="cpu", cached=False)
     assert writer.kv_namespace() == reader.kv_namespace()  # one L3 namespace for both
     prompt = doc(5, 10)
     expected = run_greedy(writer, [prompt], 24, page_size=PS, num_pages=24)[0]
@@ -299,7 +279,6 @@ def test_fp8_pages_written_by_one_backend_continue_on_the_other(tiny_llama, writ
 # ------------------------------------------------------------------------------------------------ MLX
 @pytest.mark.mlx
 def test_mlx_fp8_e4m3_serves_and_e5m2_is_a_clear_startup_error(tiny_llama):
-    _mlx_or_skip()
     engine = start_engine(tiny_llama, "mlx", kv_cache_dtype="fp8_e4m3", page_size=PS, grammar_backend="none")
     try:
         assert engine.server_info()["kv_pool"]["kv_dtype"] == "fp8_e4m3"

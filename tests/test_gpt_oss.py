@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from backend_driver import GreedyDriver, device_under_test, run_greedy
+from backend_driver import GreedyDriver, run_greedy
+from backends_under_test import make_backend
 from engine_harness import greedy, pool_is_clean, run, start_engine
 from model_factory import GPT_OSS_TINY, build_tiny_gpt_oss, quantize_mxfp4, reference_greedy
 
-BACKENDS = ["torch", "mlx"]
 WINDOW = GPT_OSS_TINY["sliding_window"]
 PS = 4  # page size of the cache tests
 
@@ -28,31 +27,6 @@ def gpt_oss(tiny_models_root) -> Path:
 @pytest.fixture(scope="module")
 def gpt_oss_mxfp4(tiny_models_root) -> Path:
     return build_tiny_gpt_oss(tiny_models_root / "gpt_oss_mxfp4", mxfp4=True)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_name(request, monkeypatch) -> str:
-    if request.param == "mlx":
-        pytest.importorskip("mlx.core", reason="mlx is not installed; `pip install 'mlx[cpu]' mlx-lm`")
-    monkeypatch.setenv("TIERLM_BACKEND", request.param)  # what make_backend and start_engine(..., backend_name) use
-    return request.param
-
-
-_BACKENDS: dict = {}
-
-
-def make_backend(name: str, model_dir: Path):
-    key = (name, str(model_dir))
-    if key not in _BACKENDS:
-        if name == "torch":
-            from tierlm.backends.torch.backend import TorchBackend
-
-            _BACKENDS[key] = TorchBackend(model_dir, dtype="float32", device=device_under_test())
-        else:
-            from tierlm.backends.mlx.backend import MLXBackend
-
-            _BACKENDS[key] = MLXBackend(model_dir, dtype="float32")
-    return _BACKENDS[key]
 
 
 def prompts(lengths, seed: int = 0) -> list[list[int]]:
@@ -97,9 +71,9 @@ def test_sink_attention_equals_the_eager_formula():
     assert not torch.allclose(plain, expected, atol=1e-3)  # the sinks really change the result
 
 
+@pytest.mark.mlx
 def test_mlx_yarn_frequencies_are_transformers_ones(gpt_oss):
     """gpt-oss's YaRN has truncate=false; mlx-lm rounds the correction range, tierlm's MLX model does not."""
-    pytest.importorskip("mlx.core")
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -108,10 +82,12 @@ def test_mlx_yarn_frequencies_are_transformers_ones(gpt_oss):
     np.testing.assert_allclose(1 / np.array(rope._freqs), inv_freq.numpy(), rtol=1e-6)
 
 
+@pytest.mark.mlx
 def test_mlx_refuses_a_half_dtype_for_float_experts_on_cpu(gpt_oss, gpt_oss_mxfp4):
     """MLX's CPU gather_mm is float32-only: refused at load with the fix, not at the first request. Packed
     MXFP4 experts (gather_qmm) are fine in bfloat16."""
-    mx = pytest.importorskip("mlx.core")
+    import mlx.core as mx
+
     if mx.default_device() != mx.cpu:
         pytest.skip("the float32-only gather_mm is a CPU limit")
     from tierlm.backends.mlx.backend import MLXBackend
@@ -157,11 +133,11 @@ def test_continuing_from_a_cached_prefix_at_any_depth(gpt_oss, backend_name, dep
     assert b.output == reference_greedy(gpt_oss, second, 16)
 
 
+@pytest.mark.mlx
 @pytest.mark.parametrize("writer_name,reader_name", [("torch", "mlx"), ("mlx", "torch")])
 def test_pages_written_by_one_backend_continue_on_the_other(gpt_oss, writer_name, reader_name):
     """Both backends declare the same page bytes (post-RoPE K, YaRN's scale included, and V of every layer), so
     they share an L3 namespace: a prefix one wrote must continue on the other with the reference output."""
-    pytest.importorskip("mlx.core")
     from tierlm.backends.base import HostKVPool
 
     writer, reader = make_backend(writer_name, gpt_oss), make_backend(reader_name, gpt_oss)

@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
-
 from engine_harness import greedy, pool_is_clean, run, start_engine
 from model_factory import reference_greedy
+
 from tierlm.runtime.errors import StartupError
 
 PS = 4
@@ -430,7 +430,7 @@ def test_the_scheduler_never_touches_the_disk_and_still_finds_pages_another_serv
         assert writer.parts.cache.storage_io.flush(timeout=30)
         storage = reader.parts.cache.storage
         scheduler_thread = reader._thread
-        for name in ("exists", "batch_exists_prefix", "_adopt", "_is_page_file"):
+        for name in ("exists", "_adopt", "_is_page_file"):
             real = getattr(storage, name)
 
             def on_io_threads_only(*args, _real=real, _name=name):

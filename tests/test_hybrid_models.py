@@ -20,15 +20,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from backend_driver import run_greedy
+from backends_under_test import backend_params, make_backend
 from engine_harness import disconnect_after, greedy, pool_is_clean, run, settles_clean, start_engine
 from model_factory import HYBRIDS, build_tiny_hybrid, hybrid_available, reference_greedy
+
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 from tierlm.backends.verified_architectures import HYBRID_BACKENDS, verified_for
 from tierlm.runtime.errors import StartupError
 
-BACKENDS = list(HYBRID_BACKENDS)  # test_verified_architectures holds the verified list to this
+BACKEND_NAMES = list(HYBRID_BACKENDS)  # test_verified_architectures holds the verified list to this
+BACKENDS = backend_params(BACKEND_NAMES)
 ENGINE_FAMILIES = ["Qwen3_5ForCausalLM", "NemotronHForCausalLM"]  # one gated DeltaNet, one Mamba2
 N_NEW = 12
 
@@ -66,22 +68,6 @@ class SlotsByFirstPage:
         return self.backend.forward(batch)
 
 
-def _need(backend_name: str) -> None:
-    if backend_name == "mlx":
-        pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]' mlx-lm on Linux)")
-
-
-def _load(backend_name: str, model_dir: Path):
-    _need(backend_name)
-    if backend_name == "mlx":
-        from tierlm.backends.mlx.backend import MLXBackend
-
-        return MLXBackend(model_dir, dtype="float32")
-    from tierlm.backends.torch.backend import TorchBackend
-
-    return TorchBackend(model_dir, dtype="float32", device="cpu")
-
-
 # ------------------------------------------------------------------------------------------ backend level
 
 
@@ -89,7 +75,7 @@ def _load(backend_name: str, model_dir: Path):
 def test_greedy_equals_transformers_with_mixed_batches_chunks_and_page_sizes(hybrid, backend_name):
     prompts = _prompts()
     ref = [reference_greedy(hybrid, p, N_NEW) for p in prompts]
-    backend = _load(backend_name, hybrid)
+    backend = make_backend(backend_name, hybrid, device="cpu", cached=False)
     assert backend.info.state is not None and backend.info.state.slot_bytes > 0
     num_slots = 6
     backend.init_state_pool(num_slots)
@@ -111,7 +97,7 @@ def test_greedy_equals_transformers_with_mixed_batches_chunks_and_page_sizes(hyb
 def test_a_forward_batch_without_state_slots_is_refused(hybrid, backend_name):
     from backend_driver import GreedyDriver
 
-    backend = _load(backend_name, hybrid)
+    backend = make_backend(backend_name, hybrid, device="cpu", cached=False)
     backend.init_state_pool(2)
     driver = GreedyDriver(backend, page_size=4, num_pages=8)
     driver.add([5, 6, 7], 2, [0, 1])
@@ -140,11 +126,12 @@ def test_verified_on_the_backends_that_have_a_state_pool():
     for architecture, spec in HYBRIDS.items():
         for backend in ("torch", "mlx"):
             verified = verified_for(backend).get(architecture) == spec["model_type"]
-            assert verified == (backend in BACKENDS), (architecture, backend)
+            assert verified == (backend in BACKEND_NAMES), (architecture, backend)
 
 
 def test_the_memory_plan_sets_live_and_snapshot_state_slots_aside():
     from test_tier_sizing import CPU_BOX
+
     from tierlm.platforms import choose_backend, size_kv_tiers
     from tierlm.server.cli_args import parse_args
 
@@ -249,7 +236,6 @@ def _check_state_pool(engine) -> None:
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("architecture", sorted(HYBRIDS))
 def test_engine_reuses_a_shared_system_prompt_and_the_previous_turn(architecture, backend_name, tiny_models_root):
-    _need(backend_name)
     model = _tiny(architecture, tiny_models_root)
     _reuse_depths(model, backend_name, 4, 16)
 
@@ -258,7 +244,6 @@ def test_engine_reuses_a_shared_system_prompt_and_the_previous_turn(architecture
 @pytest.mark.parametrize("page_size, chunk", [(1, 5), (16, 512)])
 @pytest.mark.parametrize("architecture", ENGINE_FAMILIES)
 def test_engine_reuse_depths_by_page_size_and_chunk(architecture, page_size, chunk, backend_name, tiny_models_root):
-    _need(backend_name)
     _reuse_depths(_tiny(architecture, tiny_models_root), backend_name, page_size, chunk)
 
 
@@ -290,7 +275,6 @@ def _reuse_depths(model: Path, backend_name: str, page_size: int, chunk: int) ->
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_engine_eviction_under_tiny_pools_keeps_the_reference_and_the_accounting(backend_name, tiny_models_root):
-    _need(backend_name)
     model = _tiny("NemotronHForCausalLM", tiny_models_root)
     # 20 pages of 4 tokens and 2 running requests (2 live + 4 snapshot slots): pages and snapshots are evicted
     engine = start_engine(model, backend_name, dtype="float32", page_size=4, max_total_tokens=80,
@@ -324,7 +308,6 @@ def _slots_clean(engine) -> bool:
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_engine_retraction_and_abort_leave_the_state_slots_clean(backend_name, tiny_models_root):
-    _need(backend_name)
     model = _tiny("Qwen3_5ForCausalLM", tiny_models_root)
     # 24 pages of 4 tokens: 4 requests of ~40 tokens + 16 new cannot all fit at once, so some are retracted and
     # resume from the snapshot they published (or from zeros when it was evicted meanwhile)
@@ -370,7 +353,7 @@ def test_states_round_trip_through_the_host_state_pool(tiny_models_root):
 
     from tierlm.backends.base import HostStatePool
 
-    backend = _load("torch", _tiny("Qwen3_5ForCausalLM", tiny_models_root))
+    backend = make_backend("torch", _tiny("Qwen3_5ForCausalLM", tiny_models_root), device="cpu", cached=False)
     backend.init_state_pool(4)
     pool = backend.linear_state.pool
     torch.manual_seed(0)
@@ -424,7 +407,6 @@ def _check_host_states(engine, host_snapshots: bool = True) -> None:
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("architecture", ENGINE_FAMILIES)
 def test_hicache_host_hit_resumes_from_a_host_snapshot(architecture, backend_name, tiny_models_root):
-    _need(backend_name)
     model = _tiny(architecture, tiny_models_root)
     engine = _hicache(model, backend_name, storage=False)
     try:
@@ -449,7 +431,6 @@ def test_hicache_host_hit_resumes_from_a_host_snapshot(architecture, backend_nam
 def test_hicache_eviction_in_both_tiers_keeps_the_reference_and_the_accounting(backend_name, tiny_models_root):
     """A host tier too small for the traffic: pages and snapshots are demoted, evicted from the host and loaded back
     under every write policy; every output stays the reference and both state pools stay consistent."""
-    _need(backend_name)
     model = _tiny("NemotronHForCausalLM", tiny_models_root)
     prompts = [SYSTEM[:16 + 4 * (i % 3)] + [(i * 13 + j) % 270 + 5 for j in range(9 + i)] for i in range(6)]
     refs = [reference_greedy(model, p, 8) for p in prompts]
@@ -480,13 +461,12 @@ def _state_files(store: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("writer, reader, damage", [
-    ("torch", "torch", None), ("torch", "torch", "flip"), ("torch", "torch", "missing"), ("mlx", "mlx", None),
-    ("torch", "mlx", None),  # SHARED_STATE_LAYOUT: a torch snapshot serves MLX, as pages do
+    ("torch", "torch", None), ("torch", "torch", "flip"), ("torch", "torch", "missing"),
+    pytest.param("mlx", "mlx", None, marks=pytest.mark.mlx),
+    pytest.param("torch", "mlx", None, marks=pytest.mark.mlx),  # SHARED_STATE_LAYOUT: a torch snapshot serves MLX
 ])
 def test_hicache_storage_hit_after_restart_loads_pages_and_their_snapshot(writer, reader, damage, tiny_models_root,
                                                                           tmp_path, monkeypatch):
-    _need(writer)
-    _need(reader)
     store = tmp_path / "hicache"
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(store))
     model = _tiny("Qwen3_5ForCausalLM", tiny_models_root)
@@ -500,8 +480,8 @@ def test_hicache_storage_hit_after_restart_loads_pages_and_their_snapshot(writer
     files = _state_files(store)
     assert files, "no snapshot reached L3"
     if damage == "missing":  # the snapshot at the prompt's last full page (40 tokens) is gone: the one at 32 serves
-        from tierlm.runtime.cache.storage.page_keys import page_keys
         from tierlm.runtime.cache.state_tiers import state_key
+        from tierlm.runtime.cache.storage.page_keys import page_keys
 
         deepest = state_key(page_keys(prompt[:40], 4)[-1])
         (f,) = [f for f in files if f.name.startswith(deepest)]

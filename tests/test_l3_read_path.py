@@ -11,14 +11,15 @@ import threading
 
 import numpy as np
 import pytest
-
 from engine_harness import greedy, pool_is_clean, run, start_engine
 from memory_storage import MemoryStorage
+from storage_helpers import wait_io_idle
+
 from tierlm.runtime.cache.storage import file_storage as fs_mod
 from tierlm.runtime.cache.storage.file_storage import HEADER_SIZE, FileKVStorage
+from tierlm.runtime.cache.storage.namespace import CACHE_FORMAT_VERSION, StorageNamespace
 from tierlm.runtime.cache.storage.page_keys import page_keys
 from tierlm.runtime.cache.storage.storage_io import StorageIO
-from tierlm.runtime.cache.storage.namespace import CACHE_FORMAT_VERSION, StorageNamespace
 
 LAYERS = 4
 PAGE_BYTES = LAYERS * 256
@@ -269,7 +270,7 @@ def test_a_cancelled_read_in_flight_keeps_its_buffer_until_it_returns():
     assert storage.entered.wait(30)
     assert h.cancel() == [0] and not h.io_idle  # page 1 is still being written: not reusable yet
     storage.gate.set()
-    assert h.wait_io_idle(30) and h.result() == [0]  # the late page is not added
+    assert wait_io_idle(h, 30) and h.result() == [0]  # the late page is not added
     assert not pool[2].any()  # and no read started after the cancel
     io.close()
 
@@ -364,7 +365,7 @@ def test_released_waiting_request_gives_its_reserved_host_pages_back(tiny_llama,
         assert cache.host_alloc.num_free == free_before - 1
         gate.set()
         for _ in range(3000):
-            cache._sweep_deferred_host()
+            cache.prefetch.sweep()
             if cache.accounting()["host_prefetch_pages"] == 0:
                 break
             threading.Event().wait(0.01)
@@ -494,16 +495,16 @@ class _Handle:
 
 
 def _offer(handle: _Handle, budget: float = 5.0):
-    """HiCacheManager.ready_to_admit for a waiting request whose L3 read is ``handle`` (the manager's state stubbed)."""
+    """StoragePrefetch.ready for a waiting request whose L3 read is ``handle`` (the prefetch's state stubbed)."""
     import time
     from types import SimpleNamespace
 
-    from tierlm.runtime.cache.hicache_manager import HiCacheManager
+    from tierlm.runtime.cache.storage_prefetch import StoragePrefetch
     from tierlm.runtime.request import PendingPrefetch
 
-    mgr = SimpleNamespace(prefetch_policy="timeout", _prefetch_budget=lambda pf: budget, states=None)
+    prefetch = SimpleNamespace(policy="timeout", budget=lambda pf: budget, states=None)
     req = SimpleNamespace(prefetch=PendingPrefetch(0, handle, time.perf_counter(), 4))
-    return lambda: HiCacheManager.ready_to_admit(mgr, req)
+    return lambda: StoragePrefetch.ready(prefetch, req)
 
 
 def test_a_read_that_lands_within_milliseconds_is_admitted_on_the_first_offer():
@@ -513,7 +514,7 @@ def test_a_read_that_lands_within_milliseconds_is_admitted_on_the_first_offer():
 
 
 def test_a_hung_read_costs_one_short_wait_then_never_blocks_the_scheduler():
-    from tierlm.runtime.cache.hicache_manager import ADMISSION_WAIT_S
+    from tierlm.runtime.cache.storage_prefetch import ADMISSION_WAIT_S
 
     handle = _Handle(None)
     offer = _offer(handle)
@@ -533,15 +534,14 @@ def test_a_probe_that_finds_pages_waits_for_the_rest_as_for_known_pages():
     import time
     from types import SimpleNamespace
 
-    from tierlm.runtime.cache.hicache_manager import HiCacheManager
+    from tierlm.runtime.cache.storage_prefetch import StoragePrefetch
     from tierlm.runtime.request import PendingPrefetch
 
-    mgr = SimpleNamespace(prefetch_policy="timeout", prefetch_timeout=(0.5, 0.002),
-                          storage=SimpleNamespace(probe_wait_s=0.05))
+    prefetch = SimpleNamespace(policy="timeout", timeout=(0.5, 0.002), storage=SimpleNamespace(probe_wait_s=0.05))
     handle = SimpleNamespace(keys=["k"] * 100, num_loaded=0)
     pf = PendingPrefetch(0, handle, time.perf_counter(), known_pages=0)
-    assert HiCacheManager._prefetch_budget(mgr, pf) == 0.05  # nothing found yet: a cold request
+    assert StoragePrefetch.budget(prefetch, pf) == 0.05  # nothing found yet: a cold request
     handle.num_loaded = 1
-    assert HiCacheManager._prefetch_budget(mgr, pf) == pytest.approx(0.5 + 0.002 * 100)
+    assert StoragePrefetch.budget(prefetch, pf) == pytest.approx(0.5 + 0.002 * 100)
     pf.known_pages = 10  # pages the index knows keep their own budget
-    assert HiCacheManager._prefetch_budget(mgr, pf) == pytest.approx(0.5 + 0.002 * 10)
+    assert StoragePrefetch.budget(prefetch, pf) == pytest.approx(0.5 + 0.002 * 10)

@@ -2,7 +2,9 @@
 
 server -> runtime -> backends, platforms beside them. runtime/ talks to tensors only through the backend
 contract (backends/base.py): one file, the composition root runtime/engine_setup.py, names concrete backends,
-model sources and the platform layer. backends/ and platforms/ never import the runtime or the server.
+model sources and the platform layer. backends/ and platforms/ never import the runtime or the server. In server/
+only the tools (doctor, bench) read model folders and the machine, never through a concrete backend, and no file
+there imports another package's private names.
 """
 import ast
 from pathlib import Path
@@ -61,6 +63,37 @@ def test_lower_layers_do_not_import_upper_ones():
     assert offenders == []
 
 
+SERVER_TOOLS = ("server/doctor_cmd.py", "server/bench/")  # the commands that read models and machines themselves
+CONCRETE_BACKENDS = ("tierlm.backends.torch", "tierlm.backends.mlx")
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``from <module> import _name`` where <module> is not in the importing file's own package."""
+    package = "tierlm." + ".".join(path.relative_to(ROOT).parent.parts)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{node.module}.{alias.name}" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            and node.module.rsplit(".", 1)[0] != package for alias in node.names if alias.name.startswith("_")]
+
+
+def test_the_server_reaches_backends_and_platforms_only_from_its_tools():
+    # The HTTP layer talks to an engine (EngineAPI); doctor and bench read model folders and the machine, through
+    # model_source and platforms, never through a concrete backend (the composition root chooses one).
+    offenders = []
+    for path, mod in _imports("server"):
+        if mod.startswith(CONCRETE_BACKENDS):
+            offenders.append(f"{path} imports {mod} (a concrete backend)")
+        elif mod.startswith(("tierlm.backends", "tierlm.platforms")) and not path.startswith(SERVER_TOOLS):
+            offenders.append(f"{path} imports {mod} (only {', '.join(SERVER_TOOLS)} may)")
+    assert offenders == []
+
+
+def test_the_server_imports_no_private_names_of_other_packages():
+    offenders = [f"{path.relative_to(ROOT).as_posix()} imports {name}"
+                 for path in sorted((ROOT / "server").rglob("*.py")) for name in _private_imports(path)]
+    assert offenders == []
+
+
 def test_imports_are_absolute():
     relative = [f"{p} imports {m}" for folder in ("runtime", "backends", "platforms", "server")
                 for p, m in _imports(folder) if m.startswith(".")]
@@ -69,6 +102,7 @@ def test_imports_are_absolute():
 
 def test_engine_and_the_fake_engine_both_satisfy_the_engine_api():
     from fake_engine import FakeEngine
+
     from tierlm.runtime.engine import Engine
     from tierlm.runtime.server_args import ServerArgs
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
+from backends_under_test import BACKENDS
 from engine_harness import greedy, pool_is_clean, start_engine
 from model_factory import reference_log_softmax
+
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.runtime.sampling_params import SamplingParams
 
@@ -79,10 +80,8 @@ def reference(stories_dir):
     return AutoTokenizer.from_pretrained(stories_dir), lambda ids: reference_log_softmax(stories_dir, ids)
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def engine(request, stories_dir):
-    if request.param == "mlx":
-        pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]' mlx-lm on Linux)")
     e = start_engine(stories_dir, request.param, page_size=PAGE, chunked_prefill_size=8, max_total_tokens=2048)
     try:
         yield e

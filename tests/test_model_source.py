@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierlm.backends.model_source import ModelSourceError, fingerprint, resolve, resolve_model_path
 from tierlm.backends.model_source import demo as demo_model
-from tierlm.backends.model_source import fingerprint, resolve
 from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, DEMO_MODEL_NOTICE, ensure_demo_model
-from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.fingerprint import model_fingerprint
-from tierlm.backends.model_source.folder_facts import read_generation_eos
+from tierlm.backends.model_source.model_folder import ModelFolder
 
 UNICODE_TEXT = "Hello, wörld! 你好 🙂  two spaces\n\ttab <b>&amp;</b> café"
 
@@ -185,15 +184,15 @@ def test_sample_ranges_stay_inside_the_file():
 def test_generation_eos_union_in_order(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
-    assert read_generation_eos(tmp_path) == [151645, 151643]
+    assert ModelFolder.read(tmp_path).eos_token_ids == [151645, 151643]
 
 
 def test_generation_eos_from_config_only_and_null(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
-    assert read_generation_eos(tmp_path) == [2]
+    assert ModelFolder.read(tmp_path).eos_token_ids == [2]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
-    assert read_generation_eos(tmp_path) == [2]
-    assert read_generation_eos(tmp_path / "missing") == []
+    assert ModelFolder.read(tmp_path).eos_token_ids == [2]
+    assert ModelFolder.read(tmp_path / "missing").eos_token_ids == []
 
 
 # ------------------------------------------------------------------------------------------- demo model
@@ -218,7 +217,7 @@ def test_demo_model_config_and_eos(demo_dir):
     vocab = len(tokenizer["model"]["vocab"])
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == vocab
     specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    assert read_generation_eos(demo_dir) == [specials["<|im_end|>"], specials["</s>"]]
+    assert ModelFolder.read(demo_dir).eos_token_ids == [specials["<|im_end|>"], specials["</s>"]]
 
 
 def test_demo_model_incomplete_folder_is_rebuilt(tmp_path):
@@ -259,9 +258,10 @@ def test_demo_model_loads_with_transformers(demo_dir):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.mlx
 def test_demo_model_loads_with_mlx_lm(demo_dir):
-    mlx_lm = pytest.importorskip("mlx_lm")
     import mlx.core as mx
+    import mlx_lm
 
     model, tok = mlx_lm.load(str(demo_dir))
     ids = tok.encode(UNICODE_TEXT, add_special_tokens=False)
@@ -322,3 +322,16 @@ def test_model_size_counts_the_weights_the_backend_loads(tmp_path):
     assert on_gpu.dtype == "bfloat16" and on_gpu.weight_bytes == 100 * 2 + 8 * 8
     assert model_size(tmp_path, "auto", "mps").dtype == "bfloat16"  # Apple GPU: the checkpoint's half dtype
     assert model_size(tmp_path, "float16", "cpu").kv_bytes_per_token == on_cpu.kv_bytes_per_token // 2
+
+
+def test_a_model_folder_is_read_once_and_shared(tmp_path):
+    config = {"model_type": "llava", "text_config": {"model_type": "llama", "eos_token_id": 7}, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    folder = ModelFolder.read(tmp_path)
+    assert (folder.path, folder.config, folder.model_type) == (tmp_path, config, "llava")
+    assert folder.text_config == config["text_config"] and folder.eos_token_ids == [2]
+    assert folder.weight_files == (tmp_path / "model.safetensors",)
+    assert model_fingerprint(folder) == model_fingerprint(tmp_path)  # the same bytes hashed
+    (tmp_path / "config.json").write_text("{}")  # later edits are not seen: the record is what startup read
+    assert model_fingerprint(folder) != model_fingerprint(tmp_path) and folder.model_type == "llava"

@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from storage_helpers import exists_prefix, get_all, mooncake_client, set_all
 
-from tierlm.runtime.errors import StartupError
 from tierlm.runtime.cache.storage import registry as storage_registry
-from tierlm.runtime.cache.storage.page_keys import page_keys
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
+from tierlm.runtime.cache.storage.page_keys import page_keys
+from tierlm.runtime.errors import StartupError
 from tierlm.server.bench.mooncake_master import INSTALL_HINT as HINT
 from tierlm.server.bench.mooncake_master import MooncakeMaster, MooncakeMasterError
 
@@ -77,7 +78,7 @@ def master():
 
 def open_mooncake(master: str, namespace: StorageNamespace | None = None, **cfg):
     extra = {"master_server_address": master, "local_hostname": "127.0.0.1", "global_segment_size": 0, **cfg}
-    return storage_registry.open_storage("mooncake", None, namespace or ns(), PAGE_BYTES, extra)
+    return storage_registry.open_storage("mooncake", namespace or ns(), PAGE_BYTES, extra)
 
 
 def page(i: int) -> bytes:
@@ -128,7 +129,7 @@ def test_contract_round_trip(master) -> None:
         assert s.set(ks[0], page(0)) and s.set(ks[0], page(0))  # the second is a no-op
         assert s.set(ks[1], [memoryview(page(1))[:100], memoryview(page(1))[100:]])  # buffers, not joined
         assert s.get(ks[0]) == page(0) and s.get(ks[1]) == page(1)
-        assert s.known(ks) == [True, True, False] and s.batch_exists_prefix(ks) == 2
+        assert s.known(ks) == [True, True, False] and exists_prefix(s, ks) == 2
         out = [bytearray(1000), bytearray(PAGE_BYTES - 1000)]
         assert s.get_into(ks[1], out) and bytes(out[0] + out[1]) == page(1)
         assert s.probe(ks[2]) is None
@@ -145,10 +146,10 @@ def test_batches_and_sharing_between_instances(master) -> None:
     a, b = open_mooncake(master), open_mooncake(master)
     try:
         ks = keys(5, seed=2)
-        assert a.batch_set(ks[:4], [page(i) for i in range(4)]) == [True] * 4
+        assert set_all(a, ks[:4], [page(i) for i in range(4)]) == [True] * 4
         assert b.known(ks) == [False] * 5  # b has no record yet: the prefetch thread probes
         assert b.exists(ks) == [True] * 4 + [False]
-        assert b.batch_get(ks) == [page(i) for i in range(4)] + [None]
+        assert get_all(b, ks) == [page(i) for i in range(4)] + [None]
         assert b.known(ks) == [True] * 4 + [False]
     finally:
         a.close()
@@ -162,7 +163,7 @@ def test_another_namespace_never_sees_the_pages(master) -> None:
         assert a.set(ks[0], page(3))
         assert other.exists(ks) == [False, False] and other.get(ks[0]) is None
         # a value written under another namespace's header (here: copied under a's name) is refused
-        raw = a.raw_store()
+        raw = mooncake_client(a)
         assert other.set(ks[1], page(4))
         raw.upsert(a.object_key(ks[1]), raw.get(other.object_key(ks[1])))
         errors = a.stats()["errors"]
@@ -178,7 +179,7 @@ def test_a_damaged_value_is_a_counted_miss(master, damage: str) -> None:
     try:
         k = keys(1, seed={"flip": 4, "short": 5, "garbage": 6}[damage])[0]
         assert s.set(k, page(5))
-        raw, obj = s.raw_store(), s.object_key(k)
+        raw, obj = mooncake_client(s), s.object_key(k)
         value = bytearray(raw.get(obj))
         if damage == "flip":
             value[-1] ^= 0xFF
@@ -257,7 +258,7 @@ def test_a_restarted_master_is_noticed_without_traffic_and_its_lost_pages_are_wr
             time.sleep(0.05)
         assert s.health()["state"] == "online"
         assert s.known([k]) == [False]  # the new master has none of the old pages: the index forgot them
-        assert s.set(k, page(3)) and s.raw_store().is_exist(s.object_key(k)) == 1 and s.get(k) == page(3)
+        assert s.set(k, page(3)) and mooncake_client(s).is_exist(s.object_key(k)) == 1 and s.get(k) == page(3)
     finally:
         s.close()
         if holder is not None:
@@ -331,7 +332,7 @@ def test_clear_removes_this_namespace_only(master) -> None:
     a, other = open_mooncake(master, ns("model-c")), open_mooncake(master, ns("model-d"))
     try:
         ks = keys(3, seed=9)
-        assert a.batch_set(ks, [page(i) for i in range(3)]) == [True] * 3
+        assert set_all(a, ks, [page(i) for i in range(3)]) == [True] * 3
         assert other.set(ks[0], page(9))
         assert a.clear() == 3
         assert a.exists(ks) == [False] * 3 and other.get(ks[0]) == page(9)

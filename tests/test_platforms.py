@@ -512,7 +512,7 @@ def test_doctor_json_reports_torch_on_cpu_here():
     assert report["memory"]["memory_kind"] == "cpu" and report["memory"]["device_kv_bytes"] > 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx is not installed here")
+@pytest.mark.mlx
 def test_doctor_reports_mlx_with_sglang_use_mlx():
     out = run_doctor("--json", env_extra={"SGLANG_USE_MLX": "1"})
     assert out.returncode == 0, out.stderr

@@ -210,11 +210,13 @@ def test_tokens_outside_the_vocab_in_history_are_ignored():
 # --- mlx: the same semantics -------------------------------------------------------------------------------
 
 def _mlx():
-    mx = pytest.importorskip("mlx.core")
+    import mlx.core as mx
+
     from tierlm.backends.mlx import sampler as mlx_sampler
     return mx, mlx_sampler
 
 
+@pytest.mark.mlx
 def test_mlx_greedy_and_penalties_agree_with_torch():
     mx, mlx_sampler = _mlx()
     rng = np.random.default_rng(7)
@@ -236,6 +238,7 @@ def test_mlx_greedy_and_penalties_agree_with_torch():
     assert greedy.tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.mlx
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
 def test_mlx_filters_that_leave_one_token_give_the_argmax(filters):
     mx, mlx_sampler = _mlx()
@@ -245,6 +248,7 @@ def test_mlx_filters_that_leave_one_token_give_the_argmax(filters):
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.mlx
 @pytest.mark.parametrize("settings", [dict(temperature=0.8), dict(temperature=1.0, top_k=4, top_p=0.7, min_p=0.1)])
 def test_mlx_sampled_distribution_matches_the_filtered_softmax(settings):
     mx, mlx_sampler = _mlx()
@@ -258,6 +262,7 @@ def test_mlx_sampled_distribution_matches_the_filtered_softmax(settings):
     assert chi_square(counts, expected) < CHI2_999[int((expected > 0).sum()) - 2]
 
 
+@pytest.mark.mlx
 def test_mlx_seeded_rows_are_reproducible_whatever_the_batch():
     mx, mlx_sampler = _mlx()
     uniform = np.zeros((1, VOCAB), np.float32)

@@ -8,6 +8,8 @@ import pytest
 from engine_harness import greedy, run, start_engine
 
 from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
+from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.radix_cache import RadixCache
 from tierlm.runtime.request import Req
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.schedule_policy import LPM_QUEUE_LIMIT, SchedulePolicy
@@ -23,7 +25,8 @@ def req(tokens, max_new_tokens: int = 8) -> Req:
 
 def cache_with(*prefixes) -> KVCacheManager:
     """A real KVCacheManager whose radix tree holds ``prefixes`` (whole pages, on the device)."""
-    cache = KVCacheManager(num_pages=256, page_size=PS)
+    alloc = PageAllocator(256)
+    cache = KVCacheManager(alloc, PS, RadixCache(PS, alloc.free))
     for p in prefixes:
         assert len(p) % PS == 0
         cache.tree.insert(p, cache.allocator.alloc(len(p) // PS))
@@ -138,7 +141,7 @@ def test_lof_and_fcfs() -> None:
 
 
 def test_cache_aware_policies_need_the_radix_cache() -> None:
-    cache = KVCacheManager(num_pages=16, page_size=PS, enable_radix=False)
+    cache = KVCacheManager(PageAllocator(16), PS, None)
     policy = SchedulePolicy("lpm", cache)
     assert policy.policy == "fcfs" and "asked for lpm" in policy.describe()
     with pytest.raises(ValueError):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
-
+from backends_under_test import BACKENDS
 from engine_harness import start_engine
+from fastapi.testclient import TestClient
 from http_helpers import LOCAL, sse_events
 from model_factory import reference_log_softmax
+
 from tierlm.server.app import create_app
 from tierlm.server.protocol import ChatMessage
 from tierlm.server.tokenization import apply_chat_template
@@ -30,10 +31,8 @@ def reference(stories_dir):
     return AutoTokenizer.from_pretrained(stories_dir), token_logprobs
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def client(request, stories_dir):
-    if request.param == "mlx":
-        pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]' mlx-lm on Linux)")
     engine = start_engine(stories_dir, request.param, page_size=PAGE, chunked_prefill_size=16, max_total_tokens=2048)
     engine.tokenizer.chat_template = CHAT_TEMPLATE  # stories260K has none
     try:

@@ -10,11 +10,12 @@ import threading
 
 import jsonschema
 import pytest
-from fastapi.testclient import TestClient
-
+from backends_under_test import BACKENDS
 from engine_harness import pool_is_clean, run, start_engine
 from fake_engine import FakeEngine
+from fastapi.testclient import TestClient
 from http_helpers import LOCAL, assert_error, sse_events
+
 from tierlm.backends.model_source.demo import ensure_demo_model
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ SCHEMAS = [
 MAX_TOKENS = 96
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def engine(request):
     e = start_engine(ensure_demo_model(), request.param, max_total_tokens=8192)
     yield e

@@ -9,10 +9,14 @@ import json
 import pytest
 
 from tierlm.server.chat_parsing.base import ParsedDelta
-from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls
-from tierlm.server.chat_parsing.tool_parsers import (HermesToolParser, JsonListToolParser, Llama3ToolParser,
-                                                     MistralToolParser)
 from tierlm.server.chat_parsing.harmony import HarmonyParser
+from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls
+from tierlm.server.chat_parsing.tool_parsers import (
+    HermesToolParser,
+    JsonListToolParser,
+    Llama3ToolParser,
+    MistralToolParser,
+)
 from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS, forced_call_grammar, tool_parser_for
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -155,7 +159,7 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(fmt, parser, sample):
     ("llama", "{% for m in messages %}{{ m.content }}{% endfor %}", None),
 ])
 def test_parser_chosen_from_the_model(model_type, template, expected):
-    from tierlm.runtime.engine_setup import detect_tool_call_parser
+    from tierlm.runtime.chat_format import detect_tool_call_parser
 
     name, why = detect_tool_call_parser(model_type, template)
     assert name == expected and why

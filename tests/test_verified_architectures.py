@@ -15,16 +15,21 @@ import re
 from pathlib import Path
 
 import pytest
-
-import test_backend_conformance
-import test_gpt_oss
 import test_hybrid_models
+from backends_under_test import BACKEND_NAMES
 from engine_harness import greedy, run, start_engine
 from model_factory import FAMILIES, HYBRIDS, build_tiny_hybrid, hybrid_available
+
 from tierlm.backends import verified_architectures
-from tierlm.backends.verified_architectures import (FLAG, RECURRENT_MODEL_TYPES, VERIFIED_ARCHITECTURES,
-                                                    UnverifiedArchitectureError, assess_architecture,
-                                                    check_architecture, verified_for)
+from tierlm.backends.verified_architectures import (
+    FLAG,
+    RECURRENT_MODEL_TYPES,
+    VERIFIED_ARCHITECTURES,
+    UnverifiedArchitectureError,
+    assess_architecture,
+    check_architecture,
+    verified_for,
+)
 from tierlm.runtime.errors import StartupError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -84,9 +89,9 @@ def test_torch_backend_refuses_a_hybrid_before_its_weights_load(hybrid, hybrids_
     assert_names_the_list_and_the_flag(str(e.value), _architecture(hybrid), "torch")
 
 
+@pytest.mark.mlx
 def test_mlx_backend_refuses_a_hybrid_before_mlx_lm_sees_it(hybrid, hybrids_unverified, monkeypatch):
     """mlx-lm knows some of these model types and not others; either way tierlm's check answers first."""
-    pytest.importorskip("mlx.core", reason="mlx is not installed; `pip install 'mlx[cpu]' mlx-lm`")
     from tierlm.backends.mlx import backend as mlx_backend
 
     monkeypatch.setattr(mlx_backend, "load_mlx_model", lambda *a, **k: pytest.fail("weights loaded"))
@@ -196,12 +201,13 @@ def _reference_tested() -> dict[str, tuple[str, list[str]]]:
     """Architecture -> (model_type, backends) of every model the reference tests build and check."""
     import transformers
 
-    tested = {spec["architectures"][0]: (spec["model_type"], test_backend_conformance.BACKENDS)
+    # test_backend_conformance and test_gpt_oss run on conftest's backend_name fixture: every backend
+    tested = {spec["architectures"][0]: (spec["model_type"], list(BACKEND_NAMES))
               for spec in FAMILIES.values()}
     gpt_oss_type = transformers.GptOssConfig.model_type  # model_factory.build_tiny_gpt_oss, tests/test_gpt_oss.py
-    tested[transformers.GptOssForCausalLM.__name__] = (gpt_oss_type, test_gpt_oss.BACKENDS)
+    tested[transformers.GptOssForCausalLM.__name__] = (gpt_oss_type, list(BACKEND_NAMES))
     for architecture, spec in HYBRIDS.items():  # model_factory.build_tiny_hybrid, tests/test_hybrid_models.py
-        tested[architecture] = (spec["model_type"], test_hybrid_models.BACKENDS)
+        tested[architecture] = (spec["model_type"], test_hybrid_models.BACKEND_NAMES)
     return tested
 
 

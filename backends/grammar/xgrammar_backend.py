@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import xgrammar as xgr
 
 from tierlm.backends.base import GrammarBackend, GrammarCompileError, GrammarMatcher
+
+if TYPE_CHECKING:  # the runtime hands in the model's transformers tokenizer; xgrammar reads its vocabulary
+    from transformers import PreTrainedTokenizerBase
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -86,7 +89,7 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2) -> None:
         """``tokenizer``: the model's transformers tokenizer; ``vocab_size``: the logits' width (ModelInfo.vocab_size,
         may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the ids that end a
         request (the grammar allows them only where the document is complete)."""
@@ -96,7 +99,7 @@ class XGrammarBackend(GrammarBackend):
         # xgrammar's own cache stays off: runtime/grammar keeps one keyed by the grammar text.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
 
-    def compile(self, kind: str, text: str) -> Any:
+    def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
                 return self._compiler.compile_grammar(json_schema_grammar(text))
@@ -110,5 +113,5 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarCompileError(compiler_message(e)) from None
         raise GrammarCompileError(f"unknown grammar kind {kind!r}")
 
-    def matcher(self, compiled: Any) -> GrammarMatcher:
+    def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))

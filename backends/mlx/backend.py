@@ -8,22 +8,28 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
-                                  ModelBackend, ModelInfo)
+from tierlm.backends.base import (
+    SHARED_PAGE_LAYOUT,
+    ForwardBatch,
+    ForwardOutput,
+    HostKVPool,
+    KVCacheDtypeError,
+    ModelBackend,
+    ModelInfo,
+)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.mlx.grammar_mask import apply_token_bitmask
 from tierlm.backends.mlx.hybrid_families import ModelParts, attention_attributes
 from tierlm.backends.mlx.kv_pool import MLXKVPool
-from tierlm.backends.mlx.linear_state import LinearState
+from tierlm.backends.mlx.linear_state import LinearState, install_linear_state
 from tierlm.backends.mlx.linear_state import StepPlan as LinearStepPlan
-from tierlm.backends.mlx.linear_state import install_linear_state
 from tierlm.backends.mlx.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.mlx.model_loader import load_mlx_model
 from tierlm.backends.mlx.paged_attention import StepContext, StepPlan, install_paged_attention, sliding_windows
 from tierlm.backends.mlx.sampler import sample
 from tierlm.backends.model_source.fingerprint import model_fingerprint
-from tierlm.backends.model_source.folder_facts import read_generation_eos
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
+from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 from tierlm.backends.verified_architectures import check_architecture
 
 log = logging.getLogger(__name__)
@@ -36,8 +42,9 @@ class MLXBackend(ModelBackend):
     name = "mlx"
     page_layout = SHARED_PAGE_LAYOUT
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", seed: int = 0, device: str | None = None,
-                 trust_unverified_architecture: bool = False, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, model_dir: ModelFolder | str | Path, dtype: str = "float32", seed: int = 0,
+                 device: str | None = None, trust_unverified_architecture: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
         """``device``: "cpu" pins MLX to the CPU (e.g. SGLANG_USE_MLX=1 --device cpu on a Mac); None keeps
         MLX's default (the Metal GPU where there is one). ``trust_unverified_architecture``: load an architecture
         outside backends/verified_architectures.py anyway (with a warning) instead of refusing it.
@@ -47,14 +54,15 @@ class MLXBackend(ModelBackend):
             raise KVCacheDtypeError(
                 f"--kv-cache-dtype {kv_cache_dtype} is not available on the mlx backend (MLX casts to fp8 only in "
                 f"the e4m3 format); use --kv-cache-dtype fp8_e4m3 (the same 1 byte per value) or auto")
+        folder = as_model_folder(model_dir)  # read once: the checks, the loader, EOS ids and the fingerprint share it
         # Before mlx-lm sees the folder: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
-        self.architecture_check = check_architecture(model_dir, self.name, trust_unverified_architecture)
+        self.architecture_check = check_architecture(folder, self.name, trust_unverified_architecture)
         if self.architecture_check.warning:
             log.warning(self.architecture_check.warning)
         if device == "cpu":
             mx.set_default_device(mx.cpu)
-        self.model_dir = Path(model_dir)
-        self.model, config, self.dtype = load_mlx_model(self.model_dir, dtype)
+        self.model_dir = folder.path
+        self.model, config, self.dtype = load_mlx_model(folder, dtype)
         self.device = "metal" if mx.default_device() == mx.gpu else "cpu"
         self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if not (hasattr(self.model, "model") or hasattr(self.model, "backbone")):
@@ -86,9 +94,9 @@ class MLXBackend(ModelBackend):
             head_dim=head_dim,
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings") or 2048,
-            eos_token_ids=read_generation_eos(self.model_dir),
+            eos_token_ids=folder.eos_token_ids,
             dtype=DTYPE_NAMES[self.dtype],
-            fingerprint=model_fingerprint(self.model_dir),
+            fingerprint=model_fingerprint(folder),
             sliding_window=next((w for w in windows if w is not None), None),
             kv_dtype=kv_storage_dtype(kv_cache_dtype, DTYPE_NAMES[self.dtype]),
             state=self.linear_state.geometry if self.linear_state is not None else None,

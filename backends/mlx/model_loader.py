@@ -10,8 +10,8 @@ import mlx.nn as nn
 
 from tierlm.backends.dtypes import serving_dtype
 from tierlm.backends.mlx.hybrid_families import hybrid_model_classes, hybrid_overrides
-from tierlm.backends.model_source.folder_facts import read_json
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
+from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,13 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_mlx_model(model_dir: Path, dtype: str) -> tuple[nn.Module, dict[str, Any], mx.Dtype]:
-    """Return (model, config, dtype) for the folder; weights are cast to ``dtype`` (quantized ones kept)."""
+def load_mlx_model(folder: ModelFolder | Path, dtype: str) -> tuple[nn.Module, dict[str, Any], mx.Dtype]:
+    """Return (model, config, dtype) for the folder; weights are cast to ``dtype`` (quantized ones kept). mlx-lm
+    reads config.json again itself (it has no way to take the parsed dict); the overrides are computed from ours."""
     from mlx_lm.utils import load_model
 
-    model_dir = Path(model_dir)
-    config = read_json(model_dir / "config.json")
+    folder = as_model_folder(folder)
+    model_dir, config = folder.path, folder.config
     if not config:
         raise FileNotFoundError(f"{model_dir} has no readable config.json; pass a Hugging Face model folder")
     overrides = {**config_overrides(config), **hybrid_overrides(config, hybrid_layout(config))}

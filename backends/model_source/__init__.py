@@ -4,7 +4,8 @@
     demo.py          the built-in demo model (`tierlm serve` with no --model-path)
     synthetic.py     seeded random weights in published shapes (`tierlm bench --synthetic`)
     tokenizer.py     loading a folder's tokenizer; the byte-level tokenizer tierlm's own models carry
-    folder_facts.py  config, EOS ids, weight files, KV bytes per token and weight bytes
+    model_folder.py  ModelFolder: a folder read once (config.json, generation_config.json, weight files, EOS ids)
+    folder_facts.py  KV bytes per token and weight bytes (doctor, bench)
     fingerprint.py   the model fingerprint that namespaces L3 pages
 
 Nothing here touches a device; both backends and the tools (doctor, bench) read models through it. Failures

@@ -4,14 +4,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tierlm.backends.model_source.folder_facts import weight_files
+from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 
 FINGERPRINT_EDGE_BYTES = 1 << 20  # hashed at each end of every weight file
 FINGERPRINT_MIDDLE_SAMPLES = 8  # evenly spaced blocks hashed between the two ends
 FINGERPRINT_SAMPLE_BYTES = 64 << 10
 
 
-def model_fingerprint(model_dir: Path) -> str:
+def model_fingerprint(model_dir: ModelFolder | Path) -> str:
     """A sha256 hex digest that identifies the model's config and weights, cheap even for huge models.
 
     Hashed: a format tag, the bytes of config.json, then for each weight file (*.safetensors, *.bin in the
@@ -21,11 +21,10 @@ def model_fingerprint(model_dir: Path) -> str:
     tensor header, and retrained or re-quantised weights differ throughout. A change confined to unsampled
     bytes of a big file is not detected; that is the price of not reading gigabytes at every start.
     """
-    model_dir = Path(model_dir)
+    folder = as_model_folder(model_dir)
     digest = hashlib.sha256(b"tierlm-model-fingerprint-v1\0")
-    config = model_dir / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else b"<no config.json>")
-    for weight in weight_files(model_dir):
+    digest.update(folder.config_bytes if folder.config_bytes is not None else b"<no config.json>")
+    for weight in folder.weight_files:
         size = weight.stat().st_size
         digest.update(f"\0{weight.name}\0{size}\0".encode())
         with weight.open("rb") as f:

@@ -1,8 +1,7 @@
-"""Facts read from a model folder without loading it: config, end-of-sequence ids, weight files and sizes.
+"""Sizes of a model folder without loading it: KV bytes per token and weight bytes in the serving dtype.
 
-One place for each: the backends read EOS ids here, and `tierlm doctor` and `tierlm bench` size a model here
-(KV bytes per token, weight bytes in the serving dtype) with the formulas the backends size their pools by
-(backends/dtypes.py).
+`tierlm doctor` and `tierlm bench` size a model here with the formulas the backends size their pools by
+(backends/dtypes.py); the folder's files themselves are read once, in model_folder.py.
 """
 from __future__ import annotations
 
@@ -17,45 +16,12 @@ from typing import Any
 from tierlm.backends.base import StateGeometry
 from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token, kv_storage_dtype, serving_dtype
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
+from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 MAX_HEADER_BYTES = 100 << 20  # a larger header length means the file is not safetensors
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; {} when the file is absent or not JSON."""
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def text_config(model_dir: Path) -> dict[str, Any]:
-    """config.json, or its language-model part where a multimodal config nests it under text_config."""
-    cfg = read_json(Path(model_dir) / "config.json")
-    return cfg.get("text_config") or cfg
-
-
-def read_generation_eos(model_dir: Path) -> list[int]:
-    """End-of-sequence token ids: generation_config.json's eos_token_id, then config.json's, without repeats.
-
-    Either file may be absent and either value may be an int, a list of ints or null.
-    """
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        value = read_json(Path(model_dir) / name).get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
-    return ids
-
-
-def weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
 @dataclass
@@ -71,13 +37,13 @@ class ModelSize:
         return dataclasses.asdict(self)
 
 
-def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu", kv_cache_dtype: str = "auto",
+def model_size(model_dir: ModelFolder | Path, dtype: str = "auto", device: str = "cpu", kv_cache_dtype: str = "auto",
                cpu_bf16: bool = False) -> ModelSize:
     """KV bytes per token and weight bytes of a local model folder served in ``dtype`` on ``device`` (auto: as
     the backends resolve it, dtypes.serving_dtype, with ``cpu_bf16`` the platform decision's native_bf16) with KV
     pages in ``kv_cache_dtype`` (--kv-cache-dtype), from config.json and the safetensors headers."""
-    folder = Path(model_dir)
-    cfg = text_config(folder)
+    folder = as_model_folder(model_dir)
+    cfg = folder.text_config
     stored = cfg.get("torch_dtype") or cfg.get("dtype")
     dtype = serving_dtype(dtype, device, stored if isinstance(stored, str) else None, cpu_bf16)
     heads = int(cfg["num_attention_heads"])
@@ -87,20 +53,20 @@ def model_size(model_dir: Path, dtype: str = "auto", device: str = "cpu", kv_cac
     layout = hybrid_layout(cfg)
     state = 0 if layout is None else StateGeometry(len(layout.linear_layers), layout.conv_dim, layout.conv_kernel,
                                                    layout.rec_shape, dtype).slot_bytes
-    return ModelSize(path=str(folder), dtype=dtype,
+    return ModelSize(path=str(folder.path), dtype=dtype,
                      kv_bytes_per_token=kv_bytes_per_token(int(cfg["num_hidden_layers"]), kv_heads, head_dim,
                                                            kv_storage_dtype(kv_cache_dtype, dtype)),
                      weight_bytes=weight_bytes(folder, dtype), vocab_size=int(vocab) if vocab else None,
                      state_slot_bytes=state)
 
 
-def weight_bytes(model_dir: Path, dtype: str) -> int:
+def weight_bytes(model_dir: ModelFolder | Path, dtype: str) -> int:
     """Bytes of the weights as an engine holds them in ``dtype`` (floating tensors cast, the rest as stored).
 
     Read from the safetensors headers; a file whose header cannot be read (and *.bin files, which have none)
     counts its size on disk.
     """
-    files = weight_files(model_dir)
+    files = list(as_model_folder(model_dir).weight_files)
     safetensors = [p for p in files if p.suffix == ".safetensors"]
     total = 0
     for path in safetensors or files:  # a folder with both formats is loaded from its safetensors

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from tierlm.backends.model_source.errors import ModelSourceError
-from tierlm.backends.model_source.folder_facts import weight_files
+from tierlm.backends.model_source.model_folder import weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +25,15 @@ def resolve_hub_id(repo_id: str, revision: str | None, cache_dir: Path | None) -
     """The local snapshot folder of ``repo_id``: from the hub cache without network if it is complete there,
     else downloaded (config, tokenizer, safetensors only); ModelSourceError with the fix when neither works."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     cache = str(cache_dir) if cache_dir is not None else None
-    cached = _cached_snapshot(repo_id, revision, cache)
+    cached = cached_snapshot(repo_id, revision, cache)
     if cached is not None:
         logger.info("model %s found in the local Hugging Face cache at %s", repo_id, cached)
         return cached
@@ -79,7 +83,7 @@ def resolve_hub_id(repo_id: str, revision: str | None, cache_dir: Path | None) -
     return folder
 
 
-def _cached_snapshot(repo_id: str, revision: str | None, cache: str | None) -> Path | None:
+def cached_snapshot(repo_id: str, revision: str | None, cache: str | None) -> Path | None:
     """The cached snapshot folder of the repo if it holds config.json and weights; no network is used."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tierlm.backends.model_source import hub
+import tierlm.backends.model_source.hub as hub  # the module, not the package: __init__ imports this file
 from tierlm.backends.model_source.demo import ensure_demo_model
 from tierlm.backends.model_source.errors import ModelSourceError
-from tierlm.backends.model_source.folder_facts import weight_files
+from tierlm.backends.model_source.model_folder import weight_files
 
 
 def resolve_model_path(
@@ -29,7 +29,7 @@ def resolve_model_path(
     local = Path(model_path).expanduser()
     if local.exists():
         return _check_local_folder(local, model_path)
-    if _looks_like_path(model_path):
+    if looks_like_path(model_path):
         raise ModelSourceError(
             f"--model-path {model_path!r}: no such folder. Pass an existing model folder, or a Hugging Face "
             "hub id such as Qwen/Qwen2.5-0.5B-Instruct."
@@ -64,6 +64,6 @@ def _check_local_folder(folder: Path, given: str) -> Path:
     return folder.resolve()
 
 
-def _looks_like_path(text: str) -> bool:
+def looks_like_path(text: str) -> bool:
     """True for names that can only be folders: hub ids are 'name' or 'owner/name'."""
     return (os.path.isabs(text) or text.startswith((".", "~")) or "\\" in text or text.count("/") > 1)

@@ -7,11 +7,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
-                                  ModelBackend, ModelInfo)
+from tierlm.backends.base import (
+    SHARED_PAGE_LAYOUT,
+    ForwardBatch,
+    ForwardOutput,
+    HostKVPool,
+    KVCacheDtypeError,
+    ModelBackend,
+    ModelInfo,
+)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
-from tierlm.backends.model_source.folder_facts import read_generation_eos
+from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 from tierlm.backends.torch import paged_attention
 from tierlm.backends.torch.cpu_linear import packed_bytes
 from tierlm.backends.torch.cpu_threads import configure_cpu_threads
@@ -30,15 +37,16 @@ class TorchBackend(ModelBackend):
     name = "torch"
     page_layout = SHARED_PAGE_LAYOUT
 
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
+    def __init__(self, model_dir: ModelFolder | str | Path, dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, seed: int = 0, trust_unverified_architecture: bool = False,
                  kv_cache_dtype: str = "auto", attention_backend: str = paged_attention.TORCH_NATIVE) -> None:
         """``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3, fp8_e5m2): what KV pages are stored in.
         ``attention_backend``: "torch_native" (SDPA over gathered pages) or "triton" (triton_attention.py), as
         the composition root chose it."""
-        self.model_dir = Path(model_dir)
+        folder = as_model_folder(model_dir)  # read once: the checks, EOS ids and the fingerprint share it
+        self.model_dir = folder.path
         # Before any weights load: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
-        self.architecture_check = check_architecture(self.model_dir, self.name, trust_unverified_architecture,
+        self.architecture_check = check_architecture(folder, self.name, trust_unverified_architecture,
                                                      trust_remote_code)
         if self.architecture_check.warning:
             log.warning(self.architecture_check.warning)
@@ -60,9 +68,9 @@ class TorchBackend(ModelBackend):
             head_dim=head_dim,
             vocab_size=text_cfg.vocab_size,
             max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 2048),
-            eos_token_ids=read_generation_eos(self.model_dir),
+            eos_token_ids=folder.eos_token_ids,
             dtype=str(self.dtype).removeprefix("torch."),
-            fingerprint=model_fingerprint(self.model_dir),
+            fingerprint=model_fingerprint(folder),
             sliding_window=getattr(text_cfg, "sliding_window", None),
         )
         self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
@@ -72,7 +80,7 @@ class TorchBackend(ModelBackend):
         self.decode_graphs: DecodeGraphs | None = None
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         # Hybrids: linear mixers wrapped to read/write a state pool (linear_state.py); None otherwise.
-        self.linear_state = install_linear_state(self.model, self.model_dir, self.info.dtype, self.torch_device)
+        self.linear_state = install_linear_state(self.model, folder.text_config, self.info.dtype, self.torch_device)
         if self.linear_state is not None:
             self.info.state = self.linear_state.geometry
 

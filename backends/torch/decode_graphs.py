@@ -24,6 +24,7 @@ import torch
 
 from tierlm.backends.base import ForwardBatch
 from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.kv_pool import TorchKVPool
 from tierlm.backends.torch.paged_attention import StepMeta, _TritonGroup
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class DecodeGraphs:
     ``capture``: record one CUDA graph per bucket (CUDA + triton attention only).
     """
 
-    def __init__(self, pool: Any, scratch_page: int, max_bs: int, max_context_len: int, vocab_size: int,
+    def __init__(self, pool: TorchKVPool, scratch_page: int, max_bs: int, max_context_len: int, vocab_size: int,
                  device: torch.device, attention_backend: str, run_model: Callable[..., torch.Tensor],
                  capture: bool) -> None:
         self.pool = pool

@@ -15,10 +15,12 @@ right after. On CPU both modes are plain memory copies and every call is synchro
 from __future__ import annotations
 
 import logging
-from typing import Any
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
+
+from tierlm.backends.base import HostKVPool
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class HostCopyEngine:
         self.mode = mode
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._load_done: Any = None  # torch.cuda.Event of the last load, waited on by the next forward
+        self._load_done: torch.cuda.Event | None = None  # the last load, waited on by the next forward
         self._registered: set[int] = set()  # data pointers of host arrays registered as page-locked
 
     # --- pinned host memory ---
@@ -57,7 +59,7 @@ class HostCopyEngine:
         self._registered.add(ptr)
 
     # --- ordering ---
-    def begin_load(self) -> Any:
+    def begin_load(self) -> AbstractContextManager:
         """The context a device load runs in: the copy stream on CUDA (after the compute stream's pending work,
         so pages being overwritten are no longer read), else nothing."""
         if not self.cuda:
@@ -91,7 +93,7 @@ class _NullContext:
         return None
 
 
-def host_page_tensors(host: Any, page: int, num_layers: int) -> list[torch.Tensor]:
+def host_page_tensors(host: HostKVPool, page: int, num_layers: int) -> list[torch.Tensor]:
     """Per-layer byte views of host page ``page`` as uint8 tensors [2, bytes per K or V] (torch.from_numpy: the
     same memory), in the order of the page's layers."""
     if host.layout == "layer_first":
@@ -100,7 +102,7 @@ def host_page_tensors(host: Any, page: int, num_layers: int) -> list[torch.Tenso
     return [torch.from_numpy(row[layer]) for layer in range(num_layers)]
 
 
-def direct_to_host(page_view: torch.Tensor, pages: np.ndarray, host: Any, host_pages: np.ndarray,
+def direct_to_host(page_view: torch.Tensor, pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray,
                    non_blocking: bool) -> None:
     """``page_view`` [layer, K/V, page, ...] of the device pool; each (page, layer) block copied on its own."""
     L = page_view.shape[0]
@@ -111,7 +113,7 @@ def direct_to_host(page_view: torch.Tensor, pages: np.ndarray, host: Any, host_p
             dst.copy_(raw[layer, :, p], non_blocking=non_blocking)
 
 
-def direct_from_host(page_view: torch.Tensor, host: Any, host_pages: np.ndarray, pages: np.ndarray,
+def direct_from_host(page_view: torch.Tensor, host: HostKVPool, host_pages: np.ndarray, pages: np.ndarray,
                      non_blocking: bool) -> None:
     L = page_view.shape[0]
     raw = page_view.reshape(L, 2, page_view.shape[2], -1).view(torch.uint8) if page_view.dtype != torch.uint8 \

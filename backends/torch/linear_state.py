@@ -18,14 +18,13 @@ Everything else in the decoder is already flat (MLPs, MoE) or paged (attention, 
 """
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tierlm.backends.base import ForwardBatch, HostStatePool, StateGeometry, host_state_layer_bytes
-from tierlm.backends.model_source.folder_facts import text_config
 from tierlm.backends.model_source.hybrid_layout import HybridLayout, hybrid_layout
 from tierlm.backends.state_steps import StateStepSplit
 from tierlm.backends.torch.state_pool import TorchStatePool
@@ -193,10 +192,11 @@ class LinearState:
         self.plan = StepPlan(batch, self.device)
 
 
-def install_linear_state(model: torch.nn.Module, model_dir: Path, dtype: str, device: torch.device
+def install_linear_state(model: torch.nn.Module, config: dict[str, Any], dtype: str, device: torch.device
                          ) -> LinearState | None:
-    """Wrap every linear mixer of a loaded hybrid model (None, untouched, for an attention-only model)."""
-    layout = hybrid_layout(text_config(model_dir))
+    """Wrap every linear mixer of a loaded hybrid model (None, untouched, for an attention-only model);
+    ``config``: the folder's text config (ModelFolder.text_config)."""
+    layout = hybrid_layout(config)
     if layout is None:
         return None
     geometry = StateGeometry(len(layout.linear_layers), layout.conv_dim, layout.conv_kernel, layout.rec_shape,

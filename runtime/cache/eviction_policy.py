@@ -8,12 +8,18 @@ counts request admissions that reused the node from any tier (radix_cache.py, hi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from tierlm.runtime.cache.radix_cache import TreeNode
 
-Priority = Callable[["TreeNode"], tuple]
+class TreeNode(Protocol):
+    """What a policy reads of a radix tree node (radix_cache.TreeNode); a Protocol, so this module needs no
+    import of the tree that imports it."""
+
+    last_access: int  # a logical clock
+    hit_count: int
+
+
+Priority = Callable[[TreeNode], tuple]
 
 
 def lru(node: TreeNode) -> tuple:

@@ -2,7 +2,7 @@
 
 A node's pages live on the device, on the host, or both. Evicting a device leaf demotes it to the host when it
 has (or can get) a host copy instead of dropping it; the host tier evicts host-only leaves on its own, in the
-order of the same eviction policy (--radix-eviction-policy, runtime/cache/eviction_policy.py). The controller
+order of the same eviction policy (--radix-eviction-policy, runtime/cache/eviction_policy.py). The manager
 (``hicache_manager.py``) decides when pages are backed up (write policy) and loads host pages back.
 
 Hybrid models: a node's state snapshot follows its pages through the tiers. It is backed up to a host state slot
@@ -20,13 +20,12 @@ from tierlm.runtime.cache.radix_cache import RadixCache, TreeNode
 
 class HiRadixCache(RadixCache):
     def __init__(self, page_size: int, free_device_pages: Callable[[list[int]], None],
-                 free_host_pages: Callable[[list[int]], None],
-                 backup_node: Callable[[TreeNode], bool],
-                 on_new_node: Callable[[TreeNode], None], eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru") -> None:
+        """The host tier's hooks come from its owner (``bind_host_tier``) before the tree is used."""
         super().__init__(page_size, free_device_pages, eviction_policy)
-        self._free_host_pages = free_host_pages
-        self._backup_node = backup_node  # give a device node a host copy; False when the host tier is full
-        self._on_new_node_cb = on_new_node
+        self._free_host_pages: Callable[[list[int]], None] = _unbound
+        self._backup_node: Callable[[TreeNode], bool] = _unbound
+        self._on_new_node_cb: Callable[[TreeNode], None] = _unbound
         self.host_pages_cached = 0
         self.demoted_pages = 0
         self.evicted_host_pages = 0
@@ -36,6 +35,14 @@ class HiRadixCache(RadixCache):
         self.free_host_state_slot: Callable[[int], None] | None = None
         self.host_states_cached = 0
         self.evicted_host_states = 0
+
+    def bind_host_tier(self, free_host_pages: Callable[[list[int]], None], backup_node: Callable[[TreeNode], bool],
+                       on_new_node: Callable[[TreeNode], None]) -> None:
+        """The host tier's owner (hicache_manager.py): how host pages are freed, how a device node gets a host copy
+        (False when the host tier is full), and what a new node triggers (the write policy)."""
+        self._free_host_pages = free_host_pages
+        self._backup_node = backup_node
+        self._on_new_node_cb = on_new_node
 
     # ---------------------------------------------------------------- hooks
     def _on_insert(self, node: TreeNode) -> None:
@@ -266,3 +273,7 @@ class HiRadixCache(RadixCache):
         self.root.children.clear()
         self.device_pages_cached = self.device_pages_locked = self.host_pages_cached = 0
         self.states_cached = self.host_states_cached = 0
+
+
+def _unbound(*_: object) -> bool:
+    raise RuntimeError("HiRadixCache used before bind_host_tier() gave it its host tier")

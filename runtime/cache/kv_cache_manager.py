@@ -16,29 +16,31 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tierlm.runtime.io_struct import CachedTokens
-from tierlm.runtime.logprobs import cacheable_prefix_len
-from tierlm.runtime.metrics import EngineMetrics
+from tierlm.runtime.cache.cacheable_prefix import cacheable_prefix_len
 from tierlm.runtime.cache.page_allocator import PageAllocator
 from tierlm.runtime.cache.radix_cache import MatchResult, RadixCache, TreeNode
-from tierlm.runtime.request import Req
 from tierlm.runtime.cache.state_slots import StateSlots
 from tierlm.runtime.cache.state_snapshots import StateSnapshots
+from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.metrics import EngineMetrics
+from tierlm.runtime.request import Req
 
 log = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_radix: bool = True,
+    def __init__(self, allocator: PageAllocator, page_size: int, tree: RadixCache | None,
                  state_slots: StateSlots | None = None,
                  copy_state_slots: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
-        """``state_slots`` (hybrid models): the state pool's slots; with a radix tree, ``copy_state_slots`` (the
-        backend's) copies snapshots, and the slots beyond one per running request hold them."""
-        self.num_pages = num_pages
+        """``allocator``: the device pages; ``tree``: the radix cache over them (built on ``allocator.free`` by
+        whoever builds this manager; a HiRadixCache for HiCache), None for no prefix reuse. ``state_slots``
+        (hybrid models): the state pool's slots; with a radix tree, ``copy_state_slots`` (the backend's) copies
+        snapshots, and the slots beyond one per running request hold them."""
+        self.num_pages = allocator.num_pages
         self.state_slots = state_slots  # hybrids: live slots of running requests (+ snapshots with a tree)
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
-        self.tree: RadixCache | None = RadixCache(page_size, self.allocator.free) if enable_radix else None
+        self.allocator = allocator
+        self.tree = tree
         self.snapshots: StateSnapshots | None = None
         if state_slots is not None and self.tree is not None:
             if copy_state_slots is None:
@@ -102,7 +104,7 @@ class KVCacheManager:
             if req.state_slot is None:
                 return False
         if need > 0:
-            if not self._make_free(need):
+            if not self.make_free(need):
                 return False
             req.pages.extend(self.allocator.alloc(need))
             self.in_use_pages += need
@@ -119,7 +121,8 @@ class KVCacheManager:
             self.allocator.free(extra)
             self.in_use_pages -= len(extra)
 
-    def _make_free(self, need: int) -> bool:
+    def make_free(self, need: int) -> bool:
+        """At least ``need`` free device pages, evicting cached ones if needed; False when that is not enough."""
         short = need - self.allocator.num_free
         if short > 0 and self.tree is not None:
             freed = self.tree.evict(short)

@@ -23,8 +23,8 @@ from typing import Callable
 import numpy as np
 
 from tierlm.runtime.cache.radix_cache import RadixCache, TreeNode
-from tierlm.runtime.request import Req
 from tierlm.runtime.cache.state_slots import StateSlots
+from tierlm.runtime.request import Req
 
 
 class StateSnapshots:

@@ -23,12 +23,12 @@ import numpy as np
 
 from tierlm.backends.base import SHARED_STATE_LAYOUT, HostStatePool, ModelBackend
 from tierlm.runtime.cache.hiradix_cache import HiRadixCache
-from tierlm.runtime.cache.storage.page_keys import page_keys
-from tierlm.runtime.cache.storage.base import KVStorage
-from tierlm.runtime.cache.storage.storage_io import PrefetchHandle, StorageIO
 from tierlm.runtime.cache.radix_cache import TreeNode
 from tierlm.runtime.cache.state_slots import StateSlots
 from tierlm.runtime.cache.state_snapshots import StateSnapshots
+from tierlm.runtime.cache.storage.base import KVStorage
+from tierlm.runtime.cache.storage.page_keys import page_keys
+from tierlm.runtime.cache.storage.storage_io import PrefetchHandle, StorageIO
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,15 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierlm.backends.base import GrammarBackend, GrammarCompileError, GrammarMatcher
-from tierlm.runtime.grammar.spec import GrammarSpec, grammar_spec
+from tierlm.backends.base import GrammarBackend, GrammarCompileError
+from tierlm.runtime.grammar.spec import GrammarSpec, RequestGrammar, grammar_spec
+
+if TYPE_CHECKING:
+    from tierlm.runtime.request import Req
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +46,6 @@ class GrammarError(Exception):
         if self.disabled:
             return GRAMMAR_DISABLED.format(param=spec.param)
         return f"invalid {spec.kind} in '{spec.param}': {self.detail}"
-
-
-@dataclass(eq=False)
-class RequestGrammar:
-    """One request's grammar inside the scheduler: the compile future, then its matcher."""
-
-    spec: GrammarSpec
-    future: Future
-    matcher: GrammarMatcher | None = None
-    error: str | None = None
-    finished: bool = field(default=False)
 
 
 class GrammarManager:
@@ -100,16 +91,16 @@ class GrammarManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ per request (scheduler thread)
-    def attach(self, req) -> None:
+    def attach(self, req: Req) -> None:
         """Start (or find) the compilation of ``req``'s grammar; sets ``req.grammar``."""
         spec = grammar_spec(req.sampling_params)
         if spec is not None:
             req.grammar = RequestGrammar(spec, self.compile(spec))
 
-    def ready(self, req) -> bool:
+    def ready(self, req: Req) -> bool:
         """Whether ``req`` may be admitted: unconstrained, or its matcher exists. A failed grammar sets
         ``req.grammar.error`` and counts as ready (the scheduler ends the request with that error)."""
-        g: RequestGrammar | None = getattr(req, "grammar", None)
+        g = req.grammar
         if g is None or g.matcher is not None or g.error is not None:
             return True
         if not g.future.done():
@@ -120,10 +111,10 @@ class GrammarManager:
             g.error = e.for_request(g.spec)
         return True
 
-    def fill_bitmask(self, reqs: list) -> np.ndarray | None:
+    def fill_bitmask(self, reqs: list[Req]) -> np.ndarray | None:
         """The packed bitmask of one step's sampling requests, or None when none is constrained."""
         rows = [(i, r.grammar.matcher) for i, r in enumerate(reqs)
-                if getattr(r, "grammar", None) is not None and r.grammar.matcher is not None]
+                if r.grammar is not None and r.grammar.matcher is not None]
         if not rows:
             return None
         bitmask = self.backend.allocate_bitmask(len(reqs))
@@ -131,10 +122,10 @@ class GrammarManager:
             matcher.fill_bitmask(bitmask, i)
         return bitmask
 
-    def accept(self, req, token: int) -> str | None:
+    def accept(self, req: Req, token: int) -> str | None:
         """Advance ``req``'s matcher by its sampled ``token``. Returns "stop" when the grammar is complete (its stop
         token was accepted), "rejected" when the grammar does not allow the token, else None."""
-        g: RequestGrammar | None = getattr(req, "grammar", None)
+        g = req.grammar
         if g is None or g.matcher is None or g.finished:
             return None
         if not g.matcher.accept_token(token):

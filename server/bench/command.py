@@ -109,6 +109,7 @@ def resolve_dtype(requested: str, model_dir: Path) -> str:
     For MLX it stays auto (the MLX backend resolves it)."""
     import os
 
+    from tierlm.backends.model_source.model_folder import ModelFolder
     from tierlm.platforms import choose_backend, detect
     from tierlm.runtime.engine_setup import choose_dtype
     from tierlm.runtime.server_args import ServerArgs
@@ -116,7 +117,8 @@ def resolve_dtype(requested: str, model_dir: Path) -> str:
     if requested != "auto":
         return requested
     decision = choose_backend(detect(), os.environ)
-    return choose_dtype(ServerArgs(model_path=str(model_dir), dtype=requested), decision, model_dir)[0]  # MLX: auto
+    folder = ModelFolder.read(model_dir)
+    return choose_dtype(ServerArgs(model_path=str(model_dir), dtype=requested), decision, folder)[0]  # MLX: auto
 
 
 def set_threads(n: int) -> None:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from tierlm.backends.torch.model_loader import resolve_dtype
+from tierlm.backends.dtypes import serving_dtype
 
 
 @dataclass
@@ -44,7 +44,7 @@ class HFBaseline:
         hf_logging.disable_progress_bar()  # the benchmark has its own progress bar
         # the device a tierlm server picks by default: the GPU when there is one, so the ratio compares like with like
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = getattr(torch, serving_dtype(dtype, self.device.type))  # as the torch backend resolves it
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)

@@ -297,13 +297,14 @@ def load_backend_in_process(ctx: BenchContext):
     """The backend a server started now would load (same choice of backend and device, same dtype)."""
     import os
 
+    from tierlm.backends.model_source.model_folder import ModelFolder
     from tierlm.platforms import choose_backend, detect
     from tierlm.runtime.engine_setup import load_backend
     from tierlm.runtime.server_args import ServerArgs
 
     decision = choose_backend(detect(), os.environ, "auto")
     args = ServerArgs(model_path=str(ctx.model_dir), dtype=ctx.dtype, random_seed=ctx.seed)
-    return load_backend(decision, ctx.model_dir, args), decision
+    return load_backend(decision, ModelFolder.read(ctx.model_dir), args), decision
 
 
 def verify_cost(ns: argparse.Namespace, ctx: BenchContext, bar) -> tuple[list[dict[str, Any]], dict[str, Any]]:

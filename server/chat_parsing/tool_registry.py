@@ -1,14 +1,19 @@
 """``--tool-call-parser``: the names (SGLang's, plus vLLM's where they differ), what each parses, and the grammar a
 forced call is constrained to in each format. Without the flag the engine chooses from the model
-(runtime/engine_setup.py, detect_tool_call_parser)."""
+(runtime/chat_format.py, detect_tool_call_parser)."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
 from tierlm.server.chat_parsing.base import OutputParser
-from tierlm.server.chat_parsing.tool_parsers import (HermesToolParser, JsonListToolParser, JsonToolParser,
-                                                     Llama3ToolParser, MistralToolParser)
+from tierlm.server.chat_parsing.tool_parsers import (
+    HermesToolParser,
+    JsonListToolParser,
+    JsonToolParser,
+    Llama3ToolParser,
+    MistralToolParser,
+)
 
 HARMONY = "harmony"  # gpt-oss: the harmony parser (channels) reads the calls; it runs alone
 _FORMATS: dict[str, type[JsonToolParser] | str] = {

@@ -1,5 +1,5 @@
-"""The L3 storage contract: a namespaced key -> page-bytes store that a HiCache controller can back up to and
-prefetch from. Backends (file_storage.py, mooncake_storage.py) implement ``KVStorage`` and are chosen by name
+"""The L3 storage contract: a namespaced key -> page-bytes store that the HiCache manager backs up to and
+prefetches from. Backends (file_storage.py, mooncake_storage.py) implement ``KVStorage`` and are chosen by name
 in registry.py.
 
 Rules every backend keeps: ``get`` (and ``get_into``) returns either the exact bytes that ``set`` stored for
@@ -80,42 +80,35 @@ def check_page_key(key: str) -> None:
 
 
 class KVStorage(ABC):
-    """A namespaced store of KV pages, each page an opaque byte string of a fixed size."""
+    """A namespaced store of KV pages, each page an opaque byte string of a fixed size. Only what the runtime
+    calls is listed here (the HiCache manager, its prefetch, state tiers and StorageIO's threads)."""
 
-    @abstractmethod
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is (believed to be) stored. A True may still miss on get() (evicted meanwhile)."""
-
-    def batch_exists_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading keys are stored: the number of pages a prefetch can hope to load."""
-        n = 0
-        for hit in self.exists(keys):
-            if not hit:
-                break
-            n += 1
-        return n
-
-    @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The payload stored under key, verified; None on a miss or a damaged entry."""
-
+    # The backend's name as /server_info and the startup log show it ("file", "mooncake", ...).
+    name: str = ""
+    # Where the pages live, for logs and /server_info: a folder, or a URL such as mooncake://master/namespace.
+    location: str = ""
     # How long a request whose pages this server's index does not know waits for the probe of the first one (one
     # stat, or one round trip, when nothing is there); once that page is found it waits for the rest as for known
-    # pages (hicache_manager.py). A networked store's round trip is slower, and slower still on a loaded machine.
+    # pages (storage_prefetch.py). A networked store's round trip is slower, and slower still on a loaded machine.
     probe_wait_s: float = 0.05
     # Pages a prefetch asks for in one call. A networked store answers many keys per round trip (Mooncake: one
     # metadata RPC and parallel transfers), so reading them one by one would pay the round trip per page.
     read_batch_pages: int = 1
 
-    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
-                       ) -> list[bool]:
-        """get_into() for consecutive keys, stopping at the first one not read (it and the rest are False)."""
-        got: list[bool] = []
-        for key, out in zip(keys, outs):
-            if not self.get_into(key, out, probe=probe):
-                break
-            got.append(True)
-        return got + [False] * (len(keys) - len(got))
+    @abstractmethod
+    def known(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is (believed to be) stored, from what this object already knows, without I/O: the
+        scheduler thread asks this, and must never wait on a disk. A True may still miss on get() (evicted
+        meanwhile); a False may be stored by another process (probe() finds it)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The payload stored under key, verified; None on a miss or a damaged entry."""
+
+    def probe(self, key: str) -> bytes | None:
+        """get() for a key this object does not know of (another process may have stored it): an absent entry
+        is an expected answer, not a miss."""
+        return self.get(key)
 
     def get_into(self, key: str, out: Sequence[Any], *, probe: bool = False) -> bool:
         """Read the page stored under key straight into ``out``: writable buffers (e.g. the rows of a host page)
@@ -127,26 +120,6 @@ class KVStorage(ABC):
             return False
         copy_into(page, out)
         return True
-
-    def known(self, keys: Sequence[str]) -> list[bool]:
-        """Like exists(), but from what this object already knows, without I/O: the scheduler thread asks this,
-        and must never wait on a disk. Backends with no in-memory index answer with exists()."""
-        return self.exists(keys)
-
-    def probe(self, key: str) -> bytes | None:
-        """get() for a key this object does not know of (another process may have stored it): an absent entry
-        is an expected answer, not a miss."""
-        return self.get(key)
-
-    @abstractmethod
-    def set(self, key: str, payload: bytes | bytearray | memoryview) -> bool:
-        """Store payload under key (a no-op returning True when it is already stored). False when not stored.
-        ``payload`` may also be a list of buffers whose concatenation is the page (e.g. one per layer of a host
-        page), or a BorrowedPage: backends write them without joining them first; a BorrowedPage whose memory
-        was reused meanwhile (``valid()`` False after the write) is not stored and set() returns False."""
-
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
 
     def batch_read(self, keys: Sequence[str], *, probe: bool = False) -> list[bytes | None]:
         """get() (or probe()) for consecutive keys, stopping at the first one not read (it and the rest are
@@ -160,14 +133,22 @@ class KVStorage(ABC):
             got.append(page)
         return got + [None] * (len(keys) - len(got))
 
-    def batch_set(self, keys: Sequence[str], payloads: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
-        if len(keys) != len(payloads):
-            raise ValueError(f"batch_set got {len(keys)} keys but {len(payloads)} payloads")
-        return [self.set(k, p) for k, p in zip(keys, payloads)]
+    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
+                       ) -> list[bool]:
+        """get_into() for consecutive keys, stopping at the first one not read (it and the rest are False)."""
+        got: list[bool] = []
+        for key, out in zip(keys, outs):
+            if not self.get_into(key, out, probe=probe):
+                break
+            got.append(True)
+        return got + [False] * (len(keys) - len(got))
 
     @abstractmethod
-    def delete(self, key: str) -> bool:
-        """Remove key; True when something was removed."""
+    def set(self, key: str, payload: bytes | bytearray | memoryview) -> bool:
+        """Store payload under key (a no-op returning True when it is already stored). False when not stored.
+        ``payload`` may also be a list of buffers whose concatenation is the page (e.g. one per layer of a host
+        page), or a BorrowedPage: backends write them without joining them first; a BorrowedPage whose memory
+        was reused meanwhile (``valid()`` False after the write) is not stored and set() returns False."""
 
     @abstractmethod
     def clear(self) -> int:

@@ -31,11 +31,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from tierlm.runtime.errors import StartupError
 from tierlm.runtime.cache.storage import page_header
-from tierlm.runtime.cache.storage.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
 from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
+from tierlm.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
 
@@ -75,32 +75,6 @@ def default_storage_dir() -> Path:
     return Path(platformdirs.user_cache_dir("tierlm")) / "hicache"
 
 
-def parse_extra_config(s: str | None) -> dict[str, Any]:
-    """--hicache-storage-backend-extra-config: a JSON object, or @path to a file holding one. None/"" -> {}."""
-    if s is None or not s.strip():
-        return {}
-    text, source = s.strip(), "--hicache-storage-backend-extra-config"
-    if text.startswith("@"):
-        path = Path(text[1:]).expanduser()
-        source = f"extra-config file {path}"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(
-                f"cannot read {source}: {e.strerror or e}; pass @<existing JSON file> or a JSON string"
-            ) from e
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-            "pass a JSON object such as '{\"max_size_gb\": 50}' or @path/to/config.json"
-        ) from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{source} must be a JSON object like {{\"max_size_gb\": 50}}, got {type(cfg).__name__}")
-    return cfg
-
-
 def max_size_bytes_from_config(cfg: Mapping[str, Any]) -> int | None:
     """The bound from extra-config ``max_size_gb`` (GB = 1e9 bytes, as SGLang's --hicache-size); None = unbounded."""
     gb = cfg.get("max_size_gb")
@@ -112,6 +86,8 @@ def max_size_bytes_from_config(cfg: Mapping[str, Any]) -> int | None:
 
 
 class FileKVStorage(KVStorage):
+    name = "file"
+
     def __init__(
         self,
         root_dir: str | os.PathLike[str] | None,
@@ -136,6 +112,7 @@ class FileKVStorage(KVStorage):
         self.max_size_bytes: int | None = None if max_size_bytes == AUTO_BOUND else max_size_bytes
         self._auto_bound = max_size_bytes == AUTO_BOUND
         self.dir = self.root_dir / namespace.folder_name
+        self.location = str(self.dir)
         self._fsync = fsync
         self._ns_raw = namespace.id_bytes
         self._lock = threading.Lock()
@@ -167,8 +144,9 @@ class FileKVStorage(KVStorage):
         bound = max_size_bytes_from_config(cfg)
         return cls(root_dir, namespace, page_bytes, AUTO_BOUND if bound is None else bound)
 
-    # --- KVStorage ---
+    # --- KVStorage, plus exists() and delete() of this backend's own (tests and tools) ---
     def exists(self, keys) -> list[bool]:
+        """Like known(), but a key missing from the index is looked for on disk (and adopted when found)."""
         self._check_open()
         out = []
         for key in keys:
@@ -177,14 +155,6 @@ class FileKVStorage(KVStorage):
                 known = key in self._index
             out.append(known or self._adopt(key))
         return out
-
-    def batch_exists_prefix(self, keys) -> int:
-        n = 0
-        for key in keys:  # stops at the first miss without touching the rest
-            if not self.exists([key])[0]:
-                break
-            n += 1
-        return n
 
     def known(self, keys) -> list[bool]:
         with self._lock:
@@ -627,7 +597,6 @@ def _unlink_quietly(path: Path) -> bool:
         return False
 
 
-def open_storage(args: Any, namespace: StorageNamespace, page_bytes: int,
-                 extra_config: Mapping[str, Any]) -> FileKVStorage:
+def open_storage(namespace: StorageNamespace, page_bytes: int, extra_config: Mapping[str, Any]) -> FileKVStorage:
     """The 'file' backend of registry.py: the folder of SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR."""
     return FileKVStorage.from_extra_config(namespace, page_bytes, extra_config)

@@ -42,11 +42,11 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from tierlm.runtime.errors import StartupError
 from tierlm.runtime.cache.storage import page_header
-from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
 from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key, copy_into
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
+from tierlm.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,6 @@ class MooncakeKVStorage(KVStorage):
         self._ns_raw = namespace.id_bytes
         self._prefix = f"{KEY_PREFIX}_{self._ns_raw.hex()}_"
         self.location = f"mooncake://{config.master_server_address}/{namespace.folder_name}"
-        self.dir = self.location  # what the controller's log and tiers_info show for the file tier's folder
         self._store_class = store_class or import_store_class()
         self._store: Any = None  # the connected client; None while offline
         self._lock = threading.Lock()
@@ -278,15 +277,12 @@ class MooncakeKVStorage(KVStorage):
     def online(self) -> bool:
         return self._store is not None
 
-    def raw_store(self) -> Any:
-        """The Mooncake client (None while offline): tests and tools reach the stored objects through it."""
-        return self._store
-
     def object_key(self, key: str) -> str:
         return self._prefix + key
 
-    # --- KVStorage ---
+    # --- KVStorage, plus exists() and delete() of this backend's own (tests and tools) ---
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored, asked of the master (one round trip); updates what known() answers."""
         self._check_open()
         for key in keys:
             self._check_key(key)
@@ -318,16 +314,6 @@ class MooncakeKVStorage(KVStorage):
 
     def probe(self, key: str) -> bytes | None:
         return self._read(key, absent_is_miss=False)
-
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        self._check_open()
-        for key in keys:
-            self._check_key(key)
-        store = self._client()
-        if store is None:
-            self._count(misses=len(keys))
-            return [None] * len(keys)
-        return self._get_batch(store, keys, absent_is_miss=True)
 
     def batch_read(self, keys: Sequence[str], *, probe: bool = False) -> list[bytes | None]:
         self._check_open()
@@ -600,8 +586,8 @@ def _close_quietly(store: Any) -> None:
         logger.debug("closing the Mooncake client: %s", e)
 
 
-def open_storage(args: Any, namespace: StorageNamespace, page_bytes: int,
-                 extra_config: Mapping[str, Any]) -> MooncakeKVStorage:
+def open_storage(namespace: StorageNamespace, page_bytes: int, extra_config: Mapping[str, Any]
+                 ) -> MooncakeKVStorage:
     """The 'mooncake' backend of registry.py."""
     cfg = dict(extra_config or {})
     store_class = import_store_class()  # the install hint before any config question

@@ -1,21 +1,23 @@
 """L3 storage backends by name: what ``--hicache-storage-backend NAME`` opens.
 
-Each backend is one module exposing ``open_storage(args, namespace, page_bytes, extra_config) -> KVStorage``
-(base.py is the contract). Modules are imported only when their backend is opened, so an optional
-dependency (mooncake) costs nothing to servers that do not use it. A third store (3FS, NIXL, Redis/Valkey) is
-one module plus one line in ``BACKENDS`` (or a ``register()`` call from code that runs before the engine).
+Each backend is one module exposing ``open_storage(namespace, page_bytes, extra_config) -> KVStorage`` (base.py
+is the contract). Modules are imported only when their backend is opened, so an optional dependency (mooncake)
+costs nothing to servers that do not use it. A third store (3FS, NIXL, Redis/Valkey) is one module plus one line
+in ``BACKENDS`` (or a ``register()`` call from code that runs before the engine starts).
 """
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     from tierlm.runtime.cache.storage.base import KVStorage
     from tierlm.runtime.cache.storage.namespace import StorageNamespace
 
-# (args: ServerArgs, namespace, page_bytes, extra_config without the controller's own keys) -> KVStorage
-StorageFactory = Callable[[Any, "StorageNamespace", int, Mapping[str, Any]], "KVStorage"]
+# (namespace, page_bytes, extra_config without the HiCache manager's own keys) -> KVStorage
+StorageFactory = Callable[["StorageNamespace", int, Mapping[str, Any]], "KVStorage"]
 
 # name -> "module path" holding open_storage(), or the factory itself (register()).
 BACKENDS: dict[str, str | StorageFactory] = {
@@ -36,7 +38,8 @@ def names() -> list[str]:
 
 
 def check_name(name: str) -> None:
-    """ValueError naming the available backends unless ``name`` is one of them."""
+    """The one check of --hicache-storage-backend (ServerArgs.check() calls it): ValueError naming the
+    available backends unless ``name`` is one of them."""
     if name not in BACKENDS:
         raise ValueError(f"--hicache-storage-backend {name}: tierlm has the {', '.join(names())} backends "
                          "(docs/hicache.md); SGLang's others (hf3fs, nixl, aibrix, eic, ...) are not implemented")
@@ -50,7 +53,33 @@ def factory(name: str) -> StorageFactory:
     return entry
 
 
-def open_storage(name: str, args: Any, namespace: "StorageNamespace", page_bytes: int,
+def open_storage(name: str, namespace: "StorageNamespace", page_bytes: int,
                  extra_config: Mapping[str, Any]) -> "KVStorage":
     """Open backend ``name`` (ValueError for an unknown one; a backend raises StartupError when it cannot start)."""
-    return factory(name)(args, namespace, page_bytes, extra_config)
+    return factory(name)(namespace, page_bytes, extra_config)
+
+
+def parse_extra_config(s: str | None) -> dict[str, Any]:
+    """--hicache-storage-backend-extra-config: a JSON object, or @path to a file holding one. None/"" -> {}."""
+    if s is None or not s.strip():
+        return {}
+    text, source = s.strip(), "--hicache-storage-backend-extra-config"
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        source = f"extra-config file {path}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(
+                f"cannot read {source}: {e.strerror or e}; pass @<existing JSON file> or a JSON string"
+            ) from e
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+            "pass a JSON object such as '{\"max_size_gb\": 50}' or @path/to/config.json"
+        ) from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source} must be a JSON object like {{\"max_size_gb\": 50}}, got {type(cfg).__name__}")
+    return cfg

@@ -6,7 +6,7 @@ without the earlier ones). With ``into`` (one list of writable buffers per leadi
 reserved for them) pages are read straight into memory they will stay in, and the handle's entries for those
 keys are their indices instead of bytes. After a cancel, ``handle.io_idle`` says when no read can still write
 into those buffers (a read in flight finishes first), so the caller knows when it may reuse them.
-The controller builds SGLang's prefetch policies from a ``PrefetchHandle``:
+The prefetch (storage_prefetch.py) builds SGLang's prefetch policies from a ``PrefetchHandle``:
   best_effort:   when the request is scheduled, ``handle.cancel()`` and use the pages it returns;
   wait_complete: ``handle.wait()`` then ``handle.result()``;
   timeout:       ``handle.wait(t)`` then ``handle.cancel()`` (the pages loaded within t).
@@ -95,9 +95,6 @@ class PrefetchHandle:
     def io_idle(self) -> bool:
         """No read is writing into the ``into`` buffers now; once ``done`` too, none ever will again."""
         return self._idle.is_set()
-
-    def wait_io_idle(self, timeout: float | None = None) -> bool:
-        return self._idle.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished (all loaded, a miss, or cancelled); False if ``timeout`` seconds passed first."""
@@ -235,15 +232,6 @@ class StorageIO:
             self._counts["backups_queued"] += 1
         self._write_q.put((key, payload, on_done))
         return True
-
-    def backup_many(self, keys: Sequence[str], payloads: Sequence[bytes], on_done: BackupCallback | None = None) -> int:
-        """Queue several page writes in order; returns how many were queued (stops at the first dropped one)."""
-        if len(keys) != len(payloads):
-            raise ValueError(f"backup_many got {len(keys)} keys but {len(payloads)} payloads")
-        for n, (key, payload) in enumerate(zip(keys, payloads)):
-            if not self.backup(key, payload, on_done):
-                return n
-        return len(keys)
 
     def prefetch(self, keys: Sequence[str], on_done: PrefetchCallback | None = None, known: int | None = None,
                  into: Sequence[Sequence[Any]] | None = None) -> PrefetchHandle:

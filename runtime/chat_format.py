@@ -1,11 +1,11 @@
 """ChatFormat: how a model's chats are written and read, decided once at startup (runtime/engine_setup.py) from the
 flags, config.json's model_type and the chat template.
 
-The chat template (and where it came from), the reasoning parser and the tool-call parser (each a flag, or the one
-the model unambiguously needs, with why), the extra stop tokens of the format and whether it is gpt-oss's harmony.
-The server builds its parsers from these names; the names themselves are the server's flag values
-(server/chat_parsing), listed here only as far as a model can choose them (tests/test_chat_templates.py holds the
-two lists together).
+Where the chat template came from (its text stays with the tokenizer, which the server renders), the reasoning
+parser and the tool-call parser (each a flag, or the one the model unambiguously needs, with why), the extra stop
+tokens of the format and whether it is gpt-oss's harmony. The server builds its parsers from these names; the names
+themselves are the server's flag values (server/chat_parsing), listed here only as far as a model can choose them
+(tests/test_chat_templates.py holds the two lists together).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ DETECTED_TOOL_CALL_PARSERS = (HARMONY_PARSER, "qwen25", "hermes", "llama3", "mis
 
 @dataclass(frozen=True)
 class ChatFormat:
-    chat_template: str | None = None  # the template text; None: the model has none
     chat_template_source: str | None = None  # where it came from; None: nowhere
     reasoning_parser: str | None = None
     reasoning_parser_source: str = ""  # why reasoning_parser is what it is (/server_info shows it)
@@ -43,7 +42,7 @@ def decide_chat_format(model_type: str, template: str | None, template_source: s
                                 else detect_reasoning_parser(model_type, text))
     tools, tools_why = ((tool_call_flag, "--tool-call-parser") if tool_call_flag
                         else detect_tool_call_parser(model_type, text))
-    return ChatFormat(template, template_source, reasoning, reasoning_why, tools, tools_why,
+    return ChatFormat(template_source, reasoning, reasoning_why, tools, tools_why,
                       HARMONY_STOP_TOKENS if reasoning == HARMONY_PARSER else ())
 
 

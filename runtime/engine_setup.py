@@ -154,7 +154,10 @@ class EngineParts:
 
 
 def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
-    args.check()
+    try:
+        args.check()  # the CLI checked already; settings built in code are checked here
+    except ValueError as e:
+        raise StartupError(str(e)) from e
     folder = resolve_model(args)  # config.json and the rest read here, once
     facts = detect()  # before the weights load, so the memory plan counts them once
     decision = decide_backend(args, facts)

@@ -154,7 +154,7 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.hicache_storage_backend is not None:
+        if self.hicache_storage_backend:
             storage_registry.check_name(self.hicache_storage_backend)
             if not self.enable_hierarchical_cache:
                 raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (storage is the third "

@@ -186,7 +186,7 @@ def test_flush_cache_empties_memory_tiers_and_storage_on_request(tiny_llama, sto
 
 
 def test_startup_errors_are_actionable(tiny_llama, store, backend_name):
-    with pytest.raises(ValueError, match="disable-radix-cache"):
+    with pytest.raises(StartupError, match="disable-radix-cache"):  # settings built in code: checked at startup
         hicache_engine(backend_name, tiny_llama, disable_radix_cache=True)
     with pytest.raises(StartupError, match="hicache-size"):
         hicache_engine(backend_name, tiny_llama, storage=False, hicache_size=10_000.0)  # 10 TB of host pool

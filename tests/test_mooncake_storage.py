@@ -55,6 +55,14 @@ def _stop(master: MooncakeMaster) -> None:
     master.stop()
 
 
+def _stop_all(holder, master: MooncakeMaster | None) -> None:
+    """A test's cleanup, whatever it got to: the memory-lending client closed, then its master stopped."""
+    if holder is not None:
+        holder.close()
+    if master is not None:
+        _stop(master)
+
+
 def _holder(address: str):
     """A client lending the store memory: objects live in the segments of the clients that lend one."""
     from mooncake.store import MooncakeDistributedStore
@@ -234,10 +242,7 @@ def test_master_down_at_startup_then_up_and_killed_while_serving() -> None:
         t2 = time.monotonic()
         s.close()
         assert time.monotonic() - t2 < 3  # shutdown does not wait out the dead master
-        if holder is not None:
-            holder.close()
-        if proc is not None:
-            _stop(proc)
+        _stop_all(holder, proc)
 
 
 def test_a_restarted_master_is_noticed_without_traffic_and_its_lost_pages_are_written_again() -> None:
@@ -261,10 +266,28 @@ def test_a_restarted_master_is_noticed_without_traffic_and_its_lost_pages_are_wr
         assert s.set(k, page(3)) and mooncake_client(s).is_exist(s.object_key(k)) == 1 and s.get(k) == page(3)
     finally:
         s.close()
-        if holder is not None:
-            holder.close()
-        if proc is not None:
-            _stop(proc)
+        _stop_all(holder, proc)
+
+
+def test_the_first_write_after_a_master_restart_is_stored() -> None:
+    """The first call on the connection to a master that restarted fails (RPC_FAIL); a write is retried once, so
+    the backup that happens to come first after the restart is stored, not dropped."""
+    rpc = _free_port()
+    address = f"127.0.0.1:{rpc}"
+    proc, holder = _start_master(rpc), _holder(address)
+    s = open_mooncake(address, retry_interval_s=600)  # no health probe in between: the write is the first call
+    try:
+        first, second = keys(2, seed=12)
+        assert s.set(first, page(4))
+        holder.close()
+        _stop(proc)
+        proc = holder = None
+        proc, holder = _start_master(rpc), _holder(address)
+        assert s.set(second, page(5)) and s.health()["state"] == "online"
+        assert mooncake_client(s).is_exist(s.object_key(second)) == 1 and s.get(second) == page(5)
+    finally:
+        s.close()
+        _stop_all(holder, proc)
 
 
 def test_missing_package_names_the_install_command(monkeypatch) -> None:
@@ -461,7 +484,4 @@ def test_engine_keeps_serving_when_the_master_dies_and_uses_it_again_when_it_ret
         finally:
             engine.shutdown()
     finally:  # whatever failed, no master outlives the test
-        if holder is not None:
-            holder.close()
-        if proc is not None:
-            _stop(proc)
+        _stop_all(holder, proc)

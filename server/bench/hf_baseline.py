@@ -44,7 +44,8 @@ class HFBaseline:
         hf_logging.disable_progress_bar()  # the benchmark has its own progress bar
         # the device a tierlm server picks by default: the GPU when there is one, so the ratio compares like with like
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = getattr(torch, serving_dtype(dtype, self.device.type))  # as the torch backend resolves it
+        name = serving_dtype(dtype, self.device.type)  # as the torch backend resolves it
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)

@@ -60,6 +60,7 @@ DEFAULT_PROTOCOL = "tcp"
 DEFAULT_DEVICE_NAME = ""
 DEFAULT_CONNECT_WAIT_S = 5.0
 DEFAULT_RETRY_INTERVAL_S = 5.0
+RPC_FAIL = -900  # Mooncake's error code of a call whose RPC to the master failed
 CLOSE_WAIT_S = 2.0
 MAX_READ_BATCH_PAGES = 32
 MAX_KNOWN_KEYS = 1 << 20  # keys remembered as stored (for known(), which must not touch the network)
@@ -411,6 +412,8 @@ class MooncakeKVStorage(KVStorage):
             return False
         obj = self.object_key(key)
         rc = self._call(lambda: store.put_parts(obj, header, *views), "put")
+        if rc == RPC_FAIL:  # the first call after a master restart fails on the old connection; the next reconnects
+            rc = self._call(lambda: store.put_parts(obj, header, *views), "put")
         if rc is None:
             return False
         if rc != 0:

@@ -56,7 +56,12 @@ def factory(name: str) -> StorageFactory:
 def open_storage(name: str, namespace: "StorageNamespace", page_bytes: int,
                  extra_config: Mapping[str, Any]) -> "KVStorage":
     """Open backend ``name`` (ValueError for an unknown one; a backend raises StartupError when it cannot start)."""
-    return factory(name)(namespace, page_bytes, extra_config)
+    store = factory(name)(namespace, page_bytes, extra_config)
+    if not store.name:  # a store that does not name itself is shown under the name it was opened by
+        store.name = name
+    if not store.location:
+        store.location = name
+    return store
 
 
 def parse_extra_config(s: str | None) -> dict[str, Any]:

@@ -40,11 +40,8 @@ from tierlm.runtime.cache.storage import registry as storage_registry
 from tierlm.runtime.cache.storage.base import KVStorage
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.storage_io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, StorageIO
-from tierlm.runtime.cache.storage_prefetch import (
-    PREFETCH_POLICIES,
-    PREFETCH_TIMEOUT_BASE_S,
-    PREFETCH_TIMEOUT_PER_PAGE_S,
-)
+from tierlm.runtime.cache.storage_prefetch import (PREFETCH_POLICIES, PREFETCH_TIMEOUT_BASE_S,
+                                                   PREFETCH_TIMEOUT_PER_PAGE_S)
 from tierlm.runtime.chat_format import ChatFormat, decide_chat_format
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.grammar.manager import GrammarManager

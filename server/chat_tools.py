@@ -27,21 +27,10 @@ from tierlm.runtime.tokenizer_protocol import Tokenizer
 from tierlm.server.chat_parsing.base import OutputParser, ToolCallDelta
 from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls, merge_call_deltas
 from tierlm.server.chat_parsing.tool_parsers import new_call_id
-from tierlm.server.chat_parsing.tool_registry import (
-    HARMONY,
-    forced_call_grammar,
-    forced_call_parser,
-    json_parser_class,
-    tool_format,
-)
-from tierlm.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCallOut,
-    ToolCallOut,
-)
+from tierlm.server.chat_parsing.tool_registry import (HARMONY, forced_call_grammar, forced_call_parser,
+                                                      json_parser_class, tool_format)
+from tierlm.server.protocol import (ChatCompletionRequest, ChatMessage, DeltaFunctionCall, DeltaToolCall,
+                                    FunctionCallOut, ToolCallOut)
 
 
 @dataclass

@@ -22,17 +22,8 @@ from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
-from tierlm.platforms import (
-    BackendChoiceError,
-    Decision,
-    Facts,
-    MemoryPlanError,
-    choose_backend,
-    detect,
-    install_command,
-    pitfalls,
-    size_kv_tiers,
-)
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
+                              install_command, pitfalls, size_kv_tiers)
 from tierlm.runtime.engine_setup import check_context_length
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs

@@ -12,35 +12,14 @@ from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.chat_parsing.base import OutputParser, ParsedDelta
 from tierlm.server.chat_parsing.reasoning import needs_special_tokens, prompt_opens_thinking, reasoning_parser_for
-from tierlm.server.chat_tools import (
-    apply_tool_grammar,
-    delta_tool_calls,
-    keeps_special_tokens,
-    message_tool_calls,
-    template_messages,
-    template_tools,
-    tool_finish_reason,
-    tool_plan,
-)
+from tierlm.server.chat_tools import (apply_tool_grammar, delta_tool_calls, keeps_special_tokens, message_tool_calls,
+                                      template_messages, template_tools, tool_finish_reason, tool_plan)
 from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
-from tierlm.server.generation import (
-    collect_outputs,
-    finish_reason_of,
-    stream_choices,
-    summed_usage,
-    unless_disconnected,
-)
+from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
+                                      unless_disconnected)
 from tierlm.server.logprob_format import Pieces, chat_logprob_content
-from tierlm.server.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    make_usage,
-)
+from tierlm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatCompletionResponse, ChatDelta, ChatMessageOut, make_usage)
 from tierlm.server.sampling_mapping import chat_max_tokens, openai_sampling_params, reject_unsupported_chat
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
 from tierlm.server.structured_output import check_grammars

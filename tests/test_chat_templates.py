@@ -13,12 +13,8 @@ from tierlm.backends.model_source.chat_templates import BUILTIN_CHAT_TEMPLATES, 
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer, save_byte_tokenizer
 from tierlm.runtime import engine_setup
-from tierlm.runtime.chat_format import (
-    DETECTED_REASONING_PARSERS,
-    DETECTED_TOOL_CALL_PARSERS,
-    HARMONY_PARSER,
-    HARMONY_STOP_TOKENS,
-)
+from tierlm.runtime.chat_format import (DETECTED_REASONING_PARSERS, DETECTED_TOOL_CALL_PARSERS, HARMONY_PARSER,
+                                        HARMONY_STOP_TOKENS)
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
 

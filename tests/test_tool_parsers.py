@@ -11,12 +11,8 @@ import pytest
 from tierlm.server.chat_parsing.base import ParsedDelta
 from tierlm.server.chat_parsing.harmony import HarmonyParser
 from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls
-from tierlm.server.chat_parsing.tool_parsers import (
-    HermesToolParser,
-    JsonListToolParser,
-    Llama3ToolParser,
-    MistralToolParser,
-)
+from tierlm.server.chat_parsing.tool_parsers import (HermesToolParser, JsonListToolParser, Llama3ToolParser,
+                                                     MistralToolParser)
 from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS, forced_call_grammar, tool_parser_for
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'

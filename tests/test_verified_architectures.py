@@ -21,15 +21,9 @@ from engine_harness import greedy, run, start_engine
 from model_factory import FAMILIES, HYBRIDS, build_tiny_hybrid, hybrid_available
 
 from tierlm.backends import verified_architectures
-from tierlm.backends.verified_architectures import (
-    FLAG,
-    RECURRENT_MODEL_TYPES,
-    VERIFIED_ARCHITECTURES,
-    UnverifiedArchitectureError,
-    assess_architecture,
-    check_architecture,
-    verified_for,
-)
+from tierlm.backends.verified_architectures import (FLAG, RECURRENT_MODEL_TYPES, VERIFIED_ARCHITECTURES,
+                                                    UnverifiedArchitectureError, assess_architecture,
+                                                    check_architecture, verified_for)
 from tierlm.runtime.errors import StartupError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"

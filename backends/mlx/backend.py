@@ -8,15 +8,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from tierlm.backends.base import (
-    SHARED_PAGE_LAYOUT,
-    ForwardBatch,
-    ForwardOutput,
-    HostKVPool,
-    KVCacheDtypeError,
-    ModelBackend,
-    ModelInfo,
-)
+from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
+                                  ModelBackend, ModelInfo)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.mlx.grammar_mask import apply_token_bitmask
 from tierlm.backends.mlx.hybrid_families import ModelParts, attention_attributes

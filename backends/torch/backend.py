@@ -7,15 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierlm.backends.base import (
-    SHARED_PAGE_LAYOUT,
-    ForwardBatch,
-    ForwardOutput,
-    HostKVPool,
-    KVCacheDtypeError,
-    ModelBackend,
-    ModelInfo,
-)
+from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
+                                  ModelBackend, ModelInfo)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder

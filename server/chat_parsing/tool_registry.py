@@ -7,13 +7,8 @@ import json
 from typing import Any
 
 from tierlm.server.chat_parsing.base import OutputParser
-from tierlm.server.chat_parsing.tool_parsers import (
-    HermesToolParser,
-    JsonListToolParser,
-    JsonToolParser,
-    Llama3ToolParser,
-    MistralToolParser,
-)
+from tierlm.server.chat_parsing.tool_parsers import (HermesToolParser, JsonListToolParser, JsonToolParser,
+                                                     Llama3ToolParser, MistralToolParser)
 
 HARMONY = "harmony"  # gpt-oss: the harmony parser (channels) reads the calls; it runs alone
 _FORMATS: dict[str, type[JsonToolParser] | str] = {

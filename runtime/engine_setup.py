@@ -91,10 +91,6 @@ class EngineParts:
     decode_graphs: dict[str, Any] | None = None  # the static decode path (buckets, captured sizes, why): setup_decode_graphs
 
     @property
-    def model_dir(self) -> Path:
-        return self.folder.path
-
-    @property
     def grammar(self) -> GrammarManager:
         return self.scheduler.grammar
 
@@ -106,7 +102,7 @@ class EngineParts:
         acc = self.cache.accounting()
         kv_tok = self.backend.kv_bytes_per_token()
         return {
-            "model_path": str(self.model_dir),
+            "model_path": str(self.folder.path),
             "backend": self.backend.name,
             "device": self.backend.device,
             "dtype": self.model_info.dtype,

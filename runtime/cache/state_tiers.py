@@ -28,7 +28,7 @@ from tierlm.runtime.cache.state_slots import StateSlots
 from tierlm.runtime.cache.state_snapshots import StateSnapshots
 from tierlm.runtime.cache.storage.base import KVStorage
 from tierlm.runtime.cache.storage.page_keys import page_keys
-from tierlm.runtime.cache.storage.storage_io import PrefetchHandle, StorageIO
+from tierlm.runtime.cache.storage.storage_io import FreeAfterRead, PrefetchHandle, StorageIO
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class StateTiers:
         self.loaded_host_states = 0  # host snapshots copied back into device slots
         self.loaded_storage_states = 0  # snapshots read from L3 and used
         self._reads: dict[PrefetchHandle, tuple[PrefetchHandle, int]] = {}  # page prefetch -> (state read, slot)
-        self._deferred: list[tuple[PrefetchHandle, int]] = []  # slots a cancelled read may still be writing
+        # slots a cancelled read may still be writing: freed once it has left them
+        self._deferred: FreeAfterRead[int] = FreeAfterRead(self.alloc.free)
 
     # ------------------------------------------------------------ L2
     def _alloc_host(self) -> int | None:
@@ -153,7 +154,7 @@ class StateTiers:
             handle.wait(wait_s)
         if len(handle.cancel()) == 1:
             return slot
-        self._release(handle, slot)
+        self._deferred.release(handle, slot)
         return None
 
     def give_back(self, page_handle: PrefetchHandle) -> None:
@@ -161,7 +162,7 @@ class StateTiers:
         r = self._reads.pop(page_handle, None)
         if r is not None:
             r[0].cancel()
-            self._release(*r)
+            self._deferred.release(*r)
 
     def adopt(self, node: TreeNode, slot: int) -> None:
         """``node`` (with host pages) takes the snapshot read into ``slot``, or keeps the one it has."""
@@ -171,21 +172,8 @@ class StateTiers:
         else:
             self.alloc.free(slot)
 
-    def _release(self, handle: PrefetchHandle, slot: int) -> None:
-        if handle.io_idle:
-            self.alloc.free(slot)
-        else:
-            self._deferred.append((handle, slot))
-
     def sweep(self) -> None:
-        if self._deferred:
-            keep = []
-            for handle, slot in self._deferred:
-                if handle.io_idle:
-                    self.alloc.free(slot)
-                else:
-                    keep.append((handle, slot))
-            self._deferred = keep
+        self._deferred.sweep()
 
     # ------------------------------------------------------------ flush / close / reporting
     def flush_storage(self) -> int:

@@ -23,7 +23,7 @@ from tierlm.runtime.cache.radix_cache import MatchResult, TreeNode
 from tierlm.runtime.cache.state_tiers import StateTiers
 from tierlm.runtime.cache.storage.base import KVStorage
 from tierlm.runtime.cache.storage.page_keys import page_keys
-from tierlm.runtime.cache.storage.storage_io import PrefetchHandle, StorageIO
+from tierlm.runtime.cache.storage.storage_io import FreeAfterRead, PrefetchHandle, StorageIO
 from tierlm.runtime.request import PendingPrefetch, Req
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -73,12 +73,12 @@ class StoragePrefetch:
         # Host pages reserved for a prefetch to read into, until its request is admitted or released.
         self._reserved: dict[PrefetchHandle, list[int]] = {}
         # Host pages a cancelled read may still be writing: freed once their prefetch is io_idle.
-        self._deferred: list[tuple[PrefetchHandle, list[int]]] = []
+        self._deferred: FreeAfterRead[list[int]] = FreeAfterRead(cache.free_host_pages)
 
     @property
     def reserved_pages(self) -> int:
         """Host pages held for reads in flight (reserved, or waiting for a cancelled read to leave them)."""
-        return sum(map(len, self._reserved.values())) + sum(len(p) for _, p in self._deferred)
+        return sum(map(len, self._reserved.values())) + sum(map(len, self._deferred))
 
     # ------------------------------------------------------------ start
     def start(self, req: Req) -> None:
@@ -272,7 +272,7 @@ class StoragePrefetch:
             busy = reserved[handle.num_loaded] if handle.num_loaded < len(reserved) else None
             if busy is not None and busy in free:
                 free.remove(busy)
-                self._deferred.append((handle, [busy]))
+                self._deferred.hold(handle, [busy])
         if free:
             self.cache.free_host_pages(free)
 
@@ -280,15 +280,7 @@ class StoragePrefetch:
         """Free the host pages that cancelled reads have left since the last sweep."""
         if self.states is not None:
             self.states.sweep()
-        if not self._deferred:
-            return
-        keep = []
-        for handle, pages in self._deferred:
-            if handle.io_idle:
-                self.cache.free_host_pages(pages)
-            else:
-                keep.append((handle, pages))
-        self._deferred = keep
+        self._deferred.sweep()
 
 
 def _prefetch_done(pf: PendingPrefetch, states: StateTiers | None) -> bool:

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage
 
@@ -56,6 +56,42 @@ class _Worker:
 
 class _Abandoned(Exception):
     """The watchdog gave up on this thread's call and already settled its job."""
+
+
+Held = TypeVar("Held")
+
+
+class FreeAfterRead(Generic[Held]):
+    """Memory a cancelled read may still be writing into (host pages, a state slot): held until its prefetch is
+    ``io_idle``, then handed to ``free`` by ``sweep``."""
+
+    def __init__(self, free: Callable[[Held], None]) -> None:
+        self._free = free
+        self._held: list[tuple[PrefetchHandle, Held]] = []
+
+    def hold(self, handle: "PrefetchHandle", item: Held) -> None:
+        self._held.append((handle, item))
+
+    def release(self, handle: "PrefetchHandle", item: Held) -> None:
+        """Free ``item`` now if no read of ``handle`` is in flight, else once there is none."""
+        if handle.io_idle:
+            self._free(item)
+        else:
+            self.hold(handle, item)
+
+    def sweep(self) -> None:
+        if not self._held:
+            return
+        keep = []
+        for handle, item in self._held:
+            if handle.io_idle:
+                self._free(item)
+            else:
+                keep.append((handle, item))
+        self._held = keep
+
+    def __iter__(self) -> Iterator[Held]:
+        return (item for _, item in self._held)
 
 
 class PrefetchHandle:

@@ -89,6 +89,9 @@ class SamplingBatch:
     # token 32 * w + j), or None when no row is constrained; an unconstrained row is all ones (-1). The samplers
     # mask the logits with it before penalties, temperature, top-k/p and min-p, and before the greedy argmax.
     token_bitmask: np.ndarray | None = None
+    # logit_bias of every row that has one, as (rows int64 [B], token ids int64 [B], biases float32 [B]); None when
+    # no row has one. The samplers add it to the logits first: before penalties, temperature and the greedy argmax.
+    logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def greedy(cls, n: int) -> "SamplingBatch":
@@ -349,6 +352,11 @@ class ModelBackend(ABC):
         """The static decode path's state now (steps it ran, captured sizes); None without one."""
         return None
 
+    def kernels(self) -> dict[str, str]:
+        """Which kernel each layer type runs (linear, prefill and decode attention), with why, as set up: for
+        /server_info. Empty where the backend has one fixed set (its docs name them)."""
+        return {}
+
     def init_state_pool(self, num_slots: int) -> None:
         """Allocate ``num_slots`` recurrent-state slots (ModelInfo.state); nothing to do for attention-only models."""
         if self.linear_state is not None:
@@ -446,6 +454,10 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+    def compiled_bytes(self, compiled: Any) -> int:
+        """Memory a compiled grammar holds (the grammar cache is bounded by it); 0 where unknown."""
+        return 0
 
     def allocate_bitmask(self, rows: int) -> np.ndarray:
         """An all-allowed bitmask for ``rows`` rows."""

@@ -27,6 +27,9 @@ def dtype_decision(requested: str, device: str, stored: str | None = None, cpu_b
     float32 reference, and the fast matmuls there).
     """
     if requested != "auto":
+        if requested in HALF_DTYPES and device == "cpu" and not cpu_bf16:
+            return requested, (f"--dtype {requested} on a CPU without native {requested} matmuls (AVX512-BF16, "
+                               "AMX-BF16 or Arm BF16): it runs converted through float32, slower than --dtype float32")
         return requested, "--dtype"
     if device == "cuda":
         return "bfloat16", "--dtype auto on CUDA"
@@ -38,7 +41,7 @@ def dtype_decision(requested: str, device: str, stored: str | None = None, cpu_b
         kept = "kept" if stored == "bfloat16" else f"{stored or 'float32 (unstated)'} served in bfloat16"
         return "bfloat16", (f"--dtype auto on a CPU with native bf16 matmuls: the checkpoint's {kept}, as vLLM CPU "
                             "does; --dtype float32 for float32 outputs")
-    return "float32", "--dtype auto on a CPU without native bf16 matmuls (AVX512-BF16 / AMX-BF16)"
+    return "float32", "--dtype auto on a CPU without native bf16 matmuls (AVX512-BF16, AMX-BF16 or Arm BF16)"
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:

@@ -6,6 +6,7 @@
     for line in pitfalls(facts, os.environ) + tiers.warnings: logger.warning(line)
 """
 from tierlm.platforms.backend_choice import BackendChoiceError, Decision, choose_backend
+from tierlm.platforms.cpu_features import CpuFeatures, CpuIsaError, this_cpu
 from tierlm.platforms.facts import Facts, detect
 from tierlm.platforms.install_commands import install_command, install_set, mlx_install_command
 from tierlm.platforms.memory_plan import (MemoryPlan, MemoryPlanError, TierPlan, plan_memory, plan_memory_for_args,
@@ -13,7 +14,8 @@ from tierlm.platforms.memory_plan import (MemoryPlan, MemoryPlanError, TierPlan,
 from tierlm.platforms.pitfalls import pitfalls
 
 __all__ = [
-    "BackendChoiceError", "Decision", "Facts", "MemoryPlan", "MemoryPlanError", "choose_backend", "detect",
+    "BackendChoiceError", "CpuFeatures", "CpuIsaError", "Decision", "Facts", "MemoryPlan", "MemoryPlanError",
+    "choose_backend", "detect",
     "install_command", "install_set", "mlx_install_command", "pitfalls", "plan_memory", "plan_memory_for_args",
-    "size_kv_tiers", "TierPlan",
+    "size_kv_tiers", "this_cpu", "TierPlan",
 ]

@@ -47,6 +47,8 @@ def choose_backend(
 ) -> Decision:
     """Pure: the same facts, env and flags always give the same Decision (or the same error)."""
     env = env or {}
+    if facts.cpu_isa_error:
+        raise BackendChoiceError(facts.cpu_isa_error)
     device_flag = (device_flag or "auto").strip().lower()
     if device_flag not in DEVICES:
         raise BackendChoiceError(f"--device must be one of {', '.join(DEVICES)}, got {device_flag!r}")
@@ -85,8 +87,10 @@ def choose_backend(
     native_bf16 = backend == "torch" and device == "cpu" and facts.cpu_bf16 is not None
     if backend == "torch" and device == "cpu":
         reasons.append(f"the CPU has native bf16 matmuls ({facts.cpu_bf16}): --dtype auto serves bfloat16"
-                       if native_bf16 else "no native bf16 matmuls on this CPU (AVX512-BF16 / AMX-BF16): --dtype auto "
-                       "serves float32")
+                       if native_bf16 else "no native bf16 matmuls on this CPU (AVX512-BF16, AMX-BF16 or Arm BF16): "
+                       "--dtype auto serves float32")
+        reasons.append(f"CPU level {facts.cpu.level}" + (f" (capped by TIERLM_CPU_ISA={facts.cpu_isa_cap})"
+                                                          if facts.cpu_isa_cap else ""))
     return Decision(backend=backend, device=device, reasons=reasons, native_bf16=native_bf16)
 
 

@@ -19,14 +19,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from tierlm.platforms.cpu_features import CpuFeatures, detect_cpu_or_error, known_flags, normalize_arch
+
 ACCELERATOR_CUDA = "cuda"
 ACCELERATOR_APPLE = "apple"
 ACCELERATOR_NONE = "none"
 
 _DEVICE_TREE_MODEL = "/proc/device-tree/model"
-_CPUINFO = "/proc/cpuinfo"
-# /proc/cpuinfo flags of native bf16 matmul instructions, best first (AMX tiles, then AVX-512 dot products).
-CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @dataclass(frozen=True)
@@ -56,11 +55,26 @@ class Facts:
     mlx_lm_version: str | None = None  # None: mlx_lm is not installed
     mlx_metal_available: bool = False
     mlx_error: str | None = None  # why an installed mlx failed to import
-    # The CPU's native bf16 matmul instructions, best first ("amx_bf16", "avx512_bf16"; Linux /proc/cpuinfo
-    # flags); None: none, or not Linux x86. torch's oneDNN kernels use them, which makes bf16 the fast CPU dtype.
-    cpu_bf16: str | None = None
+    # The CPU as platforms/cpu_features.py reads it (Linux /proc/cpuinfo), after any TIERLM_CPU_ISA cap: the
+    # instruction flags tierlm's decisions look at, the model name, physical cores, and the cap and what it dropped.
+    cpu_flags: tuple[str, ...] = ()
+    cpu_model: str = ""
+    cpu_physical_cores: int = 0
+    cpu_isa_cap: str | None = None
+    cpu_isa_dropped: tuple[str, ...] = ()
+    cpu_isa_error: str | None = None  # TIERLM_CPU_ISA names no level here: choose_backend stops startup with it
 
     # --- derived, so callers never repeat the string tests ---
+    @property
+    def cpu(self) -> CpuFeatures:
+        return CpuFeatures(arch=self.arch, flags=frozenset(self.cpu_flags), model_name=self.cpu_model,
+                           physical_cores=self.cpu_physical_cores, cap=self.cpu_isa_cap, dropped=self.cpu_isa_dropped)
+
+    @property
+    def cpu_bf16(self) -> str | None:
+        """The CPU's native bf16 matmul instructions (amx_bf16 | avx512_bf16 | aarch64 bf16), or None."""
+        return self.cpu.native_bf16
+
     @property
     def torch_importable(self) -> bool:
         return self.torch_version is not None
@@ -107,12 +121,18 @@ class Facts:
         d = dataclasses.asdict(self)
         d["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
         d["torch_warnings"] = list(self.torch_warnings)
+        d["cpu_flags"] = list(self.cpu_flags)
+        d["cpu_isa_dropped"] = list(self.cpu_isa_dropped)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Facts":
         """Rebuild recorded facts. Unknown keys are an error so a typo in a recorded machine cannot hide."""
         names = {f.name for f in dataclasses.fields(cls)}
+        d = dict(d)
+        legacy_bf16 = d.pop("cpu_bf16", None)  # recordings before cpu_flags named only the bf16 flag
+        if legacy_bf16 and not d.get("cpu_flags"):
+            d["cpu_flags"] = [legacy_bf16]
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown fact(s) {unknown}; known facts are {sorted(names)}")
@@ -120,8 +140,9 @@ class Facts:
         if kw.get("compute_capability") is not None:
             major, minor = kw["compute_capability"]
             kw["compute_capability"] = (int(major), int(minor))
-        if "torch_warnings" in kw:
-            kw["torch_warnings"] = tuple(kw["torch_warnings"] or ())
+        for key in ("torch_warnings", "cpu_flags", "cpu_isa_dropped"):
+            if key in kw:
+                kw[key] = tuple(kw[key] or ())
         return cls(**kw)
 
 
@@ -131,7 +152,7 @@ class Facts:
 def detect() -> Facts:
     """Probe this machine. Slow parts: importing torch (~1 s) and one nvidia-smi call when torch sees no GPU."""
     os_name = platform.system()
-    arch = _normalize_arch(platform.machine())
+    arch = normalize_arch(platform.machine())
     rosetta = os_name == "Darwin" and arch == "x86_64" and _sysctl("sysctl.proc_translated") == "1"
     ram_total, ram_available = _ram()
     facts: dict[str, Any] = dict(
@@ -143,8 +164,9 @@ def detect() -> Facts:
         rosetta=rosetta,
         python_version=platform.python_version(),
         board_model=_board_model(),
-        cpu_bf16=cpu_bf16_isa(_cpuinfo()) if os_name == "Linux" else None,
     )
+    if os_name == "Linux":
+        facts.update(_probe_cpu(arch))
     facts.update(_probe_torch())
     facts.update(_probe_mlx())
 
@@ -167,15 +189,6 @@ def detect() -> Facts:
     return dataclasses.replace(probe, unified_memory=unified)
 
 
-def _normalize_arch(machine: str) -> str:
-    m = machine.lower()
-    if m in ("x86_64", "amd64", "x64"):
-        return "x86_64"
-    if m in ("aarch64", "arm64", "armv8", "armv8l"):
-        return "aarch64"
-    return m or "unknown"
-
-
 def _ram() -> tuple[int, int]:
     try:
         import psutil
@@ -195,22 +208,13 @@ def _ram() -> tuple[int, int]:
         return 0, 0
 
 
-def _cpuinfo() -> str:
-    try:
-        with open(_CPUINFO, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def cpu_bf16_isa(cpuinfo: str) -> str | None:
-    """The best native bf16 matmul flag in /proc/cpuinfo text (every core's "flags" line is the same), or None."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags = set(value.split())
-            return next((f for f in CPU_BF16_FLAGS if f in flags), None)
-    return None
+def _probe_cpu(arch: str) -> dict[str, Any]:
+    """/proc/cpuinfo through platforms/cpu_features.py, with TIERLM_CPU_ISA applied (a bad value is kept as an
+    error for choose_backend to report, and the machine's own flags are used meanwhile)."""
+    cpu, error = detect_cpu_or_error(machine=arch)
+    return {"cpu_flags": tuple(sorted(cpu.flags & known_flags(arch))), "cpu_model": cpu.model_name,
+            "cpu_physical_cores": cpu.physical_cores,
+            "cpu_isa_cap": cpu.cap, "cpu_isa_dropped": cpu.dropped, "cpu_isa_error": error}
 
 
 def _board_model() -> str | None:
@@ -376,4 +380,4 @@ def _probe_apple(facts: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Facts", "detect", "cpu_bf16_isa", "parse_nvidia_smi_row", "ACCELERATOR_CUDA", "ACCELERATOR_APPLE", "ACCELERATOR_NONE"]
+__all__ = ["Facts", "detect", "parse_nvidia_smi_row", "ACCELERATOR_CUDA", "ACCELERATOR_APPLE", "ACCELERATOR_NONE"]

@@ -9,7 +9,11 @@ Three cases, decided by the backend's device and the facts:
   cache and NVML reports no memory, so the OS figure is the only honest one. A --hicache-ratio (or size)
   that would overcommit is reduced, with a warning showing the numbers.
 - CPU: L1 and L2 both live in RAM, sized from the same budget; explicit settings that do not fit are an
-  error with the numbers and the fix.
+  error with the numbers and the fix. The default leaves room for what else runs (another tierlm instance,
+  a Mooncake store): L1 + L2 at most DEFAULT_CPU_KV_SHARE of total RAM, and L1 at most context length x max
+  running requests (what running requests can ever use; the prefix cache beyond that is L2's job). The
+  available figure it starts from must count other pools already promised: serve commits its pools before it
+  reports ready, so an instance started after it sees them as used.
 
 Facts must be detected *before* the weights are loaded: the weights are subtracted here.
 Pure: no probing, no allocation. Sizes in messages are GB = 1e9 bytes, as SGLang prints them.
@@ -33,9 +37,11 @@ HEADROOM_MIN = 1 * GiB  # ...at least this much...
 HEADROOM_MAX = 10 * GiB  # ...and at most SGLang's fixed 10 GiB host reserve.
 DEFAULT_UNIFIED_FRACTION = 0.80  # weights + L1 share of available memory on unified machines
 DEFAULT_CPU_FRACTION = 0.40  # CPU decode is slow; a larger pool mostly pins RAM the rest of the box needs
+DEFAULT_CPU_KV_SHARE = 0.25  # CPU default: device + host KV together at most this share of total RAM
 GPU_RESERVE_FIXED = 1 * GiB  # CUDA context, cuBLAS workspace...
 GPU_RESERVE_SHARE = 0.10  # ...plus activations and graphs, as a share of GPU memory
 CONTEXT_CAP_FACTOR = 4  # without --max-total-tokens: device KV <= 4 x context length x max running requests
+CPU_CONTEXT_CAP_FACTOR = 1  # ...on CPU by default: no more than the running requests can ever use
 MIN_DEVICE_PAGES = 2  # the smallest device pool a launch allocates
 
 KIND_DISCRETE = "discrete"
@@ -136,12 +142,13 @@ def plan_memory(
     context_cap = None
     if not max_total_tokens and context_length and max_running_requests:
         context_cap = (context_length, max_running_requests)
+    kind = memory_kind(facts, decision)
     req = _Request(
         facts, decision, weight_bytes, kv_bytes_per_token, page_size, max_total_tokens, mem_fraction_static,
         enable_hierarchical_cache, hicache_ratio, int(hicache_size_gb * GB) if hicache_size_gb > 0 else 0,
         context_cap,
+        CPU_CONTEXT_CAP_FACTOR if kind == KIND_CPU and mem_fraction_static is None else CONTEXT_CAP_FACTOR,
     )
-    kind = memory_kind(facts, decision)
     if kind == KIND_DISCRETE:
         return _plan_discrete(req)
     return _plan_shared(req, kind)
@@ -362,6 +369,7 @@ class _Request:
     ratio: float
     host_size: int  # bytes; >0 overrides the ratio
     context_cap: tuple[int, int] | None = None  # (context length, max running requests) without --max-total-tokens
+    context_factor: int = CONTEXT_CAP_FACTOR
 
     def tokens(self, nbytes: float) -> int:
         """Whole pages of KV that fit in nbytes, as tokens."""
@@ -377,10 +385,10 @@ class _Request:
             return self.max_total_tokens * self.per_token
         if self.context_cap:
             ctx, running = self.context_cap
-            cap = CONTEXT_CAP_FACTOR * ctx * running
+            cap = self.context_factor * ctx * running
             if cap * self.per_token < l1:
                 reasons.append(
-                    f"capped at {CONTEXT_CAP_FACTOR} x context length {ctx} x max running requests {running} = "
+                    f"capped at {self.context_factor} x context length {ctx} x max running requests {running} = "
                     f"{cap} tokens = {_gb(cap * self.per_token)} (memory would allow {_gb(l1)}; more can never be "
                     "used: --max-total-tokens sets the size instead)"
                 )
@@ -488,6 +496,8 @@ def _plan_shared(r: _Request, kind: str) -> MemoryPlan:
             if fit < static:
                 static = fit
                 reasons.append(f"device KV shrunk so the HiCache host tier fits the same budget: weights + device KV = {_gb(static)}")
+        if kind == KIND_CPU and not r.max_total_tokens:
+            static = _cap_cpu_default(r, static, reasons)
     static = _cap_by_metal_working_set(f, r.decision, static, reasons)
     l1 = static - r.weights
     reasons.append(f"device KV = {_gb(static)} - weights {_gb(r.weights)} = {_gb(l1)}")
@@ -528,6 +538,22 @@ def _plan_shared(r: _Request, kind: str) -> MemoryPlan:
     return MemoryPlan(
         kind, device_tokens, host_tokens, r.per_token, r.weights, avail, headroom, frac, ratio, warnings, reasons
     )
+
+
+def _cap_cpu_default(r: _Request, static: float, reasons: list[str]) -> float:
+    """CPU default: device + host KV at most DEFAULT_CPU_KV_SHARE of total RAM (L1's share of it when the host
+    tier follows --hicache-ratio; all of it when --hicache-size fixes L2), so the machine keeps room for other
+    instances and programs whatever the available figure said at startup."""
+    total = r.facts.ram_total_bytes
+    kv_cap = DEFAULT_CPU_KV_SHARE * total
+    l1_cap = kv_cap / (1 + r.ratio) if r.hicache and not r.host_size else kv_cap
+    if static - r.weights <= l1_cap:
+        return static
+    reasons.append(
+        f"CPU default: device + host KV at most {DEFAULT_CPU_KV_SHARE:g} of total RAM {_gb(total)} = {_gb(kv_cap)}, "
+        f"so device KV <= {_gb(l1_cap)} (other instances and programs share this RAM; --mem-fraction-static or "
+        "--max-total-tokens sets the size instead)")
+    return r.weights + l1_cap
 
 
 def _shared_pool_name(f: Facts, kind: str) -> str:

@@ -74,5 +74,14 @@ def sampling_batch(reqs: list[Req]) -> SamplingBatch:
         repetition_penalty=np.maximum(f32([p.repetition_penalty for p in ps]), np.finfo(np.float32).tiny),
         seeds=[p.seed for p in ps],
         output_ids=[r.output_ids for r in reqs], prompt_ids=[r.input_ids for r in reqs],
-        all_greedy=bool((temperature == 0).all()), any_penalty=any_penalty,
+        all_greedy=bool((temperature == 0).all()), any_penalty=any_penalty, logit_bias=logit_bias_arrays(ps),
     )
+
+
+def logit_bias_arrays(ps: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """SamplingBatch.logit_bias: (row, token id, bias) of every biased token of the rows, or None."""
+    if not any(p.logit_bias for p in ps):
+        return None
+    entries = [(i, t, b) for i, p in enumerate(ps) for t, b in p.logit_bias.items()]
+    rows, ids, biases = zip(*entries)
+    return np.asarray(rows, np.int64), np.asarray(ids, np.int64), np.asarray(biases, np.float32)

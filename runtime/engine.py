@@ -116,6 +116,8 @@ class Engine:
                 f"This model's maximum context length is {self.context_length} tokens, but the prompt has {n} "
                 f"tokens. Shorten the prompt.", param="prompt", code="context_length_exceeded")
         self.check_token_ids(req.input_ids, "prompt")
+        if req.sampling_params.logit_bias:  # the samplers index the logits with these ids
+            self.check_token_ids(list(req.sampling_params.logit_bias), "logit_bias")
         if n + max_new > self.context_length:
             raise RequestError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
@@ -179,7 +181,7 @@ class Engine:
         try:
             await asyncio.wrap_future(self.parts.grammar.compile(spec))
         except GrammarError as e:
-            raise RequestError(e.for_request(spec), 400, param=spec.param, code="invalid_grammar") from None
+            raise RequestError(e.for_request(spec), 400, param=spec.param, code=e.code) from None
 
     async def flush_cache(self, storage: bool = False) -> bool:
         return await self._call(lambda: self.parts.scheduler.flush_cache(storage=storage))

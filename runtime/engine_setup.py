@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -22,13 +23,15 @@ from typing import Any, Callable, Mapping
 from tierlm.backends.base import GrammarBackend, HostStatePool, KVCacheDtypeError, ModelBackend, ModelInfo
 from tierlm.backends.dtypes import DTYPE_BYTES, dtype_decision
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
+from tierlm.backends.model_source.builtin_model import BUILTIN_DTYPE_WHY, BUILTIN_MODEL_NOTICE, is_builtin_model
 from tierlm.backends.model_source.chat_templates import resolve_chat_template
-from tierlm.backends.model_source.demo import DEMO_MODEL_NOTICE
 from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
-from tierlm.platforms import BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect, size_kv_tiers
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
+                              size_kv_tiers, this_cpu)
+from tierlm.platforms.memory_limits import bounded_by_cgroup, cgroup_memory
 from tierlm.runtime.cache.hicache_manager import LAYOUTS, WRITE_POLICIES, HiCacheManager
 from tierlm.runtime.cache.hiradix_cache import HiRadixCache
 from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
@@ -124,6 +127,7 @@ class EngineParts:
             "radix_cache": self.cache.tree is not None,
             "state_pool": self.cache.state_accounting(),  # hybrids: free + cached + in_use == total; else None
             "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
+            "grammar_cache": self.grammar.cache_info(),
             "chat_template": self.chat_format.chat_template_source,
             "reasoning_parser": {"name": self.chat_format.reasoning_parser,
                                  "chosen_by": self.chat_format.reasoning_parser_source},
@@ -132,6 +136,8 @@ class EngineParts:
             "speculative": self.scheduler.spec.info() if self.scheduler.spec is not None else None,
             "attention_backend": {"name": self.attention[0], "chosen_by": self.attention[1]},
             "decode_graphs": self.decode_graphs_info(),
+            "kernels": self.backend.kernels(),
+            "cpu": this_cpu().to_dict() if self.backend.device == "cpu" else None,
         }
 
     def decode_graphs_info(self) -> dict[str, Any] | None:
@@ -152,7 +158,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     except ValueError as e:
         raise StartupError(str(e)) from e
     folder = resolve_model(args)  # config.json and the rest read here, once
-    facts = detect()  # before the weights load, so the memory plan counts them once
+    facts = ram_bound(detect())  # before the weights load, so the memory plan counts them once
     decision = decide_backend(args, facts)
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
     attention = check_attention_backend(args, decision)
@@ -177,9 +183,12 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
         backend.set_host_io_backend(args.hicache_io_backend)
     cache = make_cache_manager(args, backend, tiers)
     cache.register_gauges(metrics)
+    commit_host_pool(cache)
     stop_ids = stop_token_ids(info, tokenizer, chat_format.extra_stop_tokens)
     outputs = OutputProcessor(tokenizer, stop_ids, metrics)
-    grammar = GrammarManager(make_grammar_backend(args, tokenizer, info, stop_ids))
+    grammar = GrammarManager(make_grammar_backend(args, tokenizer, info, stop_ids),
+                             cache_bytes=args.grammar_cache_mb * 2**20, compile_timeout_s=args.grammar_compile_timeout)
+    grammar.register_gauges(metrics)
     scheduler = Scheduler(backend, cache, max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size, metrics=metrics, outputs=outputs, emit=emit,
                           grammar=grammar, max_prefill_tokens=args.max_prefill_tokens,
@@ -195,6 +204,27 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
         if scheduler.spec is not None:
             scheduler.spec.measure_cost(backend, cache.page_size, cache.num_pages)
     return parts
+
+
+def ram_bound(facts: Facts) -> Facts:
+    """The RAM facts narrowed to this process's memory cgroup (a container's limit), logged when it applies: the
+    memory plan must size the pools from the memory this process may use, not from the machine's."""
+    facts, why = bounded_by_cgroup(facts, cgroup_memory())
+    if why:
+        log.info("memory: %s", why)
+    return facts
+
+
+def commit_host_pool(cache: KVCacheManager) -> None:
+    """Wait until the host (L2) pool's pages are faulted in, before the server reports ready: memory promised to
+    a pool but not yet touched does not show as used, so another instance started after this one said "ready"
+    would size itself from RAM this one is about to take (issue 33: the OOM killer then took the first)."""
+    if not isinstance(cache, HiCacheManager) or cache.host.faulted_in.is_set():
+        return
+    t0 = time.monotonic()
+    cache.host.faulted_in.wait()  # set by the prefault thread however it ends (backends/host_memory.py)
+    log.info("host KV pool committed (%.0f MiB faulted in) in %.2f s, before reporting ready",
+             cache.host.total_bytes / 2**20, time.monotonic() - t0)
 
 
 def check_context_length(requested: int | None, model_max: int, env: Mapping[str, str]) -> int:
@@ -310,7 +340,7 @@ def resolve_model(args: ServerArgs) -> ModelFolder:
     except ModelSourceError as e:  # the message says what to do
         raise StartupError(str(e)) from e
     if args.model_path is None:
-        log.warning(DEMO_MODEL_NOTICE)
+        log.info(BUILTIN_MODEL_NOTICE)
     return ModelFolder.read(model_dir)
 
 
@@ -371,8 +401,11 @@ def choose_dtype(args: ServerArgs, decision: Decision, folder: ModelFolder) -> t
     if decision.backend != "torch":
         return args.dtype, "--dtype" if args.dtype != "auto" else "--dtype auto, resolved by the MLX backend"
     stored = folder.config.get("torch_dtype") or folder.config.get("dtype")
-    dtype, why = dtype_decision(args.dtype, decision.device, stored if isinstance(stored, str) else None,
-                                cpu_bf16=decision.native_bf16)
+    if args.dtype == "auto" and is_builtin_model(folder.path):
+        dtype, why = "float32", BUILTIN_DTYPE_WHY
+    else:
+        dtype, why = dtype_decision(args.dtype, decision.device, stored if isinstance(stored, str) else None,
+                                    cpu_bf16=decision.native_bf16)
     log.info("dtype: %s (%s)", dtype, why)
     return dtype, why
 
@@ -414,6 +447,14 @@ def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: Mode
         raise StartupError(str(e)) from e
     for w in plan.warnings:
         log.warning(w)
+    log.info("KV budget inputs: RAM %.2f GB total, %.2f GB available at sizing time (memory other instances have "
+             "committed counts as used), weights %.1f MiB, %d KV bytes/token, context length %d, max running requests "
+             "%d, page size %d; --mem-fraction-static %s, --max-total-tokens %s, HiCache %s -> device KV %.1f MiB, "
+             "host KV %.1f MiB", facts.ram_total_bytes / 1e9, facts.ram_available_bytes / 1e9,
+             backend.weight_bytes() / 2**20, backend.kv_bytes_per_token(), context_length, args.max_running_requests,
+             args.page_size, args.mem_fraction_static, args.max_total_tokens,
+             (f"ratio {args.hicache_ratio:g}" if not args.hicache_size else f"size {args.hicache_size:g} GB")
+             if args.enable_hierarchical_cache else "off", plan.device_bytes / 2**20, plan.host_bytes / 2**20)
     log.info("device KV pool (L1): %d pages x %d tokens = %d tokens, %.1f MiB, KV %s (%s)", plan.device_pages,
              plan.page_size, plan.device_tokens, plan.device_bytes / 2**20, kv_dtype_note(backend.info),
              "; ".join(plan.reasons))
@@ -516,7 +557,7 @@ def open_storage_tier(args: ServerArgs, backend: ModelBackend, hybrid: bool = Fa
     # the manager's own keys; the rest goes to the store
     timeout = (float(cfg.pop("prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S)),
                float(cfg.pop("prefetch_timeout_per_page", PREFETCH_TIMEOUT_PER_PAGE_S)))
-    io_timeout = cfg.pop("io_timeout", DEFAULT_IO_TIMEOUT_S)
+    io_timeout = cfg.setdefault("io_timeout", DEFAULT_IO_TIMEOUT_S)  # stays: a store opens under it too
     if isinstance(io_timeout, bool) or not isinstance(io_timeout, (int, float)) or not io_timeout > 0:
         raise StartupError("--hicache-storage-backend-extra-config: io_timeout (time limit of one L3 read or write) "
                            f"must be a positive number of seconds, got {io_timeout!r}")

@@ -32,11 +32,18 @@ SGLANG_GAUGE_ALIASES = {
     "tierlm_num_running_requests": ("sglang:num_running_reqs", "The number of running requests."),
     "tierlm_num_waiting_requests": ("sglang:num_queue_reqs", "The number of requests in the waiting queue."),
     "tierlm_kv_pool_usage": ("sglang:token_usage", "The token usage."),
+    "tierlm_kv_used_tokens": ("sglang:num_used_tokens", "The number of used tokens."),
+    "tierlm_kv_total_tokens": ("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
+    "tierlm_hicache_host_used_tokens": ("sglang:hicache_host_used_tokens", "The number of used tokens in the host "
+                                        "(L2) KV pool."),
+    "tierlm_hicache_host_total_tokens": ("sglang:hicache_host_total_tokens", "The number of tokens the host (L2) KV "
+                                         "pool holds."),
     "tierlm_spec_accept_length": ("sglang:spec_accept_length", "The average acceptance length of speculative decoding."),
     "tierlm_spec_accept_rate": ("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding."),
 }
 THROUGHPUT_WINDOW_S = 10.0  # sglang:gen_throughput: tokens generated over the last this many seconds
 HIT_RATE_WINDOW = 64  # sglang:cache_hit_rate: over the prompts of the last this many finished requests
+RETRACTED_WINDOW_S = 10.0  # sglang:num_retracted_reqs: requests retracted over the last this many seconds
 
 
 class _FunctionCounters(Collector):
@@ -82,9 +89,13 @@ class EngineMetrics:
                                          registry=r)
         self._sg_generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
                                              labels, registry=r)
-        self._sg_cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", labels,
-                                         registry=r)
+        # cache_source: the tier that supplied the tokens (device = L1, host = L2, storage = L3)
+        self._sg_cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.",
+                                         labels + ["cache_source"], registry=r)
         self._sg_requests = Counter("sglang:num_requests", "Number of requests processed.", labels, registry=r)
+        self._sg_aborted = Counter("sglang:num_aborted_requests", "Number of requests aborted.", labels, registry=r)
+        self._sg_retracted = Counter("sglang:num_retracted_requests", "Total number of retracted requests.", labels,
+                                     registry=r)
         self._sg_ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in "
                                   "seconds.", labels, buckets=_SGLANG_TTFT_BUCKETS, registry=r)
         self._sg_itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in "
@@ -93,15 +104,21 @@ class EngineMetrics:
                                   "seconds.", labels, buckets=_SGLANG_ITL_BUCKETS, registry=r)
         self._sg_e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in "
                                  "seconds", labels, buckets=_SGLANG_E2E_BUCKETS, registry=r)
-        for metric in (self._sg_prompt_tokens, self._sg_generation_tokens, self._sg_cached_tokens, self._sg_requests):
+        for metric in (self._sg_prompt_tokens, self._sg_generation_tokens, self._sg_requests, self._sg_aborted,
+                       self._sg_retracted):
             metric.labels(model_name)  # present from the start, at 0
+        for tier in TIERS:
+            self._sg_cached_tokens.labels(model_name, tier)
         # sglang:gen_throughput and sglang:cache_hit_rate: windows kept here, read at scrape time
         self._lock = threading.Lock()
         self._token_times: deque[float] = deque()
         self._started = time.monotonic()
         self._recent_prompts: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_WINDOW)  # (prompt, cached) tokens
+        self._retraction_times: deque[float] = deque()
         self._sglang_gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.gen_throughput)
         self._sglang_gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", self.cache_hit_rate)
+        self._sglang_gauge("sglang:num_retracted_reqs", f"The number of requests retracted (out of KV pages) in the "
+                           f"last {RETRACTED_WINDOW_S:g} s.", self.recent_retractions)
 
     # ------------------------------------------------------------ events
     def record_prefill(self, tokens: int) -> None:
@@ -109,6 +126,9 @@ class EngineMetrics:
 
     def record_retraction(self) -> None:
         self._retractions.labels(self.model_name).inc()
+        self._sg_retracted.labels(self.model_name).inc()
+        with self._lock:
+            self._retraction_times.append(time.monotonic())
 
     def record_first_token(self, seconds: float) -> None:
         self._ttft.labels(self.model_name).observe(seconds)
@@ -142,7 +162,11 @@ class EngineMetrics:
         self._sg_requests.labels(m).inc()
         self._sg_prompt_tokens.labels(m).inc(prompt_tokens)
         self._sg_generation_tokens.labels(m).inc(completion_tokens)
-        self._sg_cached_tokens.labels(m).inc(cached)
+        for tier, n in cached_by_tier.items():
+            if n:
+                self._sg_cached_tokens.labels(m, tier).inc(n)
+        if finish_reason == "abort":  # the client went away, or the request failed
+            self._sg_aborted.labels(m).inc()
         self._sg_e2e.labels(m).observe(e2e_seconds)
         if completion_tokens > 1 and ttft_seconds is not None:
             self._sg_tpot.labels(m).observe(max(e2e_seconds - ttft_seconds, 0.0) / (completion_tokens - 1))
@@ -158,6 +182,14 @@ class EngineMetrics:
                 self._token_times.popleft()
             n = len(self._token_times)
         return n / max(min(THROUGHPUT_WINDOW_S, now - self._started), 1e-3)
+
+    def recent_retractions(self) -> float:
+        """Requests retracted over the last RETRACTED_WINDOW_S seconds."""
+        now = time.monotonic()
+        with self._lock:
+            while self._retraction_times and self._retraction_times[0] < now - RETRACTED_WINDOW_S:
+                self._retraction_times.popleft()
+            return float(len(self._retraction_times))
 
     def cache_hit_rate(self) -> float:
         """Share of prompt tokens reused from a cache tier over the last HIT_RATE_WINDOW finished requests."""

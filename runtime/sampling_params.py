@@ -1,6 +1,7 @@
 """Per-request sampling settings and their validation (OpenAI / SGLang semantics)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tierlm.backends.base import MAX_TOP_LOGPROBS
@@ -29,6 +30,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # token id -> added to its logit before sampling (OpenAI's logit_bias, in [-100, 100]: -100 bans, 100 forces)
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # structured output (SGLang's names; docs/api.md): at most one grammar per request
     json_schema: str | None = None  # a JSON schema (as JSON text)
     regex: str | None = None
@@ -54,6 +57,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == 0:
             self.top_k = -1
         self.verify()
@@ -80,8 +84,18 @@ class SamplingParams:
             raise SamplingParamsError(f"at most 16 stop strings are allowed, got {len(self.stop)}", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        self._verify_logit_bias()
         self._verify_grammar()
         self._verify_logprobs()
+
+    def _verify_logit_bias(self) -> None:
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}",
+                                          "logit_bias")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                raise SamplingParamsError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}",
+                                          "logit_bias")
 
     def _verify_logprobs(self) -> None:
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:

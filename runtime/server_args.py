@@ -28,12 +28,15 @@ RADIX_EVICTION_POLICIES = ("lru", "lfu", "slru", "loop")
 # --speculative-algorithm values tierlm implements (runtime/speculative/); SGLang's others are refused.
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+# The name of the model served without --model-path (backends/model_source/builtin_model.py has its files;
+# runtime/ may not import that, tests/test_builtin_model.py holds the two names equal)
+BUILTIN_MODEL_NAME = "stories260K"
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     # model
-    model_path: str | None = None  # None -> the built-in demo model
+    model_path: str | None = None  # None -> the built-in model (backends/model_source/builtin_model.py)
     served_model_name: str | None = None
     tokenizer_path: str | None = None
     context_length: int | None = None  # None -> the model's max_position_embeddings
@@ -43,6 +46,7 @@ class ServerArgs:
     trust_remote_code: bool = False
     trust_unverified_architecture: bool = False  # serve an architecture the reference tests do not cover
     chat_template: str | None = None  # a jinja file, inline template or built-in name; None: the model's own
+    trust_request_chat_template: bool = False  # a request may send its own chat_template (vLLM's flag)
     reasoning_parser: str | None = None  # None: chosen from the model when unambiguous (gpt-oss, qwen3)
     tool_call_parser: str | None = None  # None: chosen from the model when unambiguous (qwen25, llama3, mistral, gpt-oss)
     # http
@@ -74,6 +78,8 @@ class ServerArgs:
     # misc
     random_seed: int = 0
     grammar_backend: str = "xgrammar"  # structured output: xgrammar | none (every grammar is refused)
+    grammar_compile_timeout: float = 10.0  # seconds; a grammar compiling longer fails its requests with a 400
+    grammar_cache_mb: int = 256  # compiled grammars kept, by their memory (LRU)
     warmup: bool = True
     # SGLang compatibility (docs/sglang-compat.md): each one works, is accepted and logged, or is refused in check()
     revision: str | None = None  # hub branch, tag or commit of --model-path
@@ -119,7 +125,7 @@ class ServerArgs:
         """The name clients see in /v1/models and in responses."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model_path or "tierlm-demo"
+        return self.model_path or BUILTIN_MODEL_NAME
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -143,6 +149,10 @@ class ServerArgs:
                              "default) or none")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
+        if self.grammar_cache_mb < 0:
+            raise ValueError(f"--grammar-cache-mb must be >= 0, got {self.grammar_cache_mb}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.enable_hierarchical_cache and self.disable_radix_cache:

@@ -11,12 +11,10 @@ class Tokenizer(Protocol):
     chat_template: str | None  # None: the model has none (chat requests need --chat-template)
     eos_token_id: int | None
     all_special_tokens: list[str]  # decoded with skip_special_tokens=False when a parser needs its markers
+    special_tokens_map: dict[str, Any]  # bos_token, eos_token, ...: chat template variables (server/chat_render.py)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str: ...
-
-    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """Token ids (a list, or a mapping with input_ids in transformers >= 5) when tokenize=True."""
 
     def get_vocab(self) -> dict[str, int]: ...

@@ -17,14 +17,16 @@ from tierlm.server.native_generate import router as native_router
 from tierlm.server.openai_chat import router as chat_router
 from tierlm.server.openai_completions import router as completions_router
 from tierlm.server.origin_guard import OriginGuardMiddleware
+from tierlm.server.page_route import router as page_router
 from tierlm.server.request_log import RequestLogMiddleware
+from tierlm.server.tiers_route import router as tiers_router
 from tierlm.server.tokenize_routes import router as tokenize_router
 
 logger = logging.getLogger("tierlm.server")
 
 
 def create_app(engine: EngineAPI, *, shutdown_engine_on_exit: bool = False) -> FastAPI:
-    """Routes: OpenAI /v1/*, SGLang-native /generate, health, info, flush_cache, metrics."""
+    """Routes: OpenAI /v1/*, SGLang-native /generate, health, info, flush_cache, metrics, /tiers and the page at /."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -40,7 +42,8 @@ def create_app(engine: EngineAPI, *, shutdown_engine_on_exit: bool = False) -> F
 
     app = FastAPI(title="tierlm", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
-    for router in (chat_router, completions_router, native_router, info_router, tokenize_router):
+    for router in (chat_router, completions_router, native_router, info_router, tokenize_router, tiers_router,
+                   page_router):
         app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)  # the document as the server behaves: statuses, error shape, media types

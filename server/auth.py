@@ -8,6 +8,7 @@ import secrets
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierlm.server.http_errors import send_error
+from tierlm.server.page_route import PAGE_PATHS  # the page's files: a browser loads them without a key
 
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 ADMIN_PATHS = ("/flush_cache",)
@@ -32,7 +33,7 @@ class ApiKeyMiddleware:
 
     def _required(self, path: str) -> tuple[str | None, str]:
         """(the key this path needs, the flag that set it); no key -> open."""
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path in PAGE_PATHS:
             return None, ""
         if path in ADMIN_PATHS and self.admin_api_key:
             return self.admin_api_key, "--admin-api-key"

@@ -129,7 +129,8 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     )
     model = p.add_argument_group("model")
     model.add_argument("--model-path", "--model", dest="model_path", default=None,
-                       help="Hugging Face repo id or local folder; omitted -> the built-in demo model")
+                       help="Hugging Face repo id or local folder; omitted -> the built-in model stories260K "
+                            "(a tiny story writer shipped with tierlm)")
     model.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     model.add_argument("--served-model-name", default=None, help="name reported in /v1/models and responses")
     model.add_argument("--context-length", type=int, default=None, help="defaults to the model's maximum")
@@ -144,6 +145,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     model.add_argument("--chat-template", default=None,
                        help="a jinja chat template file (or tokenizer_config.json-style .json), the template text, "
                             "or a built-in name: chatml, chatml-tools (alias qwen2.5); overrides the model's own")
+    model.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request replace the chat template (chat_template, or chat_template_kwargs."
+                            "chat_template; vLLM's flag); without it such a request gets a 400")
     model.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSER_NAMES],
                        help="split the thinking text into reasoning_content (docs/api.md); default (or auto): "
                             "chosen from the model when unambiguous (gpt-oss; qwen3 with <think> in its chat template)")
@@ -182,6 +186,11 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     sched.add_argument("--grammar-backend", default=_DEFAULTS.grammar_backend,
                        help="structured output (json_schema, regex, ebnf, response_format): xgrammar, or none to "
                             "refuse every grammar with a 400")
+    sched.add_argument("--grammar-compile-timeout", type=float, default=_DEFAULTS.grammar_compile_timeout,
+                       help="seconds one grammar may compile; past it its requests get a 400 and the result is "
+                            "dropped")
+    sched.add_argument("--grammar-cache-mb", type=int, default=_DEFAULTS.grammar_cache_mb,
+                       help="memory for compiled grammars kept for reuse (least recently used go first); 0 keeps none")
     sched.add_argument("--skip-warmup", "--skip-server-warmup", dest="skip_warmup", action="store_true",
                        help="do not run a warmup request at startup")
     sched.add_argument("--max-prefill-tokens", type=int, default=_DEFAULTS.max_prefill_tokens,

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from tierlm.backends.dtypes import kv_storage_dtype
+from tierlm.backends.dtypes import HALF_DTYPES, dtype_decision, kv_storage_dtype
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
-from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, write_demo_model
+from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
 from tierlm.backends.model_source.folder_facts import model_size
 from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
@@ -24,12 +24,13 @@ from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
-from tierlm.runtime.engine_setup import check_context_length
+from tierlm.platforms.cpu_features import cpu_kernel_plan
+from tierlm.runtime.engine_setup import check_context_length, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
 
-DEMO_LABEL = f"built-in demo model ({DEMO_MODEL_NAME})"
+BUILTIN_LABEL = f"built-in model ({BUILTIN_MODEL_NAME})"
 DEFAULT_CONTEXT_LENGTH = 2048  # what the backends use when config.json names no max_position_embeddings
 
 
@@ -48,11 +49,14 @@ def _parser():
 @contextlib.contextmanager
 def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | None, str | None]]:
     """The model folder serve would load, found without network: (folder or None, how to name it, a warning why
-    sizes are in bytes only, serve's refusal). No --model-path: the built-in demo model, written into a temporary
-    folder (the same bytes serve builds; numpy only). A hub id: the local Hugging Face cache only."""
+    sizes are in bytes only, serve's refusal). No --model-path: the built-in model shipped in the package. A hub
+    id: the local Hugging Face cache only."""
     if args.model_path is None:
-        with tempfile.TemporaryDirectory(prefix="tierlm-doctor-") as tmp:
-            yield write_demo_model(Path(tmp)), DEMO_LABEL, None, None
+        try:
+            folder, refusal = builtin_model_dir(), None
+        except ModelSourceError as e:  # an install that lost its package data
+            folder, refusal = None, str(e)
+        yield folder, BUILTIN_LABEL, None, refusal
         return
     given = args.model_path
     if Path(given).expanduser().exists() or looks_like_path(given):
@@ -103,6 +107,8 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     args.check()
     report: dict[str, Any] = {
         "facts": facts.to_dict(),
+        "cpu": facts.cpu.to_dict(),
+        "cpu_kernels": None,  # torch on CPU: which kernel each layer type will run (platforms.cpu_kernel_plan)
         "platform": facts.platform_kind,
         "install_command": install_command(facts),
         "decision": None,
@@ -127,6 +133,11 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         if folder is not None:
             _check_model(report, args, folder, label, decision, env)
     sizes = report["model"]
+    if decision.backend == "torch" and decision.device == "cpu" and sizes:
+        compiler = next((c for c in (env.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+        report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"], compiler)
+        if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
+            report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
     try:
         tiers = size_kv_tiers(facts, decision, args, weight_bytes=sizes["weight_bytes"] if sizes else 0,
@@ -179,6 +190,12 @@ def render_text(report: dict[str, Any]) -> str:
     lines = ["tierlm doctor", "", f"Machine ({report['platform']})"]
     lines.append(f"  OS / CPU         {f['os_name']} {f['arch']}, {f['cpu_count']} cores, Python {f['python_version']}"
                  + (" (Rosetta)" if f["rosetta"] else ""))
+    c = report["cpu"]
+    if c["features"] or c["model_name"]:
+        lines.append(f"  CPU              {c['model_name'] or 'unknown model'}: level {c['level']}"
+                     + (f" (capped by TIERLM_CPU_ISA={c['cap']})" if c["cap"] else "")
+                     + f", native bf16 {c['native_bf16'] or 'none'}, {c['physical_cores'] or '?'} physical cores")
+        lines.append(f"  CPU features     {' '.join(c['features'])}")
     lines.append(f"  RAM              {_gb(f['ram_total_bytes'])} total, {_gb(f['ram_available_bytes'])} available")
     if f["accelerator"] == "none":
         lines.append("  Accelerator      none")
@@ -213,6 +230,9 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"Architecture       {a['architecture']} ({a['model_type'] or 'no model_type'}): "
                          + ("verified on " + d["backend"] if a["verified"]
                             else f"NOT verified on {d['backend']} (docs/models.md)"))
+        labels = {"linear": "linear", "prefill_attention": "prefill attn", "decode_attention": "decode attn"}
+        for layer, kernel in (report.get("cpu_kernels") or {}).items():
+            lines.append(f"  {labels.get(layer, layer):<17}{kernel}")
     else:
         lines.append("Backend            cannot start as configured (see Errors)")
 
@@ -251,7 +271,7 @@ def render_text(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        report = diagnose(detect(), dict(os.environ), argv)
+        report = diagnose(ram_bound(detect()), dict(os.environ), argv)  # a container's memory limit, as serve
     except ValueError as e:  # a flag value ServerArgs rejects
         print(f"tierlm doctor: error: {e}", file=sys.stderr)
         return 2

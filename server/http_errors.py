@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -115,6 +116,9 @@ async def _handle_http_exception(request: Request, e: StarletteHTTPException) ->
     elif e.status_code == 405:
         allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow") or ""
         text = f"method {request.method} is not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+    elif isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body" of a body nested too deep
+        text = (f"the request body nests JSON objects and arrays deeper than this server parses (Python's recursion "
+                f"limit, {sys.getrecursionlimit()} levels less the parser's own calls); keep nesting under 500 levels")
     else:
         text = str(e.detail)
     code = "request_too_large" if e.status_code == 413 else None

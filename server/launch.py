@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.server_args import ServerArgs
+from tierlm.runtime.server_args import BUILTIN_MODEL_NAME, ServerArgs
 
 if TYPE_CHECKING:  # run_server imports the engine, so `tierlm --help` and friends stay quick
     from tierlm.runtime.engine import Engine
@@ -56,6 +56,7 @@ def ready_message(args: ServerArgs, seconds: float) -> str:
     auth = " -H 'Authorization: Bearer <api-key>'" if args.api_key else ""
     return (
         f"tierlm ready in {seconds:.1f} s: serving '{args.model_name}' at {url} (OpenAI base URL {url}/v1)\n"
+        f"  open {url}/ in a browser: a chat, and where each prompt's KV came from across the cache tiers\n"
         f"  try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{{\"model\": \"{args.model_name}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'"
     )
@@ -77,7 +78,7 @@ class ModelLoader:
     def _run(self) -> None:
         t0 = time.monotonic()
         logger.info("loading model %s in the background; /health answers 503 until it is ready",
-                    self.args.model_path or "(built-in demo model)")
+                    self.args.model_path or f"{BUILTIN_MODEL_NAME} (built-in)")
         try:
             self.engine.start()
         except StartupError as e:

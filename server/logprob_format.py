@@ -6,9 +6,10 @@ tokens). ``text_offset`` is the running sum of piece lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from tierlm.runtime.io_struct import LogprobOutput, TopList
+from tierlm.runtime.io_struct import GenerateOutput, LogprobOutput, TopList
 from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 
@@ -73,6 +74,18 @@ class CompletionLogprobBuilder:
             d["text_offset"].append(self.offset)
             self.offset += len(piece)
         return d
+
+
+def without_stop_token(lp: LogprobOutput | None, out: GenerateOutput | None) -> LogprobOutput | None:
+    """``lp`` without the entry of the stop token that ended ``out`` (EOS or a stop_token_ids id): the text leaves
+    that token out, so the tokens must too, or they no longer join to the text (OpenAI lists no stop token)."""
+    if lp is None or out is None or not out.finished or out.finish_reason != "stop":
+        return lp
+    stop = out.matched_stop
+    if isinstance(stop, bool) or not isinstance(stop, int) or not lp.output_token_ids or lp.output_token_ids[-1] != stop:
+        return lp
+    return dataclasses.replace(lp, output_token_ids=lp.output_token_ids[:-1], output_logprobs=lp.output_logprobs[:-1],
+                               output_top=None if lp.output_top is None else lp.output_top[:-1])
 
 
 def _empty() -> dict[str, list]:

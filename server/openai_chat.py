@@ -23,7 +23,7 @@ from tierlm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionC
 from tierlm.server.sampling_mapping import chat_max_tokens, openai_sampling_params, reject_unsupported_chat
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
 from tierlm.server.structured_output import check_grammars
-from tierlm.server.tokenization import apply_chat_template, off_loop
+from tierlm.server.tokenization import TemplatePolicy, apply_chat_template, off_loop
 
 router = APIRouter()
 
@@ -35,7 +35,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     reject_unsupported_chat(body)
     plan = tool_plan(engine, body)  # tools, tool_choice (server/chat_tools.py)
     ids = await off_loop(apply_chat_template, engine.tokenizer, template_messages(body.messages),
-                         {**template_kwargs(body), **template_tools(body)})
+                         {**template_kwargs(body), **template_tools(body)}, TemplatePolicy.of(engine.args),
+                         body.chat_template)
     max_new_tokens = chat_max_tokens(body, len(ids), engine.context_length)
     response_id = new_id("chatcmpl-")
     reasoning = [output_parser(engine, body, ids) for _ in range(body.n)]  # one per choice: they keep state

@@ -14,7 +14,7 @@ from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
 from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
                                       unless_disconnected)
-from tierlm.server.logprob_format import CompletionLogprobBuilder
+from tierlm.server.logprob_format import CompletionLogprobBuilder, without_stop_token
 from tierlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_usage
 from tierlm.server.sampling_mapping import completion_max_tokens, openai_sampling_params, reject_unsupported_completion
 from tierlm.server.sse import DONE, EventStreamResponse, sse_data
@@ -64,7 +64,8 @@ def _logprobs(engine: EngineAPI, body: CompletionRequest, final: GenerateOutput 
     """A whole choice's ``logprobs`` (prompt tokens first with echo), offsets into echo + text."""
     if body.logprobs is None or final is None:
         return None
-    return CompletionLogprobBuilder(engine.tokenizer).build(final.logprobs, body.echo, len(echo) if body.echo else 0)
+    return CompletionLogprobBuilder(engine.tokenizer).build(without_stop_token(final.logprobs, final), body.echo,
+                                                            len(echo) if body.echo else 0)
 
 
 def _echoes(engine: EngineAPI, prompts: list[tuple[list[int], str | None]], body: CompletionRequest) -> list[str]:
@@ -100,7 +101,7 @@ async def _events(request: Request, engine: EngineAPI, reqs: list[GenerateReques
                     echo_pending[i] = False
                     yield chunk(i, echoes[i], logprobs=builders[i].inputs(out.logprobs))
                     builders[i].offset = len(echoes[i])
-                lp = builders[i].outputs(out.logprobs) if out.logprobs is not None else None
+                lp = builders[i].outputs(without_stop_token(out.logprobs, out)) if out.logprobs is not None else None
                 if out.text or (lp and lp["tokens"]):
                     yield chunk(i, out.text, logprobs=lp)
             elif out.text:

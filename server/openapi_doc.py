@@ -120,6 +120,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/metrics"): Operation(
         "metrics", "Prometheus metrics (text exposition format)", {"text/plain": {"schema": {"type": "string"}}},
         (503,)),
+    ("get", "/tiers"): Operation(
+        "tiers", "KV tier occupancy, prompt tokens per tier (with a short history), queues, requests, the machine "
+        "(docs/api.md; the page at / polls it)", _json({"type": "object"}), (503,)),
 }
 
 

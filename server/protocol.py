@@ -13,10 +13,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler,
-                      WithJsonSchema, WrapValidator, model_serializer)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter,
+                      ValidationError, ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, model_serializer,
+                      model_validator)
 
+from tierlm.runtime.errors import RequestError
 from tierlm.server.structured_protocol import NativeGrammarFields, OpenAIGrammarFields
+from tierlm.server.text_fields import check_strings
 
 INT32_MAX = 2**31 - 1  # top_k travels to the samplers as int32
 MAX_STOP_STRINGS = 16  # as SamplingParams.verify
@@ -36,17 +39,47 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 StopField = Annotated[Union[str, list[str], None], _accepts(_nullable({"anyOf": [
     {"type": "string"}, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string"}}]}),
     f"a stop string or a list of at most {MAX_STOP_STRINGS}")]
-TokenId = Annotated[int, Field(ge=0)]
+INT64_MAX = 2**63 - 1
+# Lax type: keys are checked as decimal token ids (server/sampling_mapping.token_id_keys) and against the vocabulary
+# (a 400 naming logit_bias); the document says what a valid key and value are.
+LogitBiasField = Annotated[dict[str, float] | None, _accepts(_nullable({
+    "type": "object", "propertyNames": {"pattern": "^[0-9]+$", "maxLength": 19},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
+    "token id (as a decimal string) -> bias in [-100, 100] added to its logit before sampling")]
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a token id must be an integer, not true or false")
+    return value
+
+
+# Token ids are integers (JSON true/false are not; 7.0 is, as JSON Schema's integer says) that fit the engine's
+# int64; booleans are booleans (StrictBool: not 0/1 or "true").
+IdInt = Annotated[int, BeforeValidator(_not_bool)]
+# The bounds before the validator: placed after it, pydantic writes them into the OpenAPI schema as "ge"/"le"
+# (no JSON Schema meaning) instead of "minimum"/"maximum", and clients validating against the document miss them.
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_not_bool)]
 
 # ---------------------------------------------------------------- requests
 
 
+class _CheckedText(BaseModel):
+    """A request body: every string in it is valid Unicode (server/text_fields.py), checked once when it is
+    parsed; the first that is not is a 400 naming its field (RequestError passes through pydantic untouched)."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> Any:
+        check_strings(self)
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class _OpenAISamplingFields(OpenAIGrammarFields):
+class _OpenAISamplingFields(OpenAIGrammarFields, _CheckedText):
     """Sampling fields shared by /v1/completions and /v1/chat/completions, plus vLLM/SGLang extensions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -60,9 +93,8 @@ class _OpenAISamplingFields(OpenAIGrammarFields):
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: Annotated[dict[str, float] | None, _accepts(
-        _nullable({"type": "object", "maxProperties": 0}), "not supported yet: only null or {} is accepted")] = None
-    stream: bool = False
+    logit_bias: LogitBiasField = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions (vLLM / SGLang names)
@@ -70,30 +102,32 @@ class _OpenAISamplingFields(OpenAIGrammarFields):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-_TOKEN_IDS = TypeAdapter(list[int])
+_TOKEN_IDS = TypeAdapter(list[StrictInt])
+_TOKEN_ID_LISTS = TypeAdapter(list[list[StrictInt]])
 
 
 def _token_ids_first(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     """A list of ints skips the union: pydantic validates a value against every member of a union (and collects
     an error per item for list[str]), which took 270 ms on the event loop for a 1M-id prompt; this takes 20 ms.
     Anything else, and ids that do not validate, go through the union for its usual result and errors."""
-    if isinstance(value, list) and value and type(value[0]) is int:
-        try:
-            return _TOKEN_IDS.validate_python(value)
+    if isinstance(value, list) and value and (type(value[0]) is int or (
+            isinstance(value[0], list) and value[0] and type(value[0][0]) is int)):
+        try:  # plain ints (strict: no bool, no float) at C speed; the union's per-item check is the slow path
+            return (_TOKEN_IDS if type(value[0]) is int else _TOKEN_ID_LISTS).validate_python(value)
         except ValidationError:
             pass
     return handler(value)
 
 
-PromptType = Annotated[Union[str, list[str], list[int], list[list[int]]], WrapValidator(_token_ids_first)]
+PromptType = Annotated[Union[str, list[str], list[IdInt], list[list[IdInt]]], WrapValidator(_token_ids_first)]
 # Token ids must be in the model's vocabulary: the engine refuses others with a 400 that says which (its message is
 # better than a schema error, so validation stays lax and only the document states the rule).
 _IDS_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
@@ -109,7 +143,7 @@ class CompletionRequest(_OpenAISamplingFields):
         _IDS_SCHEMA,
         {"type": "array", "minItems": 1, "items": _IDS_SCHEMA},
     ]}, _PROMPT_NOTE)]
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="log-probabilities of each returned token and this many top alternatives "
                                              "(with echo, of the prompt tokens too; docs/logprobs.md)")
@@ -119,6 +153,15 @@ class CompletionRequest(_OpenAISamplingFields):
     # JSON Schema cannot say "equal to n"; the handler refuses any other value with a 400 naming best_of.
     best_of: int | None = Field(default=None, ge=1, le=128,
                                 description="only best_of equal to n is supported (the n choices are the candidates)")
+
+
+# The chat template is the operator's: a request's own (vLLM's chat_template, top level or in chat_template_kwargs)
+# is refused unless the server runs with --trust-request-chat-template, so the document accepts only null for it.
+_REQUEST_TEMPLATE_NOTE = ("vLLM: a jinja template that replaces the server's; refused (400) unless the server runs "
+                          "with --trust-request-chat-template")
+TemplateKwargs = Annotated[dict[str, Any] | None, _accepts(_nullable({
+    "type": "object", "properties": {"chat_template": {"type": "null", "description": _REQUEST_TEMPLATE_NOTE}}}),
+    "variables for the chat template, e.g. {\"enable_thinking\": false}")]
 
 
 class TextContentPart(BaseModel):
@@ -143,7 +186,8 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
         default=None, description="a JSON schema of the arguments (a forced call's arguments follow it)")
-    strict: bool | None = Field(default=None, description="accepted; forced calls always follow the schema exactly")
+    strict: StrictBool | None = Field(default=None,
+                                      description="accepted; forced calls always follow the schema exactly")
 
 
 class ToolDefinition(BaseModel):
@@ -166,21 +210,22 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(_OpenAISamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = Field(default=False, description="log-probabilities of the output tokens (docs/logprobs.md)")
+    logprobs: StrictBool = Field(default=False, description="log-probabilities of the output tokens (docs/logprobs.md)")
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="top alternatives per output token; needs logprobs: true")
     tools: list[ToolDefinition] | None = Field(
         default=None, description="functions the model may call (the chat template gets them as tools)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="auto (default with tools), none, required, or one named function; needs tools")
-    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call (default true)")
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang extension, e.g. {"enable_thinking": false}
+    parallel_tool_calls: StrictBool | None = Field(default=None, description="false: at most one call (default true)")
+    chat_template_kwargs: TemplateKwargs = None  # vLLM/SGLang extension, e.g. {"enable_thinking": false}
+    chat_template: Annotated[str | None, _accepts({"type": "null"}, _REQUEST_TEMPLATE_NOTE)] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         default=None, description="passed to the chat template as reasoning_effort (gpt-oss reads it)")
-    separate_reasoning: bool = Field(
+    separate_reasoning: StrictBool = Field(
         default=True, description="SGLang: with a reasoning parser, the thinking text goes to reasoning_content; "
                                   "false leaves it in content")
-    stream_reasoning: bool = Field(
+    stream_reasoning: StrictBool = Field(
         default=True, description="SGLang: false sends the reasoning in one piece when it ends (streaming)")
 
 
@@ -198,12 +243,30 @@ class NativeSamplingParams(NativeGrammarFields):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     stop: StopField = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     seed: int | None = None
+    logit_bias: LogitBiasField = None
 
 
-class NativeGenerateRequest(BaseModel):
+# SGLang /generate top-level fields that change what is generated or returned, which tierlm does not implement: a
+# request giving one a value other than "off" is a 400 naming it (docs/sglang-compat.md lists them)
+UNSUPPORTED_GENERATE_FIELDS = ("lora_path", "lora_id", "return_hidden_states", "custom_logit_processor", "priority",
+                               "session_params", "image_data", "video_data", "audio_data", "input_embeds",
+                               "token_ids_logprob")
+
+
+def _refuse_unimplemented(body: Any) -> Any:
+    if isinstance(body, dict):
+        given = [f for f in UNSUPPORTED_GENERATE_FIELDS if body.get(f) not in (None, False, [], {})]
+        if given:
+            raise RequestError(f"/generate: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not implemented "
+                               f"in tierlm (docs/sglang-compat.md); remove {'it' if len(given) == 1 else 'them'} from "
+                               "the request", 400, param=given[0], code="unsupported_parameter")
+    return body
+
+
+class NativeGenerateRequest(_CheckedText):
     # The handler needs exactly one of text and input_ids (a 400 otherwise); the schema says so.
     model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
         {"required": ["text"], "properties": {"text": {"not": {"type": "null"}}, "input_ids": {"type": "null"}}},
@@ -212,17 +275,19 @@ class NativeGenerateRequest(BaseModel):
     text: Annotated[str | list[str] | None, _accepts(_nullable({"anyOf": [
         _TEXT_SCHEMA, {"type": "array", "minItems": 1, "items": _TEXT_SCHEMA}]}),
         "the prompt, or a list of prompts (a batch)")] = None
-    input_ids: Annotated[list[int] | list[list[int]] | None, WrapValidator(_token_ids_first), _accepts(_nullable({"anyOf": [
+    input_ids: Annotated[list[IdInt] | list[list[IdInt]] | None, WrapValidator(_token_ids_first), _accepts(_nullable({"anyOf": [
         _IDS_SCHEMA, {"type": "array", "minItems": 1, "items": _IDS_SCHEMA}]}),
         "token ids (one prompt) or lists of token ids (a batch), in the model's vocabulary")] = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    stream: bool = False
+    stream: StrictBool = False
     rid: str | list[str] | None = None
     # SGLang's logprob fields (docs/logprobs.md)
-    return_logprob: bool = False
+    return_logprob: StrictBool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = Field(default=-1, ge=-1, description="prompt logprobs from this position on; -1: none")
-    return_text_in_logprobs: bool = False
+    return_text_in_logprobs: StrictBool = False
+
+    _refuse_unimplemented = model_validator(mode="before")(_refuse_unimplemented)
 
 
 # ---------------------------------------------------------------- responses
@@ -442,7 +507,7 @@ class FlushCacheResponse(BaseModel):
     message: str
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_CheckedText):
     """vLLM's and SGLang's POST /tokenize: a text prompt, or chat messages through the chat template."""
     model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [{"required": ["prompt"]},
                                                                            {"required": ["messages"]}]})
@@ -450,9 +515,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | list[str] | None = Field(default=None, description="a text, or a list of texts (SGLang: one "
                                                                     "token list per text)")
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = Field(default=True, description="with a text prompt: add the tokenizer's special "
+    add_special_tokens: StrictBool = Field(default=True, description="with a text prompt: add the tokenizer's special "
                                                                "tokens (e.g. BOS)")
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
+    chat_template: Annotated[str | None, _accepts({"type": "null"}, _REQUEST_TEMPLATE_NOTE)] = None
 
 
 class TokenizeResponse(BaseModel):
@@ -461,12 +527,13 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_CheckedText):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int] | list[list[int]] = Field(description="ids, or a list of id lists (SGLang: one text each)")
-    skip_special_tokens: bool = Field(default=True, description="drop special tokens (BOS, EOS, ...) from the text "
-                                                                "(SGLang's default)")
+    tokens: Annotated[list[IdInt] | list[list[IdInt]], WrapValidator(_token_ids_first)] = Field(
+        description="ids, or a list of id lists (SGLang: one text each)")
+    skip_special_tokens: StrictBool = Field(default=True, description="drop special tokens (BOS, EOS, ...) from the "
+                                                                      "text (SGLang's default)")
 
 
 class DetokenizeResponse(BaseModel):

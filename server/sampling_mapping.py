@@ -23,15 +23,11 @@ def reject_unsupported_completion(req: CompletionRequest) -> None:
         raise _not_supported("suffix (insertion)", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise _not_supported("best_of different from n", "best_of")
-    if req.logit_bias:
-        raise _not_supported("logit_bias", "logit_bias")
 
 
 def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
-    if req.logit_bias:
-        raise _not_supported("logit_bias", "logit_bias")
 
 
 def build_sampling_params(**fields: Any) -> SamplingParams:
@@ -53,6 +49,8 @@ def openai_sampling_params(req: _OpenAISamplingFields, max_new_tokens: int, choi
             fields[name] = value
     if req.seed is not None:
         fields["seed"] = req.seed + choice_index
+    if req.logit_bias:
+        fields["logit_bias"] = token_id_keys(req.logit_bias)
     fields.update(openai_logprob_fields(req))
     fields.update(openai_grammar_fields(req))  # structured output (server/structured_output.py)
     return build_sampling_params(**fields)
@@ -81,8 +79,21 @@ def with_native_logprobs(params: SamplingParams, body: NativeGenerateRequest) ->
     return params
 
 
+def token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias as clients send it (JSON keys are strings: {"50256": -100}) -> token id -> bias."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise RequestError(f"logit_bias keys must be token ids written as decimal strings (e.g. \"50256\"), got "
+                               f"{key[:40]!r}", 400, param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def native_sampling_params(sp: NativeSamplingParams) -> SamplingParams:
     fields = sp.model_dump(exclude_none=True)
+    if "logit_bias" in fields:
+        fields["logit_bias"] = token_id_keys(fields["logit_bias"])
     return build_sampling_params(**fields, **native_grammar_param(fields))
 
 

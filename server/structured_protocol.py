@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
 
 _JSON_SCHEMA_TEXT = "a JSON schema, as an object or as JSON text"
 _REFUSED = "not supported: only null is accepted"
@@ -19,7 +19,7 @@ class JsonSchemaSpec(BaseModel):
     name: str = Field(default="response", description="the schema's name (not used for decoding)")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output follows")
-    strict: bool | None = Field(default=None, description="accepted; decoding always follows the schema exactly")
+    strict: StrictBool | None = Field(default=None, description="accepted; decoding always follows the schema exactly")
 
 
 class TextFormat(BaseModel):

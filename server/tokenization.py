@@ -1,4 +1,5 @@
-"""Prompt -> token ids for the HTTP layer: plain text, token-id lists, and chat messages via the chat template.
+"""Prompt -> token ids for the HTTP layer: plain text, token-id lists, and chat messages via the chat template
+(rendered in server/chat_render.py's guarded sandbox; a request's own template only where the operator allows it).
 
 Tokenizing (or templating) a prompt of megabytes takes seconds; handlers run it through ``off_loop`` on a small
 thread pool, so the event loop keeps answering /health and streaming other requests meanwhile.
@@ -8,13 +9,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import jinja2
+
 from tierlm.runtime.errors import RequestError
+from tierlm.runtime.server_args import ServerArgs
 from tierlm.runtime.tokenizer_protocol import Tokenizer
+from tierlm.server import chat_render
+from tierlm.server.chat_render import TIME_LIMIT_S, RenderLimitError
+from tierlm.server.chat_render import render as render_template
 from tierlm.server.protocol import ChatMessage
+from tierlm.server.text_fields import check_strings, check_text
 
 T = TypeVar("T")
 _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1) + 1, thread_name_prefix="tierlm-tokenize")
@@ -23,18 +32,6 @@ _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1) + 1, thread_n
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)`` on the tokenizer thread pool and await its result."""
     return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args))
-
-
-def check_text(text: str, param: str) -> None:
-    """400 for text that is not valid Unicode: JSON can carry a lone surrogate ("\\ud800"), which no tokenizer
-    can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(
-            f"{param} contains a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character {e.start}), which "
-            "is not valid Unicode; send the text as UTF-8, with surrogates only in valid pairs", 400,
-            param=param, code="invalid_unicode") from None
 
 
 def encode_text(tokenizer: Tokenizer, text: str, param: str = "prompt") -> list[int]:
@@ -60,18 +57,6 @@ def normalize_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] 
     return [(list(p), None) for p in prompt]  # type: ignore[union-attr]
 
 
-def _check_strings(value: Any, param: str) -> None:
-    """check_text on every string inside a JSON-like value, naming the field that fails."""
-    if isinstance(value, str):
-        check_text(value, param)
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            _check_strings(v, f"{param}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_strings(v, f"{param}[{i}]")
-
-
 def _message_to_template_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     d = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):
@@ -87,24 +72,75 @@ def _message_to_template_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Render messages with the model's chat template and tokenize, ready for the assistant's reply."""
-    if not tokenizer.chat_template:
+@dataclass(frozen=True)
+class TemplatePolicy:
+    """What a request may do to the chat template: by default nothing but fill its variables. The template is the
+    operator's (--chat-template or the model's); --trust-request-chat-template lets a request bring its own
+    (vLLM's rule). Every render is bounded (server/chat_render.py)."""
+
+    allow_request_template: bool = False
+    max_chars: int = 2 * 8 * 2**20  # a rendered prompt: twice what the default --max-request-bytes body holds
+    time_limit_s: float = TIME_LIMIT_S
+
+    @classmethod
+    def of(cls, args: ServerArgs) -> TemplatePolicy:
+        return cls(allow_request_template=args.trust_request_chat_template, max_chars=2 * args.max_request_bytes,
+                   time_limit_s=chat_render.TIME_LIMIT_S)
+
+
+def request_template(kwargs: dict[str, Any], top_level: str | None, policy: TemplatePolicy) -> tuple[str, str] | None:
+    """A template the request sends (vLLM: ``chat_template``, top level or in ``chat_template_kwargs``): a 400
+    unless the operator allowed it; popped from ``kwargs`` so it is never a template variable. (field, text)."""
+    sent = [(p, v) for p, v in (("chat_template", top_level),
+                                 ("chat_template_kwargs.chat_template", kwargs.pop("chat_template", None)))
+            if v is not None]
+    if not sent:
+        return None
+    param, text = sent[0]
+    if not policy.allow_request_template:
+        raise RequestError(
+            f"{param}: a request may not replace the server's chat template; the operator chooses it (--chat-template "
+            "or the model's own). Start the server with --trust-request-chat-template to allow request templates",
+            400, param=param, code="chat_template_not_allowed")
+    if not isinstance(text, str):
+        raise RequestError(f"{param} must be a string (a jinja template)", 400, param=param)
+    check_text(text, param)
+    return param, text  # compiled inside the render's limits (jinja runs constant filters while compiling)
+
+
+def _alias_reasoning(d: dict[str, Any]) -> dict[str, Any]:
+    """As transformers does: a message's reasoning under any of its names is also reasoning_content and thinking
+    (gpt-oss templates read thinking)."""
+    reasoning = next((d[k] for k in ("reasoning_content", "thinking", "reasoning") if d.get(k) is not None), None)
+    return d if reasoning is None else {"thinking": reasoning, **d, "reasoning_content": reasoning}
+
+
+def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage],
+                        template_kwargs: dict[str, Any] | None = None, policy: TemplatePolicy = TemplatePolicy(),
+                        top_level_template: str | None = None) -> list[int]:
+    """Render messages with the chat template (the operator's, or the request's where the policy allows it) in the
+    guarded sandbox, ready for the assistant's reply, and tokenize as transformers does (no special tokens added:
+    the template writes them)."""
+    kwargs = dict(template_kwargs or {})
+    sent = request_template(kwargs, top_level_template, policy)
+    template_param, template = sent or ("messages", tokenizer.chat_template)
+    if not template:
         raise RequestError(
             "this model's tokenizer has no chat template, so /v1/chat/completions cannot build a prompt; start the "
             "server with --chat-template (a jinja file, or a built-in name such as chatml), or use /v1/completions "
             "with a plain prompt instead", 400, param="messages", code="no_chat_template")
-    conversation = [_message_to_template_dict(i, m) for i, m in enumerate(messages)]
-    _check_strings(conversation, "messages")
+    conversation = [_alias_reasoning(_message_to_template_dict(i, m)) for i, m in enumerate(messages)]
+    check_strings(conversation, "messages")
+    variables = {"tools": None, "documents": None, **(tokenizer.special_tokens_map or {}), **kwargs,
+                 "messages": conversation, "add_generation_prompt": True}
     try:
-        out = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                            **(template_kwargs or {}))
+        text = render_template(template, variables, policy.max_chars, policy.time_limit_s)
+    except RenderLimitError as e:
+        raise RequestError(f"the chat template was stopped: {e}", 400, param="messages",
+                           code="chat_template_limit") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"{template_param} is not a valid jinja template: {e.message} (line {e.lineno})", 400,
+                           param=template_param) from None
     except Exception as e:  # noqa: BLE001 - jinja raises for conversations the template refuses
         raise RequestError(f"the chat template rejected these messages: {e}", 400, param="messages") from None
-    # transformers >= 5 returns a BatchEncoding by default; older versions a plain list.
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    ids = list(out)
-    if ids and isinstance(ids[0], list):  # a batch of one
-        ids = ids[0]
-    return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]

@@ -11,7 +11,8 @@ from tierlm.runtime.tokenizer_protocol import Tokenizer
 from tierlm.server.chat_tools import template_messages
 from tierlm.server.deps import check_model, ready_engine
 from tierlm.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from tierlm.server.tokenization import apply_chat_template, check_text, decode_ids, encode_text, off_loop
+from tierlm.server.tokenization import (TemplatePolicy, apply_chat_template, check_text, decode_ids, encode_text,
+                                        off_loop)
 
 router = APIRouter()
 
@@ -33,7 +34,7 @@ async def tokenize(body: TokenizeRequest, engine: EngineAPI = Depends(ready_engi
     count: int | list[int]
     if body.messages is not None:
         ids = await off_loop(apply_chat_template, engine.tokenizer, template_messages(body.messages),
-                             body.chat_template_kwargs)
+                             body.chat_template_kwargs, TemplatePolicy.of(engine.args), body.chat_template)
         count = len(ids)
     elif isinstance(body.prompt, list):  # SGLang: a list of texts -> a list of id lists and of counts
         ids = [await off_loop(_encode, engine.tokenizer, text, body.add_special_tokens) for text in body.prompt]

@@ -18,6 +18,16 @@ REPO_ROOT = TESTS_DIR.parent
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
 
 
+def pytest_report_header(config) -> str:
+    """The CPU class this run tests on: CPU-feature tests skip, and kernels dispatch, by it."""
+    from tierlm.platforms.cpu_features import this_cpu
+
+    cpu = this_cpu().to_dict()
+    cap = f", capped by TIERLM_CPU_ISA={cpu['cap']}" if cpu["cap"] else ""
+    return (f"tierlm CPU: {cpu['model_name'] or cpu['arch']}, level {cpu['level']}{cap}, native bf16 "
+            f"{cpu['native_bf16'] or 'none'}, oneDNN bf16 prepacking {'yes' if cpu['onednn_bf16_prepack'] else 'no'}")
+
+
 @pytest.fixture(scope="session")
 def tiny_models_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny_models")

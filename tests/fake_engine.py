@@ -19,25 +19,18 @@ VOCAB_SIZE = 0x110000  # every Unicode code point is a token
 
 
 class FakeTokenizer:
-    chat_template: str | None = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    # raise_template_error (a chat_template_kwargs key) makes the template refuse the conversation, as real ones do
+    chat_template: str | None = ("{% if raise_template_error %}{{ raise_exception('Conversation roles must alternate "
+                                 "user/assistant') }}{% endif %}"
+                                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
     all_special_tokens: list[str] = []
+    special_tokens_map: dict[str, Any] = {}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids)
-
-    def render(self, conversation: list[dict[str, Any]]) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
-
-    def apply_chat_template(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = True, **kwargs: Any) -> Any:
-        assert add_generation_prompt and tokenize
-        if kwargs.get("raise_template_error"):
-            raise ValueError("Conversation roles must alternate user/assistant")
-        # transformers >= 5 returns a BatchEncoding-like mapping; the server must cope with it.
-        return {"input_ids": self.encode(self.render(conversation))}
 
 
 class FakeEngine:

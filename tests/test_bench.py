@@ -67,9 +67,9 @@ def test_percentile_median_and_prometheus_parsing() -> None:
     assert stats.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
     assert stats.median([3, 1, 2, 10]) == 2.5
     text = ('# HELP x\ntierlm_cache_hit_tokens_total{model_name="m",tier="host"} 32.0\n'
-            'tierlm_kv_pages_total{model_name="m"} 7.0\n')
+            'tierlm_kv_pages_capacity{model_name="m"} 7.0\n')
     assert parse_prometheus(text) == {'tierlm_cache_hit_tokens_total{tier="host"}': 32.0,
-                                      "tierlm_kv_pages_total": 7.0}
+                                      "tierlm_kv_pages_capacity": 7.0}
 
 
 def test_report_text_and_json() -> None:

@@ -158,3 +158,13 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
     assert rows["cold_ttft_s"]["better"].startswith("< 1") and rows["streams_tps"]["better"].startswith("> 1")
     raw = rep["raw"]
     assert set(raw) == {"tierlm", "other"} and len(raw["other"]["streams"][0]["requests"]) == 2
+    # issue #27's goals: one per (metric, peer) from this run's ratios, and the 1-stream bandwidth-bound share
+    bound = rep["settings"]["bandwidth_bound_tps"]
+    assert bound > 0 and any("bandwidth bound" in n for n in rep["tables"][0]["notes"])
+    targets = {t["name"]: t for t in rep["targets"]}
+    r = rows["decode_tps"]["ratios"]["other"]
+    assert targets["1-stream decode vs other"]["met"] == (r >= 1.2)
+    assert targets["cold TTFT vs other"]["met"] == (rows["cold_ttft_s"]["ratios"]["other"] <= 0.8)
+    share = rows["decode_tps"]["values"]["tierlm"] / bound
+    assert targets["1-stream decode of the bandwidth bound"]["met"] == (share >= 0.6)
+    assert only["targets"] == []  # without tierlm in the run there is nothing of tierlm's to judge

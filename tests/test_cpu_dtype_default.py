@@ -8,7 +8,7 @@ import pytest
 from tierlm.backends.dtypes import dtype_decision, serving_dtype
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.platforms import Facts, choose_backend
-from tierlm.platforms.facts import cpu_bf16_isa
+from tierlm.platforms.cpu_features import parse_cpuinfo
 from tierlm.runtime import engine_setup
 from tierlm.runtime.server_args import ServerArgs
 
@@ -17,8 +17,8 @@ GiB = 2**30
 
 def box(cpu_bf16: str | None, **kw) -> Facts:
     return Facts(os_name="Linux", arch="x86_64", cpu_count=2, ram_total_bytes=16 * GiB,
-                 ram_available_bytes=12 * GiB, python_version="3.11.9", torch_version="2.13.0", cpu_bf16=cpu_bf16,
-                 **kw)
+                 ram_available_bytes=12 * GiB, python_version="3.11.9", torch_version="2.13.0",
+                 cpu_flags=(cpu_bf16,) if cpu_bf16 else (), **kw)
 
 
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16", None])
@@ -47,12 +47,13 @@ def test_an_explicit_dtype_always_wins_and_other_devices_keep_their_rule():
 ])
 def test_native_bf16_is_read_from_the_cpuinfo_flags(flags, expected):
     text = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
-    assert cpu_bf16_isa(text) == expected
+    assert parse_cpuinfo(text, "x86_64").native_bf16 == expected
 
 
 def test_no_flags_line_means_no_native_bf16():
-    assert cpu_bf16_isa("") is None
-    assert cpu_bf16_isa("Features\t: fp asimd bf16\n") is None  # aarch64 names no x86 flag
+    assert parse_cpuinfo("", "x86_64").native_bf16 is None
+    assert parse_cpuinfo("Features\t: fp asimd bf16\n", "x86_64").native_bf16 is None  # an Arm line on x86
+    assert parse_cpuinfo("Features\t: fp asimd bf16\n", "aarch64").native_bf16 == "bf16"
 
 
 def test_the_decision_carries_the_fact_for_torch_on_cpu_only():
@@ -67,7 +68,8 @@ def test_the_decision_carries_the_fact_for_torch_on_cpu_only():
 
 def test_facts_without_the_new_field_still_load():
     recorded = box(None).to_dict()
-    del recorded["cpu_bf16"]
+    for key in ("cpu_flags", "cpu_model", "cpu_physical_cores", "cpu_isa_cap", "cpu_isa_dropped", "cpu_isa_error"):
+        del recorded[key]
     assert Facts.from_dict(recorded).cpu_bf16 is None
 
 

@@ -1,6 +1,7 @@
-"""CPU bf16: oneDNN-prepacked linear weights (backends/torch/cpu_linear.py) give bit-identical products, the
-decode attention path (eager math for one-query bf16 rows) agrees with transformers' bf16 eager model, and
-float32 is never touched."""
+"""CPU bf16: oneDNN-prepacked linear weights (backends/torch/cpu_linear.py) give bit-identical products where the
+CPU runs oneDNN's bf16 reorder, the plain path serves (same greedy output) where it does not (AVX2-only x86,
+aarch64, or TIERLM_CPU_ISA capped below AVX-512), the decode attention path (eager math for one-query bf16 rows)
+agrees with transformers' bf16 eager model, and float32 is never touched."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +16,26 @@ from tierlm.backends.base import ForwardBatch, SamplingBatch
 from tierlm.backends.torch import paged_attention
 from tierlm.backends.torch.backend import TorchBackend
 from tierlm.backends.torch.cpu_linear import PackedLinear, pack_linears, packing_available
+from tierlm.platforms import cpu_features
+from tierlm.platforms.cpu_features import apply_cap, this_cpu
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no mkldnn linear ops")
+PACKS, PACK_WHY = packing_available()
+needs_packing = pytest.mark.skipif(not PACKS, reason=PACK_WHY)
 
 
+@pytest.fixture
+def cpu_without_avx512(monkeypatch):
+    """The process's CPU view capped at AVX2 (TIERLM_CPU_ISA), as on an AVX2-only machine; restored after."""
+    if this_cpu().arch != "x86_64":
+        pytest.skip(f"TIERLM_CPU_ISA=avx2 is an x86_64 level; this CPU is {this_cpu().arch}")
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    this_cpu.cache_clear()
+    yield this_cpu()
+    monkeypatch.undo()
+    this_cpu.cache_clear()
+
+
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (1, 7, 48), (70, 48)])
 def test_packed_linear_is_bit_identical_to_f_linear(bias, shape):
@@ -40,6 +57,7 @@ def _tiny(family: str, tiny_models_root, dtype):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
 
 
+@needs_packing
 def test_pack_linears_keeps_tied_and_float32_weights_plain(tiny_models_root):
     qwen = _tiny("qwen2", tiny_models_root, torch.bfloat16)  # tie_word_embeddings: lm_head shares the embedding
     n_linear = sum(type(m) is nn.Linear for m in qwen.modules())
@@ -80,16 +98,43 @@ def test_bf16_decode_eager_path_matches_sdpa_within_bf16_rounding(tiny_llama, mo
     assert (eager - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()
 
 
-def test_bf16_greedy_agrees_with_transformers_bf16(tiny_llama):
-    """The whole bf16 path (packed linears, SDPA prefill, eager decode) against transformers' bf16 eager model."""
+def _greedy_against_transformers_bf16(tiny_llama) -> TorchBackend:
     backend = TorchBackend(tiny_llama, dtype="bfloat16")
-    assert any(isinstance(m, PackedLinear) for m in backend.model.modules())
     prompt = [1, 72, 101, 108, 108, 111, 44, 32, 119]
     ours = run_greedy(backend, [prompt], 8)[0]
     hf = _tiny("llama", tiny_llama.parent, torch.bfloat16)
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert ours == ref
+    return backend
+
+
+@needs_packing
+def test_bf16_greedy_agrees_with_transformers_bf16(tiny_llama):
+    """The whole bf16 path (packed linears, SDPA prefill, eager decode) against transformers' bf16 eager model."""
+    backend = _greedy_against_transformers_bf16(tiny_llama)
+    assert any(isinstance(m, PackedLinear) for m in backend.model.modules())
+
+
+def test_without_avx512_bf16_serves_through_plain_linears_with_the_same_greedy_output(tiny_llama, cpu_without_avx512):
+    """What an AVX2-only CPU runs (torch refuses oneDNN's bf16 reorder there): nothing is packed, the reason is
+    the CPU's, and the greedy output is still transformers' bf16 output."""
+    assert packing_available(cpu_without_avx512) == (False, cpu_without_avx512.onednn_bf16_prepack[1])
+    assert "AVX-512 BW/VL/DQ" in packing_available(cpu_without_avx512)[1]
+    backend = _greedy_against_transformers_bf16(tiny_llama)
+    assert not any(isinstance(m, PackedLinear) for m in backend.model.modules())
+    assert sum(type(m) is nn.Linear for m in backend.model.modules()) > 0
+
+
+def test_pack_linears_leaves_a_cpu_without_the_reorder_alone(tiny_models_root):
+    """Decided from the CPU passed in, whatever this machine has: an AVX2 level, an aarch64 CPU."""
+    avx2 = apply_cap(cpu_features.CpuFeatures("x86_64", frozenset({"avx2", "fma", "avx512f", "avx512bw",
+                                                                    "avx512vl", "avx512dq"})), "avx2")
+    arm = cpu_features.CpuFeatures("aarch64", frozenset({"asimd", "bf16", "sve"}))
+    for cpu in (avx2, arm):
+        model = _tiny("llama", tiny_models_root, torch.bfloat16)
+        assert pack_linears(model, cpu) == 0
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 def test_cpu_threads_leave_one_core_to_the_server_unless_omp_num_threads_says():

@@ -1,4 +1,4 @@
-"""Structured output against a real server process (the built-in demo model, random weights): the openai client's
+"""Structured output against a real server process (the random demo model): the openai client's
 response_format (plain and through its pydantic `parse`), vLLM-style extra_body aliases, a 400 for a bad schema,
 and LangChain's ChatOpenAI(...).with_structured_output(Model, method="json_schema")."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from e2e_server import ServerProcess, start_server
+from tierlm.backends.model_source.demo import ensure_demo_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,8 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with start_server(["--skip-warmup"], env={"TIERLM_NO_PROGRESS": "1"},
+    demo = str(ensure_demo_model(tmp_path_factory.mktemp("e2e_structured_model")))  # random weights, ChatML
+    with start_server(["--model-path", demo, "--skip-warmup"], env={"TIERLM_NO_PROGRESS": "1"},
                       log_dir=tmp_path_factory.mktemp("e2e_structured_logs")) as s:
         yield s
 

@@ -1,4 +1,4 @@
-"""Tool calling against a real server process: the built-in demo model (random weights) with the tools-capable
+"""Tool calling against a real server process: the random demo model with the tools-capable
 ``--chat-template chatml-tools`` (Qwen2.5's / Hermes' format), so the tool-call parser is chosen from the model.
 A forced call (tool_choice required or named) is always a valid call whose arguments validate against the schema,
 streamed or not; the openai client and LangChain's bind_tools read the calls; an agent loop (user -> call -> tool
@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from e2e_server import ServerProcess, start_server
+from tierlm.backends.model_source.demo import ensure_demo_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with start_server(["--skip-warmup", "--chat-template", "chatml-tools"], env={"TIERLM_NO_PROGRESS": "1"},
+    demo = str(ensure_demo_model(tmp_path_factory.mktemp("e2e_tools_model")))  # random weights, ChatML
+    with start_server(["--model-path", demo, "--skip-warmup", "--chat-template", "chatml-tools"],
+                      env={"TIERLM_NO_PROGRESS": "1"},
                       log_dir=tmp_path_factory.mktemp("e2e_tools_logs")) as s:
         yield s
 

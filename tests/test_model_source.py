@@ -1,5 +1,6 @@
 """--model-path resolution (local folder, hub cache, offline errors), the model fingerprint, eos ids and the
-built-in demo model (deterministic, loadable by transformers and mlx-lm, safe to build from two processes)."""
+random demo model (deterministic, loadable by transformers and mlx-lm, safe to build from two processes).
+The built-in model (no --model-path) has tests/test_builtin_model.py."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import pytest
 
 from tierlm.backends.model_source import ModelSourceError, fingerprint, resolve, resolve_model_path
 from tierlm.backends.model_source import demo as demo_model
-from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, DEMO_MODEL_NOTICE, ensure_demo_model
+from tierlm.backends.model_source.demo import DEMO_MODEL_NAME, ensure_demo_model
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder
 
@@ -125,14 +126,6 @@ def test_cached_snapshot_without_weights_is_not_used(tmp_path, monkeypatch):
         resolve_model_path("tierlm-test/partial", cache_dir=tmp_path / "hub")
 
 
-def test_no_model_path_gives_the_demo_model(tmp_path, monkeypatch):
-    import platformdirs
-
-    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path / "tierlm-cache"))
-    assert resolve_model_path(None) == tmp_path / "tierlm-cache" / DEMO_MODEL_NAME
-    assert (tmp_path / "tierlm-cache" / DEMO_MODEL_NAME / "model.safetensors").is_file()
-
-
 # ------------------------------------------------------------------------------------------ fingerprint
 
 
@@ -196,11 +189,6 @@ def test_generation_eos_from_config_only_and_null(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- demo model
-
-
-def test_demo_notice_says_random_and_shows_a_real_model():
-    assert "random" in DEMO_MODEL_NOTICE
-    assert "tierlm serve --model-path Qwen/Qwen2.5-0.5B-Instruct" in DEMO_MODEL_NOTICE
 
 
 def test_demo_model_is_deterministic(tmp_path, demo_dir):

@@ -77,6 +77,7 @@ def api_schema(real_app):
 # one field at once. Each entry: (param pattern, message pattern).
 ALLOWED_REFUSALS = [
     (r"(prompt|input_ids|text|tokens)(\[\d+\])?$", r"outside the vocabulary|is empty|maximum context length|surrogate"),
+    (r"(sampling_params\.)?logit_bias$", r"outside the vocabulary"),  # the schema cannot know the vocabulary size
     (r"prompt$", r"exactly one of 'prompt'"),  # /tokenize: a text prompt or chat messages, not both, not neither
     (r"max_tokens$", r"context length|KV pool"),
     (r"messages", r"chat template"),
@@ -88,11 +89,13 @@ ALLOWED_REFUSALS = [
     # Structured output: JSON Schema cannot say "at most one of these fields", and a schema-valid grammar (any
     # string, any schema object) may not compile: both are 400s naming the field (docs/api.md).
     (r"(response_format|json_schema|regex|ebnf|guided_(json|regex|choice|grammar)|sampling_params\.(json_schema|regex|ebnf))$",
-     r"at most one|invalid (json_schema|regex|ebnf) in|the compiler failed"),
+     r"at most one|invalid (json_schema|regex|ebnf) in|the compiler failed|cannot be used"),
     # Tool calling: tool_choice needs tools and names one of them; a forced call's grammar is built from each
     # function's parameters schema, which may not compile, and cannot be combined with another constraint.
     (r"tool_choice$", r"only allowed when tools|not in tools|cannot be combined"),
-    (r"tools$", r"invalid structural_tag in"),
+    (r"tools$", r"invalid structural_tag in|structural_tag in 'tools' cannot be used"),
+    # JSON Schema cannot say "valid Unicode": a lone surrogate in any string is a 400 naming the field
+    (r".*", r"lone UTF-16 surrogate"),
 ]
 
 

@@ -31,6 +31,7 @@ from tierlm.platforms import facts as facts_mod
 from tierlm.platforms.facts import parse_nvidia_smi_row
 from tierlm.platforms.memory_plan import (
     DEFAULT_CPU_FRACTION,
+    DEFAULT_CPU_KV_SHARE,
     DEFAULT_UNIFIED_FRACTION,
     default_gpu_fraction,
     headroom_for,
@@ -378,7 +379,8 @@ def test_discrete_gpu_without_memory_figures_asks_for_explicit_sizes():
 def test_cpu_device_kv_is_a_fraction_of_available_ram(name):
     f, p = plan(name, weight_bytes=1_000_000_000)
     assert p.memory_kind == "cpu"
-    assert p.device_kv_tokens == int((DEFAULT_CPU_FRACTION * f.ram_available_bytes - 1e9) // KV_8B) // 16 * 16
+    l1 = min(DEFAULT_CPU_FRACTION * f.ram_available_bytes - 1e9, DEFAULT_CPU_KV_SHARE * f.ram_total_bytes)
+    assert p.device_kv_tokens == int(l1 // KV_8B) // 16 * 16
 
 
 def test_cpu_default_hicache_fits_and_explicit_overcommit_is_an_error():

@@ -57,11 +57,11 @@ class BlockingTokenizer(FakeTokenizer):
         self.release = threading.Event()
         self.started = threading.Event()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
         if len(text) > 1000:
             self.started.set()
             assert self.release.wait(10), "the test never released the tokenizer"
-        return super().encode(text)
+        return super().encode(text, **kwargs)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])

@@ -12,19 +12,19 @@ from e2e_server import free_port, start_server
 pytestmark = pytest.mark.slow
 
 
-def test_demo_server_serves_openai_client_and_stops(tmp_path: Path) -> None:
+def test_builtin_model_server_serves_openai_client_and_stops(tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
-    env = {"XDG_CACHE_HOME": str(tmp_path)}  # the demo model is built here, not in the user's cache
+    env = {"XDG_CACHE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no --model-path: the built-in model
     with start_server(["--max-running-requests", "4", "--skip-warmup"], env=env, log_dir=tmp_path) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none")
         prompt = "Once upon a time there was a tiny model that served requests. " * 3  # several KV pages
-        comp = client.completions.create(model="tierlm-demo", prompt=prompt, max_tokens=5, temperature=0)
+        comp = client.completions.create(model="stories260K", prompt=prompt, max_tokens=5, temperature=0)
         assert comp.choices[0].finish_reason in ("length", "stop")
         assert comp.usage.completion_tokens <= 5
-        again = client.completions.create(model="tierlm-demo", prompt=prompt, max_tokens=5, temperature=0)
+        again = client.completions.create(model="stories260K", prompt=prompt, max_tokens=5, temperature=0)
         assert again.choices[0].text == comp.choices[0].text  # greedy is deterministic
         assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prompt prefix was reused
-        stream = client.chat.completions.create(model="tierlm-demo", messages=[{"role": "user", "content": "hi"}],
+        stream = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=4, stream=True, stream_options={"include_usage": True})
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.server import tokenization
 from tierlm.server.app import create_app
 
 
@@ -59,12 +60,10 @@ def test_streamed_deltas_carry_reasoning_then_content():
 
 def test_qwen3_starts_inside_thinking_when_the_prompt_opened_it(monkeypatch):
     client, engine = make_client("qwen3")
-    monkeypatch.setattr(type(engine.tokenizer), "chat_template", "... <think>")
     # the fake prompt "<user>...<assistant>" does not end in <think>: the output opens its own block or has none
     message = chat(client, "x</think>answer").json()["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["content"] == "<user>x</think>answer<assistant>"
-    render = engine.tokenizer.render
-    monkeypatch.setattr(engine.tokenizer, "render", lambda conv: render(conv) + "<think>\n")
+    monkeypatch.setattr(engine.tokenizer, "chat_template", engine.tokenizer.chat_template + "<think>{{ '\\n' }}")
     n = len("<user>x</think>answer<assistant><think>\n")
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x</think>answer"}],
                                                   "max_tokens": n})
@@ -86,13 +85,13 @@ def test_gpt_oss_keeps_special_tokens_and_splits_channels():
 def test_reasoning_effort_and_template_kwargs_reach_the_template(monkeypatch):
     client, engine = make_client(None)
     seen = []
-    original = engine.tokenizer.apply_chat_template
+    original = tokenization.render_template
 
-    def recording(conversation, **kwargs):
-        seen.append(kwargs)
-        return original(conversation, **kwargs)
+    def recording(template, variables, *limits):
+        seen.append(variables)
+        return original(template, variables, *limits)
 
-    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", recording)
+    monkeypatch.setattr(tokenization, "render_template", recording)
     assert chat(client, "hi", reasoning_effort="high").status_code == 200
     assert seen[-1]["reasoning_effort"] == "high"
     chat(client, "hi", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False})

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.server import tokenization
 from tierlm.server.app import create_app
 
 TOOLS = [{"type": "function", "function": {
@@ -109,16 +110,16 @@ def test_forced_calls_use_the_grammar_path():
     assert_error(r, 400, param="tool_choice")
 
 
-def test_template_gets_tools_and_arguments_as_dicts():
+def test_template_gets_tools_and_arguments_as_dicts(monkeypatch: pytest.MonkeyPatch):
     client, engine = make(script="It is sunny.")
     seen: dict[str, Any] = {}
-    original = engine.tokenizer.apply_chat_template
+    original = tokenization.render_template
 
-    def spy(conversation, **kwargs):
-        seen.update(conversation=conversation, kwargs=kwargs)
-        return original(conversation, **kwargs)
+    def spy(template, variables, *limits):
+        seen.update(conversation=variables["messages"], kwargs=variables)
+        return original(template, variables, *limits)
 
-    engine.tokenizer.apply_chat_template = spy
+    monkeypatch.setattr(tokenization, "render_template", spy)
     messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Sequence
+
+from tierlm.platforms.cpu_features import torch_env_for_cap
 
 USAGE = """usage: tierlm <command> [options]
 
@@ -16,6 +19,11 @@ Run `tierlm <command> --help` for a command's options."""
 
 # Commands implemented in their own modules, imported only when used (keeps `tierlm serve` start-up lean).
 _LAZY_COMMANDS = {"doctor": "tierlm.server.doctor_cmd", "bench": "tierlm.server.bench.command"}
+
+
+def cap_torch_isa() -> None:
+    """TIERLM_CPU_ISA reaches torch's own kernels too: set before anything imports torch."""
+    os.environ.update(torch_env_for_cap(os.environ))
 
 
 def _run_lazy(command: str, argv: list[str]) -> int:
@@ -34,6 +42,7 @@ def _run_lazy(command: str, argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    cap_torch_isa()
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2

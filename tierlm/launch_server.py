@@ -4,8 +4,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+from tierlm.cli import cap_torch_isa
+
 
 def main(argv: Sequence[str] | None = None) -> None:
+    cap_torch_isa()
     from tierlm.server.cli_args import parse_args
     from tierlm.server.launch import run_server
 

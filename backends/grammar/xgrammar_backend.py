@@ -14,6 +14,7 @@ import numpy as np
 import xgrammar as xgr
 
 from tierlm.backends.base import GrammarBackend, GrammarCompileError, GrammarMatcher
+from tierlm.backends.grammar.emptiness import unproductive_rules
 
 if TYPE_CHECKING:  # the runtime hands in the model's transformers tokenizer; xgrammar reads its vocabulary
     from transformers import PreTrainedTokenizerBase
@@ -100,6 +101,18 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        compiled = self._compile(kind, text)
+        dead = unproductive_rules(str(compiled.grammar)) or []
+        if "root" in dead or not self._allows_a_start(compiled):
+            raise GrammarCompileError("no text matches this grammar (its language is empty, e.g. a rule that only "
+                                      "refers to itself, or a schema whose required part nests forever), so no output "
+                                      "could follow it")
+        if dead:
+            raise GrammarCompileError(f"no text matches the grammar's rule '{dead[0]}' (it only refers to itself or to "
+                                      "rules that never end), so an output that enters it could never be completed")
+        return compiled
+
+    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
                 return self._compiler.compile_grammar(json_schema_grammar(text))
@@ -112,6 +125,15 @@ class XGrammarBackend(GrammarBackend):
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarCompileError(compiler_message(e)) from None
         raise GrammarCompileError(f"unknown grammar kind {kind!r}")
+
+    def _allows_a_start(self, compiled: xgr.CompiledGrammar) -> bool:
+        """Some token (or the stop token, for a grammar of the empty text) is allowed first."""
+        bitmask = self.allocate_bitmask(1)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
+
+    def compiled_bytes(self, compiled: xgr.CompiledGrammar) -> int:
+        return int(compiled.memory_size_bytes)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))

@@ -157,7 +157,7 @@ class MLXBackend(ModelBackend):
     def sample(self, logits: mx.array, batch: ForwardBatch) -> mx.array:
         s = batch.sampling
         logits = apply_token_bitmask(logits, s.token_bitmask)  # structured output: before every sampling step
-        if s.all_greedy and not s.any_penalty:
+        if s.all_greedy and not s.any_penalty and s.logit_bias is None:
             return mx.argmax(logits, axis=-1)
         self._key, step_key = mx.random.split(self._key)
         return sample(logits, s, key=step_key)

@@ -1,8 +1,8 @@
 """Batched next-token sampling for the mlx backend; the same semantics as backends/torch/sampler.py.
 
-Penalties (repetition: HF, over prompt + output; presence / frequency: OpenAI, over output only), then greedy
-rows take the argmax and the others are sampled from softmax(logits / temperature) restricted by top_k, top_p
-(renormalised after top_k) and min_p, via the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``. A seeded
+logit_bias, then penalties (repetition: HF, over prompt + output; presence / frequency: OpenAI, over output only), then
+greedy rows take the argmax and the others are sampled from softmax(logits / temperature) restricted by top_k,
+top_p (renormalised after top_k) and min_p, via the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``. A seeded
 row draws its noise from ``mx.random.key`` of (seed, number of tokens generated so far), so it is reproducible
 whatever else is in the batch.
 """
@@ -27,6 +27,8 @@ def sample(logits: mx.array, batch: SamplingBatch, key: mx.array | None = None) 
 
     ``key`` drives the rows without a seed (None -> mlx's global PRNG state).
     """
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.all_greedy and not batch.any_penalty:
         return mx.argmax(logits, axis=-1).astype(mx.int64)
 
@@ -45,6 +47,14 @@ def sample(logits: mx.array, batch: SamplingBatch, key: mx.array | None = None) 
     rows = mx.array(sampled_rows.astype(np.int32))
     sampled = _sample_rows(logits[rows], batch, sampled_rows, key)
     return mx.where(mx.array(~greedy_rows), mx.zeros_like(greedy_tokens).at[rows].add(sampled), greedy_tokens)
+
+
+def apply_logit_bias(logits: mx.array, bias: tuple[np.ndarray, np.ndarray, np.ndarray]) -> mx.array:
+    """float32 logits plus each row's logit_bias; ids past the logits' width carry no logit and are skipped."""
+    rows, ids, values = bias
+    keep = ids < logits.shape[1]
+    at = (mx.array(rows[keep].astype(np.int32)), mx.array(ids[keep].astype(np.int32)))
+    return logits.astype(mx.float32).at[at].add(mx.array(values[keep]))
 
 
 def apply_penalties(logits: mx.array, batch: SamplingBatch) -> mx.array:

@@ -1,7 +1,8 @@
-"""The built-in demo model: a tiny random Llama that lets `tierlm serve` start with no download.
+"""The random demo model: a tiny random Llama with a ChatML template and a byte-level tokenizer, needing no download.
 
-Its weights are seeded noise, so it answers with meaningless text; it exists to try the server, the API and
-the caches on any machine in seconds. It is built on first use (well under a second, numpy only, no torch)
+Its weights are seeded noise, so it answers with meaningless text; tests use it where the server's chat, tool and
+grammar paths need a ChatML model with a large context (`tierlm serve` with no --model-path serves the real
+stories260K instead: builtin_model.py). It is built on first use (well under a second, numpy only, no torch)
 into the user cache folder and reused afterwards. Every build gives the same bytes, so its fingerprint, and
 therefore any L3 KV cache made with it, is the same on every machine and after a rebuild.
 
@@ -25,12 +26,6 @@ from tierlm.backends.model_source.tokenizer import BOS_ID, EOS_ID, IM_END_ID, sa
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the built bytes change
-
-DEMO_MODEL_NOTICE = (
-    "No --model-path given: serving tierlm's built-in demo model, a tiny model with random weights. "
-    "Its output is meaningless random text; it is only for trying the server. "
-    "For a real model run: tierlm serve --model-path Qwen/Qwen2.5-0.5B-Instruct"
-)
 
 # Files a complete demo folder has; a folder missing any of them is rebuilt.
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -15,6 +15,7 @@ from typing import Any
 
 from tierlm.backends.base import StateGeometry
 from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token, kv_storage_dtype, serving_dtype
+from tierlm.backends.model_source.builtin_model import is_builtin_model
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 
@@ -45,6 +46,8 @@ def model_size(model_dir: ModelFolder | Path, dtype: str = "auto", device: str =
     folder = as_model_folder(model_dir)
     cfg = folder.text_config
     stored = cfg.get("torch_dtype") or cfg.get("dtype")
+    if dtype == "auto" and is_builtin_model(folder.path):
+        dtype = "float32"  # builtin_model.BUILTIN_DTYPE_WHY
     dtype = serving_dtype(dtype, device, stored if isinstance(stored, str) else None, cpu_bf16)
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)

@@ -1,6 +1,6 @@
 """Turning --model-path into a local Hugging Face model folder.
 
-``--model-path`` may be omitted (the built-in demo model), a local folder, or a Hugging Face hub id such as
+``--model-path`` may be omitted (the built-in model, stories260K), a local folder, or a Hugging Face hub id such as
 ``Qwen/Qwen2.5-0.5B-Instruct`` (``hub.py``: the local hub cache first, a download only when it is absent).
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import tierlm.backends.model_source.hub as hub  # the module, not the package: __init__ imports this file
-from tierlm.backends.model_source.demo import ensure_demo_model
+from tierlm.backends.model_source.builtin_model import builtin_model_dir
 from tierlm.backends.model_source.errors import ModelSourceError
 from tierlm.backends.model_source.model_folder import weight_files
 
@@ -19,13 +19,13 @@ def resolve_model_path(
 ) -> Path:
     """Return a local folder holding the model named by ``model_path``; raise ModelSourceError saying what to do.
 
-    None -> the demo model (built on first use). An existing folder -> itself, if it holds config.json and
-    weights. Anything else is a hub id: the local Hugging Face cache (``cache_dir``, default the standard hub
-    cache) is tried first; if the model is not there it is downloaded with a progress bar, unless the hub is
-    unreachable or HF_HUB_OFFLINE=1, which is a ModelSourceError that names the fix.
+    None -> the built-in model shipped in the package (builtin_model.py). An existing folder -> itself, if it
+    holds config.json and weights. Anything else is a hub id: the local Hugging Face cache (``cache_dir``, default
+    the standard hub cache) is tried first; if the model is not there it is downloaded with a progress bar, unless
+    the hub is unreachable or HF_HUB_OFFLINE=1, which is a ModelSourceError that names the fix.
     """
     if model_path is None:
-        return ensure_demo_model()
+        return builtin_model_dir()
     local = Path(model_path).expanduser()
     if local.exists():
         return _check_local_folder(local, model_path)

@@ -12,11 +12,12 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch import cpu_paged_decode, paged_attention
 from tierlm.backends.torch.cpu_linear import packed_bytes
 from tierlm.backends.torch.cpu_threads import configure_cpu_threads
 from tierlm.backends.torch.decode_graphs import DecodeGraphs
 from tierlm.backends.torch.grammar_mask import apply_token_bitmask
+from tierlm.backends.torch.kernel_report import kernel_report
 from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
@@ -69,6 +70,9 @@ class TorchBackend(ModelBackend):
         self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
         self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
         self.attention_backend = self._check_attention_backend(attention_backend)
+        if self.device == "cpu" and cpu_paged_decode.supported(self.dtype, self.kv_torch_dtype, num_heads,
+                                                               self.info.num_kv_heads, head_dim):
+            cpu_paged_decode.load()  # built (or found) now, not inside the first request's decode step
         self.pool: TorchKVPool | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
@@ -127,6 +131,12 @@ class TorchBackend(ModelBackend):
     def decode_graph_stats(self) -> dict | None:
         return self.decode_graphs.info() if self.decode_graphs is not None else None
 
+    def kernels(self) -> dict[str, str]:
+        text_cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        return kernel_report(self.model, self.device, self.dtype, self.kv_torch_dtype, self.attention_backend,
+                             text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim)
+
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()
@@ -171,7 +181,7 @@ class TorchBackend(ModelBackend):
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = batch.sampling
         logits = apply_token_bitmask(logits, s.token_bitmask)  # structured output: before every sampling step
-        if s.all_greedy and not s.any_penalty:
+        if s.all_greedy and not s.any_penalty and s.logit_bias is None:
             return logits.argmax(dim=-1)
         from tierlm.backends.torch.sampler import sample
 

@@ -7,16 +7,22 @@ per decode GEMV when packed once, prefill-sized products unchanged or faster). `
 (same memory, same module names and shapes); oneDNN computes the same product either way, so the outputs are
 bit-identical to ``F.linear`` (tests/test_cpu_linear.py).
 
+Packed only where oneDNN's bf16 reorder runs (platforms/cpu_features.py: AVX-512 BW/VL/DQ or AVX-NE-CONVERT on
+x86); elsewhere (AVX2-only x86, aarch64) torch's plain bf16 ``F.linear`` serves, as transformers' own model does.
+
 Not packed: float32 (the reference dtype, which must stay exact against transformers), and weights another
 module shares (tied embeddings: a packed copy would double the largest matrix, and lm_head GEMVs of that size
 are bandwidth-bound, so packing gains nothing there).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
+
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +30,27 @@ log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 1
 
 
-def packing_available() -> bool:
-    """Whether this torch has the mkldnn linear ops (every x86/aarch64 CPU build does)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def packing_available(cpu: CpuFeatures | None = None) -> tuple[bool, str]:
+    """(whether bf16 weights can be prepacked here, why): this torch has the mkldnn linear ops and this CPU
+    (after any TIERLM_CPU_ISA cap) runs oneDNN's bf16 reorder, which torch refuses without AVX-512 BW/VL/DQ."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False, "torch's plain bf16 linear: this torch build has no mkldnn linear ops"
+    ok, why = (cpu or this_cpu()).onednn_bf16_prepack
+    if ok and cpu is None:  # this process: torch has the last word (ONEDNN_MAX_CPU_ISA can rule the reorder out)
+        refusal = _torch_refuses_the_reorder()
+        if refusal:
+            return False, f"torch's plain bf16 linear: torch refuses the oneDNN bf16 reorder here ({refusal})"
+    return ok, why
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_refuses_the_reorder() -> str | None:
+    """torch's own message when it will not prepack a bf16 weight in this process, else None (one tiny try)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), PACK_BATCH_HINT)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
 
 
 class PackedLinear(nn.Module):
@@ -48,9 +72,12 @@ class PackedLinear(nn.Module):
                "packed=oneDNN"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every unshared bf16 CPU ``nn.Linear`` of ``model`` for a ``PackedLinear``; returns how many."""
-    if not packing_available():
+def pack_linears(model: nn.Module, cpu: CpuFeatures | None = None) -> int:
+    """Swap every unshared bf16 CPU ``nn.Linear`` of ``model`` for a ``PackedLinear``; returns how many (0 where
+    the CPU cannot run oneDNN's bf16 reorder: the plain linears stay, with the reason logged)."""
+    ok, why = packing_available(cpu)
+    if not ok:
+        log.info("CPU bf16 linear layers: %s", why)
         return 0
     uses: dict[int, int] = {}
     for m in model.modules():  # a weight held by two modules (tied embeddings) stays plain

@@ -1,16 +1,21 @@
-"""CPU decode attention that reads bf16 KV pages in place, through the page table (a small C kernel).
+"""CPU decode attention that reads KV pages in place, through the page table (a small C kernel), for bf16 and
+float32 pages.
 
-torch has no paged attention on CPU: the torch_native path gathers each request's pages per layer, and the bf16
-matmuls then copy the gathered K/V again; at 3.9k cached tokens that was ~13 ms of a 28 ms llama-small step,
+torch has no paged attention on CPU: the torch_native path gathers each request's pages per layer, and the
+matmuls then copy the gathered K/V again; at 3.9k cached tokens that was ~13 ms of a 28 ms llama-small bf16 step,
 against ~4 MB of K/V per layer to read. This kernel reads each K and V row once, straight from the pool.
 
-Numerics follow transformers' bf16 eager attention, so bf16 outputs stay those of transformers' bf16 model:
-scores are rounded to bf16 (the matmul's output), scaled and rounded again, softmax runs in float32, the
-probabilities are rounded to bf16, and the weighted sum of V accumulates in float32 and is rounded once.
+Numerics: bf16 follows transformers' bf16 eager attention, so bf16 outputs stay those of transformers' bf16
+model: scores are rounded to bf16 (the matmul's output), scaled and rounded again, softmax runs in float32, the
+probabilities are rounded to bf16, and the weighted sum of V accumulates in float32 and is rounded once. float32
+computes what torch's float32 SDPA computes (no roundings; only the summation order differs).
 
-The source below is compiled once per machine with the system C compiler (``cc``/``gcc``, -O3 -march=native)
-into the user cache folder and loaded with ctypes; without a compiler (or on any build error) the torch path is
-used, as before (logged once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off.
+The source below is compiled once per CPU instruction level (platforms/cpu_features.py: the level's explicit
+target flags, never -march=native) with the system C compiler (``cc``/``gcc``/``clang``) into the user cache
+folder and loaded with ctypes. The file name carries the level and a hash of the source, the compiler's identity
+and the flags, so a cache folder shared between machines never hands one CPU a kernel built for another. Without
+a compiler, or if neither the level's build nor a plain baseline build works, the torch path is used (logged
+once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off; ``TIERLM_CPU_ISA`` caps the level it is built for.
 """
 from __future__ import annotations
 
@@ -22,9 +27,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <float.h>
 
 static inline float bf(uint16_t b) { uint32_t x = (uint32_t)b << 16; float f; memcpy(&f, &x, 4); return f; }
 static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
@@ -42,64 +51,90 @@ static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch's fl
 }
 static inline float round_bf(float f) { return bf(to_bf(f)); }
 
-/* q [R, H, D] bf16; k, v: one layer of the pool, [slots, Hkv, D] bf16; table [R, table_stride] int32 pages;
-   kv_lens [R]; out [R, H, D] bf16; work: H * max_len + 2 * H * D + H floats of scratch.
-   Token-major passes: each K and V row (all KV heads of one token, contiguous) is read once from memory. */
-void paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *table,
-                       int table_stride, const int32_t *kv_lens, int R, int H, int Hkv, int D, int page_size,
-                       float scale, uint16_t *out, float *work, int max_len) {
-    const int n = H / Hkv;
-    float *scores = work;                       /* [H, max_len] */
-    float *qf = scores + (long)H * max_len;     /* [H, D] */
-    float *acc = qf + (long)H * D;              /* [H, D] */
-    float *mx = acc + (long)H * D;              /* [H] */
-    for (int r = 0; r < R; r++) {
-        const int L = kv_lens[r];
-        const int32_t *pages = table + (long)r * table_stride;
-        for (int i = 0; i < H * D; i++) qf[i] = bf(q[(long)r * H * D + i]);
-        for (int h = 0; h < H; h++) mx[h] = -INFINITY;
-        for (int t = 0; t < L; t++) {
-            const long slot = (long)pages[t / page_size] * page_size + t % page_size;
-            const uint16_t *kr = k + slot * Hkv * D;
-            for (int h = 0; h < H; h++) {
-                const uint16_t *kh = kr + (h / n) * D;
-                const float *qh = qf + (long)h * D;
-                float s = 0.f;
-                for (int d = 0; d < D; d++) s += qh[d] * bf(kh[d]);
-                s = round_bf(round_bf(s) * scale);
-                scores[(long)h * max_len + t] = s;
-                if (s > mx[h]) mx[h] = s;
-            }
-        }
-        for (int h = 0; h < H; h++) {
-            float *sh = scores + (long)h * max_len;
-            float sum = 0.f;
-            for (int t = 0; t < L; t++) { sh[t] = expf(sh[t] - mx[h]); sum += sh[t]; }
-            const float inv = 1.f / sum;
-            for (int t = 0; t < L; t++) sh[t] = round_bf(sh[t] * inv);
-        }
-        for (int i = 0; i < H * D; i++) acc[i] = 0.f;
-        for (int t = 0; t < L; t++) {
-            const long slot = (long)pages[t / page_size] * page_size + t % page_size;
-            const uint16_t *vr = v + slot * Hkv * D;
-            for (int h = 0; h < H; h++) {
-                const uint16_t *vh = vr + (h / n) * D;
-                const float p = scores[(long)h * max_len + t];
-                float *ah = acc + (long)h * D;
-                for (int d = 0; d < D; d++) ah[d] += p * bf(vh[d]);
-            }
-        }
-        for (int i = 0; i < H * D; i++) out[(long)r * H * D + i] = to_bf(acc[i]);
-    }
+/* q [R, H, D]; k, v: one layer of the pool, [slots, Hkv, D]; table [R, table_stride] int32 pages; kv_lens [R];
+   out [R, H, D]; work: H * max_len + 2 * H * D + H floats of scratch. Token-major passes: each K and V row (all
+   KV heads of one token, contiguous) is read once from memory, for every query head. restrict: float32 pages,
+   queries, outputs and scratch are all float*, and without the promise that they never overlap gcc reloads K/V
+   after every score it stores. BF16: transformers' bf16 eager rounding points (scores rounded to bf16, scaled,
+   rounded again; softmax in float32; probabilities rounded to bf16; one rounding of the output). F32: torch's
+   float32 SDPA (no roundings). */
+#define PAGED_DECODE(NAME, T, LOAD, ROUND_SCORE, ROUND_PROB, STORE)                                               \
+void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict table,          \
+          int table_stride, const int32_t *restrict kv_lens, int R, int H, int Hkv, int D, int page_size,        \
+          float scale, T *restrict out, float *restrict work, int max_len) {                                      \
+    const int n = H / Hkv;                                                                                        \
+    float *scores = work;                       /* [H, max_len] */                                                \
+    float *qf = scores + (long)H * max_len;     /* [H, D] */                                                      \
+    float *acc = qf + (long)H * D;              /* [H, D] */                                                      \
+    float *mx = acc + (long)H * D;              /* [H] */                                                         \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        const int L = kv_lens[r];                                                                                 \
+        const int32_t *pages = table + (long)r * table_stride;                                                    \
+        for (int i = 0; i < H * D; i++) qf[i] = LOAD(q[(long)r * H * D + i]);                                     \
+        for (int h = 0; h < H; h++) mx[h] = -FLT_MAX;  /* finite: -ffast-math assumes no infinities */           \
+        for (int t = 0; t < L; t++) {                                                                             \
+            const long slot = (long)pages[t / page_size] * page_size + t % page_size;                             \
+            const T *kr = k + slot * Hkv * D;                                                                     \
+            for (int h = 0; h < H; h++) {                                                                         \
+                const T *kh = kr + (h / n) * D;                                                                   \
+                const float *qh = qf + (long)h * D;                                                               \
+                float s = 0.f;                                                                                    \
+                for (int d = 0; d < D; d++) s += qh[d] * LOAD(kh[d]);                                             \
+                s = ROUND_SCORE(s);                                                                               \
+                scores[(long)h * max_len + t] = s;                                                                \
+                if (s > mx[h]) mx[h] = s;                                                                         \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int h = 0; h < H; h++) {                                                                             \
+            float *sh = scores + (long)h * max_len;                                                               \
+            float sum = 0.f;                                                                                      \
+            for (int t = 0; t < L; t++) { sh[t] = expf(sh[t] - mx[h]); sum += sh[t]; }                            \
+            const float inv = 1.f / sum;                                                                          \
+            for (int t = 0; t < L; t++) sh[t] = ROUND_PROB(sh[t] * inv);                                          \
+        }                                                                                                         \
+        for (int i = 0; i < H * D; i++) acc[i] = 0.f;                                                             \
+        for (int t = 0; t < L; t++) {                                                                             \
+            const long slot = (long)pages[t / page_size] * page_size + t % page_size;                             \
+            const T *vr = v + slot * Hkv * D;                                                                     \
+            for (int h = 0; h < H; h++) {                                                                         \
+                const T *vh = vr + (h / n) * D;                                                                   \
+                const float p = scores[(long)h * max_len + t];                                                    \
+                float *ah = acc + (long)h * D;                                                                    \
+                for (int d = 0; d < D; d++) ah[d] += p * LOAD(vh[d]);                                             \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int i = 0; i < H * D; i++) out[(long)r * H * D + i] = STORE(acc[i]);                                 \
+    }                                                                                                             \
 }
+
+#define ROUND_SCORE_BF16(s) round_bf(round_bf(s) * scale)
+#define ROUND_SCORE_F32(s) ((s) * scale)
+#define IDENTITY(x) (x)
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf, ROUND_SCORE_BF16, round_bf, to_bf)
+PAGED_DECODE(paged_decode_f32, float, IDENTITY, ROUND_SCORE_F32, IDENTITY, IDENTITY)
 """
-# Vectorized dot products need reassociated float sums; infinities (the running max starts at -inf) stay defined.
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math")
+# Vectorized dot products need reassociated float sums, and the softmax's expf vectorizes (glibc's libmvec) only
+# under -ffast-math: every value here is finite (the running max starts at -FLT_MAX), and its roundings are the
+# explicit to_bf calls. -fno-semantic-interposition: with plain -fPIC gcc kept the per-item function behind the
+# PLT-interposable ABI and the call ran 2.5x slower. Measured at 3.9k keys, 8 heads, float32 (AVX-512, one thread):
+# 6.1 ms (-fPIC alone) -> 2.0 ms.
+CFLAGS = ("-O3", "-fPIC", "-fno-semantic-interposition", "-ffast-math")
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """What ``load`` built or found: the library, the level its instructions belong to, and why."""
+    lib: ctypes.CDLL | None
+    level: str | None  # the CPU level the code was compiled for; "baseline" for the plain fallback build
+    why: str
+
+
+_build: KernelBuild = KernelBuild(None, None, "not loaded yet")
 
 
 def _compiler() -> str | None:
@@ -109,64 +144,117 @@ def _compiler() -> str | None:
     return None
 
 
+def _compiler_identity(cc: str) -> str:
+    """The resolved compiler and its version line: a different compiler is a different build."""
+    path = shutil.which(cc) or cc
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else ""
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{os.path.realpath(path)} {version}"
+
+
 def _cache_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("tierlm")) / "kernels"
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use; None when it cannot be built here (then torch's path)."""
-    global _lib, _tried
+def library_name(level: str, cc_identity: str, target_flags: tuple[str, ...]) -> str:
+    """The cached file's name: the level, then a hash of everything the machine code depends on."""
+    key = "\0".join((_SOURCE, cc_identity, " ".join(CFLAGS), " ".join(target_flags), os.uname().machine, level))
+    return f"paged_decode_{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _build_library(cc: str, cc_identity: str, level: str, target_flags: tuple[str, ...]) -> Path:
+    lib_path = _cache_dir() / library_name(level, cc_identity, target_flags)
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.o"
+            src.write_text(_SOURCE)
+            built = Path(tmp) / lib_path.name
+            subprocess.run([cc, *CFLAGS, *target_flags, "-c", "-o", str(obj), str(src)], check=True,
+                           capture_output=True, timeout=120)
+            # Linked without -ffast-math: gcc < 13 would otherwise add crtfastmath.o, whose constructor turns on
+            # flush-to-zero for the whole process (torch's float32 included) when the library loads.
+            vector_math = ["-lmvec"] if b"_ZGV" in obj.read_bytes() else []  # glibc's vector expf
+            openmp = ["-fopenmp"] if "-fopenmp" in target_flags else []
+            subprocess.run([cc, "-shared", *openmp, "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(built, lib_path)  # atomic: a concurrent server never loads half a file
+    return lib_path
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    for fn in (lib.paged_decode_bf16, lib.paged_decode_f32):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+
+
+def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use for this CPU's level; None when it cannot be built here
+    (then torch's path). A build for the level that fails (an old compiler without the level's flags) is retried
+    once as a plain baseline build."""
+    global _lib, _tried, _build
     if _tried:
         return _lib
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get("TIERLM_CPU_PAGED_DECODE", "1") == "0":
-            log.info("CPU paged decode kernel: off (TIERLM_CPU_PAGED_DECODE=0)")
-            return None
-        cc = _compiler()
-        if cc is None:
-            log.info("CPU paged decode kernel: no C compiler (cc/gcc/clang); bf16 decode attention uses torch")
-            return None
-        tag = hashlib.sha256((_SOURCE + cc + " ".join(CFLAGS) + os.uname().machine).encode()).hexdigest()[:16]
-        lib_path = _cache_dir() / f"paged_decode_{tag}.so"
+        _build = _load(cpu or this_cpu())
+        _lib = _build.lib
+        (log.info if _lib is not None else log.warning)("CPU paged decode kernel: %s", _build.why)
+        return _lib
+
+
+def _load(cpu: CpuFeatures) -> KernelBuild:
+    if os.environ.get("TIERLM_CPU_PAGED_DECODE", "1") == "0":
+        return KernelBuild(None, None, "off (TIERLM_CPU_PAGED_DECODE=0); decode attention uses torch")
+    cc = _compiler()
+    if cc is None:
+        return KernelBuild(None, None, "no C compiler (cc/gcc/clang); decode attention uses torch")
+    identity = _compiler_identity(cc)
+    errors: list[str] = []
+    # One thread: a token-major loop reads each K/V row once for all heads; splitting it into (request, KV head)
+    # items for OpenMP read every row Hkv times and ran 1.5-2x slower on one thread (measured here), so the
+    # kernel stays serial until a split that keeps rows whole is measured where it pays (many cores).
+    # -mtune=native only schedules instructions for this CPU (the level's flags decide which ones may run): the
+    # generic tuning of x86-64-v4 kept 256-bit vectors and ran ~10% slower here.
+    attempts = ((cpu.level, (*cpu.compile_flags, "-mtune=native")), ("baseline", ()))
+    for level, flags in attempts:
         try:
-            if not lib_path.exists():
-                lib_path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory() as tmp:
-                    src = Path(tmp) / "paged_decode.c"
-                    src.write_text(_SOURCE)
-                    built = Path(tmp) / lib_path.name
-                    subprocess.run([cc, *CFLAGS, "-o", str(built), str(src), "-lm"], check=True,
-                                   capture_output=True, timeout=120)
-                    os.replace(built, lib_path)  # atomic: a concurrent server never loads half a file
-            lib = ctypes.CDLL(str(lib_path))
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.warning("CPU paged decode kernel: could not build or load it (%s %s); bf16 decode attention uses "
-                        "torch", e, detail.decode(errors="replace")[-300:])
-            return None
-        fn = lib.paged_decode_bf16
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [
-            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        log.info("CPU paged decode kernel: built with %s (%s)", cc, lib_path)
-        _lib = lib
-        return lib
+            path = _build_library(cc, identity, level, flags)
+            lib = ctypes.CDLL(str(path))
+            _bind(lib)
+            note = f" after {len(errors)} failed build(s)" if errors else ""
+            return KernelBuild(lib, level, f"built with {cc} for {level} ({' '.join(flags) or 'no target flags'})"
+                                           f"{note}: {path}")
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
+            errors.append(f"{level} {' '.join(flags)}: {e} {detail}".strip())
+    return KernelBuild(None, None, "could not build or load it (" + "; ".join(errors) + "); decode attention "
+                                   "uses torch")
+
+
+def describe() -> dict[str, str | None]:
+    """The kernel as loaded (for /server_info and doctor): the level built for and why, or why not."""
+    return {"level": _build.level, "why": _build.why}
 
 
 def supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Shapes and dtypes the kernel handles (bf16 queries over bf16 pages, no window, no sinks: the caller)."""
-    return q_dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and heads % kv_heads == 0
+    """Shapes and dtypes the kernel handles (bf16 or float32 queries over pages of the same dtype, no window, no
+    sinks: the caller)."""
+    return q_dtype in KERNEL_DTYPES and kv_dtype == q_dtype and heads % kv_heads == 0
 
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                  page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
-    """q [R, H, D] bf16 (one query per request) over each request's kv_lens[r] keys in the pool layer
-    ``k_slots``/``v_slots`` [slots, Hkv, D] bf16, pages from ``page_table`` [R, P] int32 -> [R, H, D] bf16."""
+    """q [R, H, D] (one query per request) over each request's kv_lens[r] keys in the pool layer
+    ``k_slots``/``v_slots`` [slots, Hkv, D] of q's dtype, pages from ``page_table`` [R, P] int32 -> [R, H, D]."""
     R, H, D = q.shape
     Hkv = k_slots.shape[1]
     q = q.contiguous()
@@ -175,7 +263,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slo
     out = torch.empty_like(q)
     max_len = max(1, int(lens.max()))
     work = torch.empty(H * max_len + 2 * H * D + H, dtype=torch.float32)
-    lib.paged_decode_bf16(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1],
-                          lens.data_ptr(), R, H, Hkv, D, page_size, float(scale), out.data_ptr(), work.data_ptr(),
-                          max_len)
+    fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
+    fn(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), R, H,
+       Hkv, D, page_size, float(scale), out.data_ptr(), work.data_ptr(), max_len)
     return out

@@ -36,7 +36,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
-        pack_linears(model)  # oneDNN-prepacked weights: the same products, faster decode (cpu_linear.py)
+        pack_linears(model)  # oneDNN-prepacked weights where the CPU runs them: same products, faster decode
     return model
 
 

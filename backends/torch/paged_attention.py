@@ -193,7 +193,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if g.Q == 1 and s_aux is None and sliding_window is None and q.device.type == "cpu" and \
                 cpu_paged_decode.supported(q.dtype, pool.kv_dtype, H, k_pages.shape[2], D) and \
                 (lib := cpu_paged_decode.load()) is not None:
-            # bf16 decode reading the pages in place (no gathers, no copies), transformers' bf16 eager numerics
+            # bf16/float32 decode reading the pages in place (no gathers, no copies), transformers' numerics
             og = cpu_paged_decode.paged_decode(lib, qg[:, :, 0], pool.k[layer], pool.v[layer], g.page_rows,
                                                g.kv_lens, pool.page_size, scaling)[:, :, None]  # [G, H, 1, D]
         else:

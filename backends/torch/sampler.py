@@ -1,8 +1,8 @@
 """Batched next-token sampling for the torch backend.
 
 One call samples one token for each of the S rows of ``logits`` with that row's settings in ``SamplingBatch``:
-penalties (repetition: HF, over prompt + output; presence / frequency: OpenAI, over output only), then greedy
-rows take the argmax and the others are sampled from softmax(logits / temperature) restricted by top_k, top_p
+logit_bias, penalties (repetition: HF, over prompt + output; presence / frequency: OpenAI, over output only), then
+greedy rows take the argmax and the others are sampled from softmax(logits / temperature) restricted by top_k, top_p
 (renormalised after top_k) and min_p, in that order.
 
 Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per vocabulary entry draws a token
@@ -31,6 +31,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
 
     ``generator`` drives the rows without a seed (None -> torch's default generator for the device).
     """
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.all_greedy and not batch.any_penalty:
         return torch.argmax(logits, dim=-1)
 
@@ -50,6 +52,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     rows_t = torch.from_numpy(sampled_rows).to(logits.device)
     tokens[rows_t] = _sample_rows(logits.index_select(0, rows_t), batch, sampled_rows, generator)
     return tokens
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[np.ndarray, np.ndarray, np.ndarray]) -> torch.Tensor:
+    """float logits plus each row's logit_bias (the input is not modified); ids past the logits' width (ids the
+    model cannot emit) carry no logit and are skipped."""
+    rows, ids, values = bias
+    keep = ids < logits.shape[1]
+    out = logits.float().clone()
+    device = out.device
+    out.index_put_((torch.from_numpy(rows[keep]).to(device), torch.from_numpy(ids[keep]).to(device)),
+                   torch.from_numpy(values[keep]).to(device), accumulate=True)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -280,6 +280,10 @@ class HiCacheManager(KVCacheManager):
         m.gauge("tierlm_hicache_host_pages_total", "Host (L2) KV pages", lambda: self.host.num_pages)
         m.gauge("tierlm_hicache_host_pages_used", "Host (L2) KV pages in use",
                 lambda: self.host.num_pages - self.host_alloc.num_free)
+        m.gauge("tierlm_hicache_host_total_tokens", "Tokens the host (L2) KV pool holds",
+                lambda: self.host.num_pages * ps)
+        m.gauge("tierlm_hicache_host_used_tokens", "Tokens of host (L2) KV pages in use",
+                lambda: (self.host.num_pages - self.host_alloc.num_free) * ps)
         # cumulative values are counters (exposed as *_total)
         m.counter("tierlm_hicache_demoted_pages", "Device pages demoted to host on eviction", lambda: t.demoted_pages)
         m.counter("tierlm_hicache_host_evicted_pages", "Host pages evicted", lambda: t.evicted_host_pages)

@@ -192,7 +192,12 @@ class KVCacheManager:
 
     def register_gauges(self, metrics: EngineMetrics) -> None:
         """Pool gauges read at scrape time; HiCache adds its host and storage tiers."""
-        metrics.gauge("tierlm_kv_pages_total", "Device KV pages", lambda: self.num_pages)
+        # a gauge, so no _total suffix (that is a counter's): tierlm_kv_pages_total before issue 33
+        metrics.gauge("tierlm_kv_pages_capacity", "Device KV pages (the pool's size)", lambda: self.num_pages)
+        metrics.gauge("tierlm_kv_total_tokens", "Tokens the device KV pool holds",
+                      lambda: self.num_pages * self.page_size)
+        metrics.gauge("tierlm_kv_used_tokens", "Tokens of device KV pages not free (running requests and cache)",
+                      lambda: (self.num_pages - self.allocator.num_free) * self.page_size)
         metrics.gauge("tierlm_kv_pages_free", "Free device KV pages", lambda: self.allocator.num_free)
         metrics.gauge("tierlm_kv_pages_cached", "Device KV pages held by the radix cache",
                       lambda: self.tree.device_pages_cached if self.tree else 0)

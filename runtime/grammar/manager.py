@@ -1,10 +1,13 @@
 """Grammar compilation off the scheduler thread, its cache, and each constrained request's matcher.
 
-``GrammarManager.compile`` hands a grammar to a small thread pool and returns a future; futures are cached by
-(kind, text), so a grammar compiles once however many requests use it (a failure is cached too: the same text
-fails the same way). The HTTP handlers await that future before queuing a request (a bad grammar is a 400 before
-any response starts); the scheduler only asks whether a waiting request's grammar is ready, so a request whose
-grammar still compiles waits in the queue without holding up the requests behind it.
+``GrammarManager.compile`` checks the grammar against the per-request limits (runtime/grammar/limits.py), hands it
+to a small thread pool and returns a future; futures are cached by (kind, text), so a grammar compiles once however
+many requests use it (a failure is cached too: the same text fails the same way). The cache is bounded by the
+compiled grammars' bytes (LRU); a compile past the time limit fails its requests and its result is dropped (the
+compiler's C++ call itself cannot be interrupted: the limits bound how long it runs). The HTTP handlers await that
+future before queuing a request (a bad grammar is a 400 before any response starts); the scheduler only asks
+whether a waiting request's grammar is ready, so a request whose grammar still compiles waits in the queue without
+holding up the requests behind it.
 
 Per step, ``fill_bitmask`` writes the allowed next tokens of the constrained rows into one packed bitmask
 (SamplingBatch.token_bitmask; unconstrained rows stay all ones) and ``accept`` advances a request's matcher by its
@@ -15,15 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tierlm.backends.base import GrammarBackend, GrammarCompileError
+from tierlm.runtime.grammar.limits import GrammarLimitError, check_grammar_limits
 from tierlm.runtime.grammar.spec import GrammarSpec, RequestGrammar, grammar_spec
 
 if TYPE_CHECKING:
+    from tierlm.runtime.metrics import EngineMetrics
     from tierlm.runtime.request import Req
 
 log = logging.getLogger(__name__)
@@ -33,49 +38,70 @@ GRAMMAR_DISABLED = ("structured output is turned off on this server (--grammar-b
 
 
 class GrammarError(Exception):
-    """A grammar cannot be used: it does not compile, or structured output is off. Cached with the grammar, so
-    it never names a request's field; ``for_request`` does."""
+    """A grammar cannot be used: it does not compile, is over a limit, took too long, or structured output is off.
+    Cached with the grammar, so it never names a request's field; ``for_request`` does. ``code``: the error code
+    of the 400 (invalid_grammar, grammar_too_large, grammar_compile_timeout)."""
 
-    def __init__(self, detail: str, disabled: bool = False) -> None:
+    def __init__(self, detail: str, disabled: bool = False, code: str = "invalid_grammar") -> None:
         super().__init__(detail)
         self.detail = detail
         self.disabled = disabled
+        self.code = code
 
     def for_request(self, spec: GrammarSpec) -> str:
         """The message for the request whose field ``spec.param`` carried the grammar."""
         if self.disabled:
             return GRAMMAR_DISABLED.format(param=spec.param)
+        if self.code != "invalid_grammar":
+            return f"the {spec.kind} in '{spec.param}' cannot be used: {self.detail}"
         return f"invalid {spec.kind} in '{spec.param}': {self.detail}"
 
 
 class GrammarManager:
-    def __init__(self, backend: GrammarBackend | None, workers: int = 2, cache_size: int = 256) -> None:
+    """``cache_bytes``: the compiled grammars kept (by their size in memory; least recently used go first);
+    ``compile_timeout_s``: a compile running longer fails its requests with a 400 and its result is dropped."""
+
+    def __init__(self, backend: GrammarBackend | None, workers: int = 2, cache_bytes: int = 256 * 2**20,
+                 compile_timeout_s: float = 10.0, max_entries: int = 4096) -> None:
         self.backend = backend
-        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.compile_timeout_s = compile_timeout_s
+        self.max_entries = max_entries  # failures cost next to nothing; this bounds their count
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.cached_bytes = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierlm-grammar") if backend else None
         self.compiled = 0  # grammars compiled (cache misses)
+        self.timed_out = 0  # compiles abandoned at the time limit
 
     # ------------------------------------------------------------ compilation (any thread)
     def compile(self, spec: GrammarSpec) -> Future:
         """The future of ``spec``'s compiled grammar (from the cache, or submitted to the pool now). It fails
         with GrammarError."""
+        fut: Future = Future()
         if self.backend is None:
-            fut: Future = Future()
             fut.set_exception(GrammarError("structured output is off", disabled=True))
             return fut
-        with self._lock:
-            fut = self._cache.get(spec.key)
-            if fut is not None:
-                self._cache.move_to_end(spec.key)
-                return fut
-            fut = self._pool.submit(self._compile, spec)
-            self._cache[spec.key] = fut
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            self.compiled += 1
+        try:
+            check_grammar_limits(spec.kind, spec.text)  # before anything is cached or compiled
+        except GrammarLimitError as e:
+            fut.set_exception(GrammarError(str(e), code="grammar_too_large"))
             return fut
+        with self._lock:
+            cached = self._cache.get(spec.key)
+            if cached is not None:
+                self._cache.move_to_end(spec.key)
+                return cached
+            self._cache[spec.key] = fut
+            self._evict()
+            self.compiled += 1
+        timer = threading.Timer(self.compile_timeout_s, self._time_out, (fut,))
+        timer.daemon = True
+        job = self._pool.submit(self._compile, spec)
+        timer.start()
+        job.add_done_callback(lambda j: self._finish(spec.key, fut, j, timer))
+        return fut
 
     def _compile(self, spec: GrammarSpec) -> Any:
         try:
@@ -85,6 +111,60 @@ class GrammarManager:
         except Exception as e:  # noqa: BLE001 - any compiler failure is this grammar's fault
             log.exception("grammar compilation failed")
             raise GrammarError(f"the compiler failed: {e}") from None
+
+    def _time_out(self, fut: Future) -> None:
+        """The compile is past its time: its requests fail now (the failure stays cached, so the same grammar is
+        not compiled again), and _finish drops its result when the compiler returns."""
+        try:
+            fut.set_exception(GrammarError(
+                f"compiling it took longer than the {self.compile_timeout_s:g} s limit (--grammar-compile-timeout), "
+                "so it was abandoned; make the grammar smaller (fewer enum values, alternatives or nested parts)",
+                code="grammar_compile_timeout"))
+        except InvalidStateError:
+            return  # it finished just in time
+        self.timed_out += 1
+        log.warning("a grammar compile took longer than %g s (--grammar-compile-timeout): abandoned",
+                    self.compile_timeout_s)
+
+    def _finish(self, key: tuple[str, str], fut: Future, job: Future, timer: threading.Timer) -> None:
+        timer.cancel()
+        if fut.done():
+            return  # timed out: the result is dropped, never cached
+        error = job.exception()
+        if error is not None:
+            _settle(fut, error=error)
+            return
+        compiled = job.result()
+        size = int(self.backend.compiled_bytes(compiled))
+        with self._lock:
+            if self._cache.get(key) is fut:
+                self._sizes[key] = size
+                self.cached_bytes += size
+                self._evict()
+        _settle(fut, result=compiled)
+
+    def _evict(self) -> None:
+        """Least recently used compiled grammars out until the cache fits its bytes and entries (a grammar
+        larger than the whole cache is used by its requests and not kept). Under the lock."""
+        for key in list(self._cache):
+            if self.cached_bytes <= self.cache_bytes and len(self._cache) <= self.max_entries:
+                return
+            if not self._cache[key].done() and key not in self._sizes:
+                continue  # still compiling: its requests wait on it
+            del self._cache[key]
+            self.cached_bytes -= self._sizes.pop(key, 0)
+
+    def cache_info(self) -> dict[str, Any]:
+        """/server_info's grammar_cache."""
+        with self._lock:
+            return {"entries": len(self._cache), "bytes": self.cached_bytes, "limit_bytes": self.cache_bytes,
+                    "compile_timeout_s": self.compile_timeout_s, "compiled": self.compiled,
+                    "timed_out": self.timed_out}
+
+    def register_gauges(self, metrics: EngineMetrics) -> None:
+        metrics.gauge("tierlm_grammar_cache_bytes", "Bytes of compiled grammars in the grammar cache",
+                      lambda: self.cached_bytes)
+        metrics.gauge("tierlm_grammar_cache_entries", "Grammars in the grammar cache", lambda: len(self._cache))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -135,3 +215,14 @@ class GrammarManager:
             g.finished = True
             return "stop"
         return None
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set ``fut`` unless the time limit already failed it."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass

@@ -68,6 +68,8 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print JSON instead of tables; with FILE write JSON there and print the tables")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--plot", default=None, metavar="DIR",
+                   help="also write each table as a bar chart (PNG) into DIR (needs the plot extra: matplotlib)")
     g.add_argument("--work-dir", default=None,
                    help="folder for server logs and the L3 cache (default: a temporary folder, removed after)")
 
@@ -141,7 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"tierlm bench {ns.benchmark}: pass --model-path DIR, or --synthetic NAME for random weights "
                        "in a real shape (e.g. --synthetic qwen2.5-0.5b)\n")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tierlm.server.bench.plot import PLOT_HINT, plotting_available, write_plots
     from tierlm.server.bench.report import emit, load_average
+
+    if ns.plot and not plotting_available():  # before the run, not after minutes of measuring
+        parser.exit(2, f"tierlm bench {ns.benchmark}: {PLOT_HINT}\n")
 
     load_at_start = load_average()  # before this run adds its own load
     if ns.threads:
@@ -171,4 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if own_work_dir:
         shutil.rmtree(work_dir, ignore_errors=True)
     emit(report, ns.json)
+    if ns.plot:
+        for path in write_plots(report, Path(ns.plot)):
+            print(f"chart: {path}", file=sys.stderr)
     return 0

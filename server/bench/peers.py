@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from tierlm.backends.model_source.folder_facts import model_size
 from tierlm.server.bench.context import BenchContext
+from tierlm.server.bench.decode import memory_bandwidth
 from tierlm.server.bench.openai_load import Completion, Endpoint, PeerError, PromptBuilder, Session, discover
-from tierlm.server.bench.report import Column, Report, Table, environment
+from tierlm.server.bench.report import Column, Report, Table, Target, environment
 from tierlm.server.bench.server_process import BenchServer
 from tierlm.server.bench.stats import median, ratio
 
@@ -42,6 +44,12 @@ ROWS = (("cold_ttft_s", "cold TTFT ms", 1000.0, "< 1 (lower TTFT)"),
         ("e2e_tps", "1-stream end-to-end tok/s", 1.0, "> 1 (more tokens/s)"),
         ("streams_tps", "N-stream aggregate tok/s", 1.0, "> 1 (more tokens/s)"),
         ("long_decode_tps", "1-stream decode tok/s, long context", 1.0, "> 1 (more tokens/s)"))
+# Issue #27's goals for tierlm against each peer (the ratio tierlm/peer of the row), and for 1-stream decode
+# against the memory-bandwidth bound (weight bytes / measured bandwidth: one decode step reads every weight).
+PEER_GOALS = (("decode_tps", 1.2, "1-stream decode"), ("streams_tps", 1.5, "N-stream decode"),
+              ("cold_ttft_s", 0.8, "cold TTFT"), ("warm_ttft_s", 0.5, "warm TTFT"),
+              ("long_decode_tps", 1.0, "long-context decode"))
+BOUND_SHARE_GOAL = 0.6
 
 
 def parse_against(spec: str) -> tuple[str, str]:
@@ -203,6 +211,8 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     results: dict[str, dict[str, Any]] = {}
     endpoints: list[Endpoint] = []
     info = None
+    bar.set_description("peers: memory bandwidth")
+    bandwidth = memory_bandwidth()  # before any server runs: the machine to itself
     if not ns.no_tierlm:
         extra = ["--max-running-requests", str(ns.streams)] if ns.streams > 32 else []
         with BenchServer(ctx.server_args(*extra), log_dir=ctx.work_dir, name="peers-tierlm-server") as server:
@@ -216,7 +226,7 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
         results[ep.name] = measure(ep, workload, ns, bar)
         endpoints.append(ep)
     bar.close()
-    return _report(ns, ctx, info, endpoints, results)
+    return _report(ns, ctx, info, endpoints, results, bandwidth)
 
 
 def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -236,8 +246,29 @@ def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dic
     return rows
 
 
+def goals(rows: list[dict[str, Any]], names: list[str], bound_tps: float | None) -> list[Target]:
+    """tierlm's goals next to each peer's measured ratio, and its 1-stream decode as a share of the bound."""
+    if not names or names[0] != OWN:
+        return []
+    out = []
+    by_key = {r["key"]: r for r in rows}
+    for key, goal, label in PEER_GOALS:
+        lower = key.endswith("ttft_s")
+        for peer in names[1:]:
+            r = by_key[key]["ratios"].get(peer)
+            out.append(Target(f"{label} vs {peer}", f"{'<=' if lower else '>='} {goal:g}x",
+                              "-" if r is None else f"{r:.2f}x",
+                              None if r is None else (r <= goal if lower else r >= goal)))
+    own = by_key["decode_tps"]["values"].get(OWN)
+    if bound_tps and own:
+        share = own / bound_tps
+        out.append(Target("1-stream decode of the bandwidth bound", f">= {BOUND_SHARE_GOAL:.0%}", f"{share:.0%}",
+                          share >= BOUND_SHARE_GOAL, f"bound {bound_tps:.1f} tok/s"))
+    return out
+
+
 def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | None, endpoints: list[Endpoint],
-            results: dict[str, dict[str, Any]]) -> Report:
+            results: dict[str, dict[str, Any]], bandwidth: float | None = None) -> Report:
     names = [ep.name for ep in endpoints]
     ref = names[0]
     rows = table_rows(names, results)
@@ -266,6 +297,12 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
              + (f"and a peer must be started with the dtype tierlm served ({info.get('dtype')}; --dtype {ctx.dtype})"
                 if info else "with the same dtype (tierlm's --dtype does not apply to peers)")]
     notes += _mismatch_notes(ns, names, results)
+    bound = None
+    if info and bandwidth:
+        wbytes = model_size(ctx.model_dir, info.get("dtype", "float32")).weight_bytes
+        bound = bandwidth / wbytes
+        notes.append(f"bandwidth bound: weights {wbytes / 2**20:.1f} MiB ({info.get('dtype')}) / memory bandwidth "
+                     f"{bandwidth / 1e9:.2f} GB/s (numpy copy, read + write) = {bound:.1f} tok/s for one stream")
     columns = [Column("metric", "metric")] + [Column(f"cell:{n}", n) for n in names] + \
         [Column("better", f"{ref}/peer better if")]
     title = (f"{' vs '.join(names)}: {ns.prompt_tokens}-token TTFT prompts, {ns.decode_tokens}-token decodes, "
@@ -276,9 +313,10 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
                 "servers": {ep.name: {"url": ep.url, "model": ep.model,
                                       **{k: ep.models_entry[k] for k in ("root", "max_model_len", "owned_by")
                                          if k in ep.models_entry}} for ep in endpoints},
-                "server_extra": ctx.server_extra}
+                "server_extra": ctx.server_extra, "memory_bandwidth_bytes_per_s": bandwidth,
+                "bandwidth_bound_tps": bound}
     env = environment(ctx.model_label, info, ctx.load_at_start)
-    return Report("peers", ctx.command, env, settings, [Table(title, columns, rows, notes)], [],
+    return Report("peers", ctx.command, env, settings, [Table(title, columns, rows, notes)], goals(rows, names, bound),
                   raw={n: results[n]["raw"] for n in names})
 
 

@@ -29,12 +29,15 @@ EXPECTED_TIER = {"cold": None, "L1 hit": "device", "L2 hit": "host", "L3 hit": "
 TARGET_RATIO = {"L1 hit": 0.02, "L2 hit": 0.03, "L3 hit": 0.05, shared_l3.CASE: 0.05}
 L3_VS_L2_TARGET = 1.15  # issue 20: an L3 hit costs bytes / bandwidth, so its TTFT stays near the L2 hit's
 WARM_REQUEST_TOKENS = 64
+DEFAULT_PREFIX_TOKENS = 2048
 POOL_MARGIN_PAGES = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefix benchmark")
-    g.add_argument("--prefix-tokens", type=int, default=2048, help="length of the shared prefix")
+    g.add_argument("--prefix-tokens", type=int, default=None,
+                   help=f"length of the shared prefix (default {DEFAULT_PREFIX_TOKENS}, or less where the model's "
+                        "context is shorter: the prefix, a suffix, the new tokens and the filler prompt must fit it)")
     g.add_argument("--suffix-tokens", type=int, default=16, help="length of each distinct suffix")
     g.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request")
     g.add_argument("--repeats", type=int, default=1, help="prefixes measured (medians are reported)")
@@ -43,6 +46,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--l3-other-instance", choices=("auto", "on", "off"), default="auto",
                    help="measure the 'L3 other instance' row (two servers sharing a Mooncake store); auto: when "
                         "tierlm[mooncake] is installed")
+
+
+def max_prefix_tokens(context: int, suffix: int, new: int, page_size: int) -> int:
+    """The longest prefix whose runs fit ``context``: the filler prompt (the device pool less one page, plus
+    ``new`` tokens) is the longest request, and the pool is prefix + suffix + new rounded up to pages + a margin."""
+    return (context // page_size - POOL_MARGIN_PAGES + 1) * page_size - suffix - new
+
+
+def fit_prefix_tokens(requested: int | None, suffix: int, new: int, page_size: int, context: int | None) -> int:
+    """--prefix-tokens, or its default fitted to the model's context; SystemExit naming the fix when it cannot
+    fit."""
+    if context is None:
+        return DEFAULT_PREFIX_TOKENS if requested is None else requested
+    most = max_prefix_tokens(context, suffix, new, page_size)
+    if requested is None:
+        if most < page_size:
+            raise SystemExit(f"tierlm bench prefix: the model's context ({context} tokens) leaves no room for a "
+                             f"prefix of one page besides --suffix-tokens {suffix}, --max-new-tokens {new} and the "
+                             f"filler prompt; lower those or --page-size")
+        return min(DEFAULT_PREFIX_TOKENS, most)
+    if requested > most:
+        raise SystemExit(f"tierlm bench prefix: --prefix-tokens {requested} does not fit the model's context "
+                         f"({context} tokens) with --suffix-tokens {suffix}, --max-new-tokens {new} and the filler "
+                         f"prompt that pushes it out of L1; use --prefix-tokens {max(most, 0)} or less")
+    return requested
+
+
+def context_length(ctx: BenchContext) -> int | None:
+    """The context the servers will have: --context-length among the server flags, else the model's
+    max_position_embeddings (None: unknown)."""
+    extra = list(ctx.server_extra)
+    for i, flag in enumerate(extra):
+        if flag == "--context-length" and i + 1 < len(extra):
+            return int(extra[i + 1])
+        if flag.startswith("--context-length="):
+            return int(flag.split("=", 1)[1])
+    from tierlm.backends.model_source.model_folder import ModelFolder
+
+    value = ModelFolder.read(ctx.model_dir).text_config.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def pool_tokens(prefix: int, suffix: int, new: int, page_size: int) -> int:
@@ -102,7 +145,8 @@ def _read_rate(nbytes: int, seconds: float) -> float | None:
 
 
 def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
-    P, S, new, R, ps = ns.prefix_tokens, ns.suffix_tokens, ns.max_new_tokens, ns.repeats, ctx.page_size
+    S, new, R, ps = ns.suffix_tokens, ns.max_new_tokens, ns.repeats, ctx.page_size
+    P = ns.prefix_tokens = fit_prefix_tokens(ns.prefix_tokens, S, new, ps, context_length(ctx))
     if P < ps or S < 1 or new < 1 or R < 1:
         raise SystemExit("tierlm bench prefix: need --prefix-tokens >= page size, --suffix-tokens, "
                          "--max-new-tokens and --repeats >= 1")

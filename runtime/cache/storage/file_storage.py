@@ -14,6 +14,12 @@ A bad disk never hangs or breaks the caller: only regular files are opened (non-
 of a page cannot block a read), a folder deleted while serving is recreated by the next write (its pages are
 forgotten, so files/bytes match the disk), and a failed write (full disk, read-only folder) leaves no temp
 file, is counted and turns ``health()`` "degraded" until a write succeeds again.
+
+Opening the folder (namespace.json, the scan that rebuilds the index, the free space) runs on a daemon thread
+under the tier's I/O time limit (``io_timeout`` in the extra-config, as for every later read and write): past it
+the server starts with this store offline (every call a miss, ``health()`` "degraded" with why) instead of
+waiting on a hung filesystem or a FIFO; the open finishes in the background when the folder answers, and a
+failed late open is retried every ``STARTUP_RETRY_INTERVAL_S``, never with more than one thread stuck.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from tierlm.runtime.cache.storage import page_header
 from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
+from tierlm.runtime.cache.storage.storage_io import DEFAULT_IO_TIMEOUT_S
 from tierlm.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +54,9 @@ FILE_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 NAMESPACE_FILE = "namespace.json"
 _KV_NAME_RE = re.compile(r"[0-9a-f]{64}\.kv")
-KNOWN_EXTRA_CONFIG_KEYS = ("max_size_gb",)
+KNOWN_EXTRA_CONFIG_KEYS = ("max_size_gb", "io_timeout")
+IO_TIMEOUT_KEY = "io_timeout"  # the tier's I/O time limit (storage_io.py), also the limit of opening the folder
+STARTUP_RETRY_INTERVAL_S = 5.0  # a late open that failed is tried again this often
 # Default L3 bound without max_size_gb: what this namespace already stores plus a quarter of the free space of
 # the folder's filesystem at startup, at most 100 GB. Keeping what is stored means a restart evicts nothing;
 # a quarter of the free space leaves the rest to the machine (and to other servers sharing the disk, each of
@@ -97,7 +106,11 @@ class FileKVStorage(KVStorage):
         *,
         fsync: bool = True,
         stale_temp_seconds: float = 600.0,
+        startup_timeout_s: float | None = None,
+        retry_interval_s: float = STARTUP_RETRY_INTERVAL_S,
     ) -> None:
+        """``startup_timeout_s``: open the folder on a thread and wait at most this long (then start offline);
+        None opens it on the caller's thread."""
         if not isinstance(page_bytes, int) or page_bytes < 1:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         if isinstance(max_size_bytes, int) and max_size_bytes < HEADER_SIZE + page_bytes:
@@ -123,8 +136,16 @@ class FileKVStorage(KVStorage):
         self._read_ns = 0  # time inside successful reads (open to verified), for the L3 read rate
         self._degraded: str | None = None  # why writes fail right now; None while online
         self._last_error: str | None = None
-        self._open_namespace_dir()
-        self._rebuild_index(stale_temp_seconds)
+        self._stale_temp_seconds = stale_temp_seconds
+        self._offline: str | None = None  # why the folder is not open yet (every call a miss meanwhile)
+        self._opening: _OpenAttempt | None = None
+        self._started_offline = False  # the open outlived the startup time limit
+        self._stop = threading.Event()
+        self.retry_interval_s = retry_interval_s
+        if startup_timeout_s is None:
+            self._open_folder()
+        else:
+            self._open_within(startup_timeout_s)
 
     @classmethod
     def from_extra_config(
@@ -142,7 +163,11 @@ class FileKVStorage(KVStorage):
             logger.warning("file storage ignores extra-config keys %s (it knows %s)",
                            unknown, list(KNOWN_EXTRA_CONFIG_KEYS))
         bound = max_size_bytes_from_config(cfg)
-        return cls(root_dir, namespace, page_bytes, AUTO_BOUND if bound is None else bound)
+        timeout = cfg.get(IO_TIMEOUT_KEY, DEFAULT_IO_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"extra-config io_timeout must be a positive number of seconds, got {timeout!r}")
+        return cls(root_dir, namespace, page_bytes, AUTO_BOUND if bound is None else bound,
+                   startup_timeout_s=float(timeout))
 
     # --- KVStorage, plus exists() and delete() of this backend's own (tests and tools) ---
     def exists(self, keys) -> list[bool]:
@@ -151,6 +176,9 @@ class FileKVStorage(KVStorage):
         out = []
         for key in keys:
             self._check_key(key)
+            if self._offline is not None:
+                out.append(False)
+                continue
             with self._lock:
                 known = key in self._index
             out.append(known or self._adopt(key))
@@ -158,6 +186,8 @@ class FileKVStorage(KVStorage):
 
     def known(self, keys) -> list[bool]:
         with self._lock:
+            if self._offline is not None:
+                return [False] * len(keys)
             return [key in self._index for key in keys]
 
     def probe(self, key: str) -> bytes | None:
@@ -185,6 +215,8 @@ class FileKVStorage(KVStorage):
 
     def _read(self, key: str, views: list[memoryview], absent_is_miss: bool) -> bool:
         """Read and verify page ``key`` into ``views`` (page_bytes in all); False on a miss."""
+        if self._offline is not None:  # the folder has not opened yet: nothing is read from it
+            return False
         path = self._path(key)
         header = bytearray(HEADER_SIZE)
         t0 = time.perf_counter_ns()
@@ -242,6 +274,8 @@ class FileKVStorage(KVStorage):
         nbytes = sum(v.nbytes for v in views)
         if nbytes != self.page_bytes:
             raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {self.page_bytes}")
+        if self._offline is not None:
+            return False
         path = self._path(key)
         if self._is_page_file(path):  # written before, here or by another process sharing the folder
             self._note_present(key, self.file_bytes)
@@ -276,11 +310,16 @@ class FileKVStorage(KVStorage):
     def delete(self, key: str) -> bool:
         self._check_open()
         self._check_key(key)
+        if self._offline is not None:
+            return False
         self._forget(key)
         return _unlink_quietly(self._path(key))
 
     def clear(self) -> int:
         self._check_open()
+        if self._offline is not None:
+            logger.warning("L3 storage %s is offline (%s): nothing cleared", self.dir, self._offline)
+            return 0
         removed = 0
         try:
             with os.scandir(self.dir) as it:
@@ -305,10 +344,56 @@ class FileKVStorage(KVStorage):
 
     def health(self) -> dict[str, Any]:
         with self._lock:
+            if self._offline is not None:
+                return {"state": "degraded", "last_error": self._offline}
             return {"state": "online" if self._degraded is None else "degraded", "last_error": self._last_error}
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()  # the retry thread ends; an open stuck in the kernel is a daemon, left behind
+
+    # --- opening the folder under the time limit ---
+    def _open_folder(self) -> None:
+        self._open_namespace_dir()
+        self._rebuild_index(self._stale_temp_seconds)
+
+    def _open_within(self, timeout_s: float) -> None:
+        """Open the folder on a daemon thread; StartupError when it fails within ``timeout_s``, offline past it."""
+        self._offline = f"opening {self.dir}"
+        attempt = self._opening = _OpenAttempt(self)
+        if attempt.done.wait(timeout_s):
+            if attempt.error is not None:
+                raise attempt.error
+            return
+        why = (f"L3 storage folder {self.dir} did not open within {timeout_s:g} s at startup (the I/O time limit, "
+               f"extra-config io_timeout): hung disk or network filesystem, or a FIFO in place of {NAMESPACE_FILE}? "
+               "Serving without L3 until it opens")
+        with self._lock:
+            if self._offline is None:  # it opened just now
+                return
+            self._offline = self._last_error = why
+            self._started_offline = True
+        logger.warning("%s (checked every %g s).", why, self.retry_interval_s)
+        threading.Thread(target=self._retry_open, name="tierlm-l3-open-retry", daemon=True).start()
+
+    def _retry_open(self) -> None:
+        """While offline: a new open once the last one has failed (one stuck in the kernel is waited for)."""
+        while not self._stop.wait(self.retry_interval_s) and self._offline is not None:
+            if self._opening is not None and self._opening.done.is_set():
+                self._opening = _OpenAttempt(self)
+
+    def _opened(self, error: BaseException | None) -> None:
+        """An open attempt returned (on its thread)."""
+        with self._lock:
+            late = self._started_offline
+            if error is None:
+                self._offline = None
+            elif late:
+                self._offline = self._last_error = f"L3 storage folder {self.dir} cannot be opened: {error}"
+        if late and error is None:
+            logger.info("L3 storage %s is online: the folder opened after startup", self.dir)
+        elif late:
+            logger.warning("L3 storage still offline: %s; retrying every %g s", error, self.retry_interval_s)
 
     # --- internals ---
     def _path(self, key: str) -> Path:
@@ -544,6 +629,26 @@ class FileKVStorage(KVStorage):
         except OSError as e:
             logger.warning("cannot read the free space of %s (%s); the default L3 bound uses its cap", self.dir, e)
             return int(DEFAULT_BOUND_MAX_BYTES / DEFAULT_BOUND_FREE_SHARE)
+
+
+class _OpenAttempt:
+    """One try at opening the folder, on a daemon thread (a read stuck in the kernel must not keep the process
+    alive); ``error`` is the StartupError when it failed."""
+
+    def __init__(self, store: FileKVStorage) -> None:
+        self.done = threading.Event()
+        self.error: StartupError | None = None
+        threading.Thread(target=self._run, args=(store,), name="tierlm-l3-open", daemon=True).start()
+
+    def _run(self, store: FileKVStorage) -> None:
+        try:
+            store._open_folder()
+        except StartupError as e:
+            self.error = e
+        except OSError as e:  # the scan or the free-space read failed
+            self.error = StartupError(f"cannot read L3 storage folder {store.dir}: {e.strerror or e}")
+        store._opened(self.error)
+        self.done.set()
 
 
 class _Stale(Exception):

@@ -67,7 +67,7 @@ MAX_KNOWN_KEYS = 1 << 20  # keys remembered as stored (for known(), which must n
 KEY_PREFIX = "tierlm"
 CONFIG_KEYS = ("master_server_address", "local_hostname", "metadata_server", "global_segment_size",
                "local_buffer_size", "protocol", "device_name")
-TIERLM_KEYS = ("connect_wait_s", "retry_interval_s")  # tierlm's own, extra-config only
+TIERLM_KEYS = ("connect_wait_s", "retry_interval_s", "io_timeout")  # tierlm's own, extra-config only
 SGLANG_IGNORED_KEYS = ("master_metrics_port", "check_server", "extra_backend_tag", "standalone_storage",
                        "client_server_address", "enable_ssd_offload", "ssd_offload_path")
 _ENV = {  # config key -> environment variable (SGLang's names)

@@ -1,0 +1,40 @@
+"""Which kernel each layer type of a loaded torch model runs, and why: /server_info's ``kernels``.
+
+Read from what was actually set up (packed linears counted in the model, the decode kernel as built), so the report
+cannot drift from the decisions in cpu_linear.py and cpu_paged_decode.py.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlm.backends.torch import cpu_paged_decode, paged_attention
+from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
+
+
+def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+                  attention_backend: str, heads: int, kv_heads: int, head_dim: int) -> dict[str, str]:
+    name = str(dtype).removeprefix("torch.")
+    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    plain = sum(type(m) is nn.Linear for m in model.modules())
+    if device != "cpu":
+        linear = f"torch F.linear {name} (cuBLAS)"
+    elif packed:
+        linear = f"oneDNN-prepacked {name} ({packed} layers" + (f"; {plain} shared/tied plain)" if plain else ")")
+    elif dtype == torch.bfloat16:
+        linear = f"torch F.linear {name} ({packing_available()[1]})"
+    else:
+        linear = f"torch F.linear {name} (oneDNN/MKL GEMM)"
+    if attention_backend == paged_attention.TRITON:
+        return {"linear": linear, "prefill_attention": "Triton paged extend over the pool",
+                "decode_attention": "Triton paged decode over the pool"}
+    decode = "torch eager matmuls + softmax over gathered pages" if dtype in (torch.bfloat16, torch.float16) \
+        else "torch SDPA over gathered pages"
+    if device == "cpu" and cpu_paged_decode.supported(dtype, kv_dtype, heads, kv_heads, head_dim):
+        build = cpu_paged_decode.describe()
+        if cpu_paged_decode.load() is not None:
+            decode = f"C paged kernel over the pool in place, built for {build['level']}"
+        else:
+            decode += f" ({build['why']})"
+    return {"linear": linear, "prefill_attention": "torch SDPA (fused causal; gathered pages after a prefix hit)",
+            "decode_attention": decode}

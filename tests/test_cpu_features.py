@@ -1,0 +1,137 @@
+"""Every CPU-class decision (platforms/cpu_features.py) from recorded /proc/cpuinfo texts of real machines
+(tests/data/cpuinfo/), so the AVX2, AVX-512, AMX and aarch64 paths are all decided and checked on any machine;
+the TIERLM_CPU_ISA cap; and Facts carrying the CPU through a recording."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierlm.backends.dtypes import dtype_decision
+from tierlm.platforms.backend_choice import BackendChoiceError, choose_backend
+from tierlm.platforms.cpu_features import CpuIsaError, apply_cap, detect_cpu, known_flags, parse_cpuinfo
+from tierlm.platforms.facts import Facts
+
+RECORDED = Path(__file__).parent / "data" / "cpuinfo"
+GiB = 1 << 30
+
+
+def recorded(name: str, arch: str):
+    return parse_cpuinfo((RECORDED / name).read_text(), arch)
+
+
+# file, arch, level, native bf16, oneDNN bf16 prepacking, target flags of the C kernel, physical cores
+MACHINES = [
+    ("amd-epyc-zen3-avx2.txt", "x86_64", "avx2", None, False, ("-march=x86-64-v3",), 1),
+    ("intel-xeon-skylake-avx512.txt", "x86_64", "avx512", None, True, ("-march=x86-64-v4",), 2),
+    ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", "amx", "amx_bf16", True,
+     ("-march=x86-64-v4", "-mavx512bf16"), 2),
+    ("aws-graviton3-neoverse-v1.txt", "aarch64", "sve", "bf16", False, ("-march=armv8.6-a+sve",), 0),
+    ("nvidia-grace-neoverse-v2.txt", "aarch64", "sve2", "bf16", False, ("-march=armv9-a+bf16+i8mm",), 0),
+    ("ampere-altra-neoverse-n1.txt", "aarch64", "dotprod", None, False, ("-march=armv8.2-a+dotprod+fp16",), 0),
+]
+
+
+@pytest.mark.parametrize("name, arch, level, bf16, prepack, flags, cores", MACHINES)
+def test_each_recorded_machine_gets_its_decisions(name, arch, level, bf16, prepack, flags, cores):
+    cpu = recorded(name, arch)
+    assert cpu.level == level
+    assert cpu.native_bf16 == bf16
+    assert cpu.onednn_bf16_prepack[0] is prepack and cpu.onednn_bf16_prepack[1]
+    assert cpu.compile_flags == flags
+    assert cpu.physical_cores == cores
+    assert cpu.model_name  # x86 "model name", aarch64 named from its CPU part
+    # --dtype auto on torch/CPU: bf16 exactly where the CPU has native bf16 matmuls
+    expected = "bfloat16" if bf16 else "float32"
+    assert dtype_decision("auto", "cpu", "bfloat16", cpu_bf16=bf16 is not None)[0] == expected
+
+
+def test_the_smt_machine_counts_cores_not_hardware_threads():
+    epyc = recorded("amd-epyc-zen3-avx2.txt", "x86_64")  # 1 core, 2 hardware threads
+    from tierlm.backends.torch.cpu_threads import cpu_thread_count, usable_cores
+
+    cores, counted = usable_cores(epyc, logical=2, total=2)
+    assert cores == 1 and "2 hardware threads" in counted
+    assert cpu_thread_count({}, cores, counted)[0] == 1
+    spr = recorded("intel-xeon-sapphire-rapids-amx.txt", "x86_64")  # 2 cores x 2 threads
+    assert usable_cores(spr, logical=4, total=4)[0] == 2
+    assert usable_cores(spr, logical=2, total=4)[0] == 1  # a cpuset of half the machine
+    skylake = recorded("intel-xeon-skylake-avx512.txt", "x86_64")  # no SMT: every CPU is a core
+    assert usable_cores(skylake, logical=2, total=2) == (2, "2 usable cores")
+
+
+@pytest.mark.parametrize("cap, level, prepack, bf16", [
+    ("avx512_bf16", "avx512_bf16", True, "avx512_bf16"),
+    ("avx512", "avx512", True, None),
+    ("avx2", "avx2", False, None),
+    ("x86-64", "x86-64", False, None),
+])
+def test_a_cap_makes_an_amx_machine_decide_like_a_lower_one(cap, level, prepack, bf16):
+    cpu = apply_cap(recorded("intel-xeon-sapphire-rapids-amx.txt", "x86_64"), cap)
+    assert (cpu.level, cpu.onednn_bf16_prepack[0], cpu.native_bf16) == (level, prepack, bf16)
+    assert cpu.cap == cap and "amx_bf16" in cpu.dropped
+    # the capped machine is exactly the recorded AVX2 one in every flag a decision reads
+    if cap == "avx2":
+        epyc = recorded("amd-epyc-zen3-avx2.txt", "x86_64")
+        assert cpu.flags & known_flags("x86_64") == epyc.flags & known_flags("x86_64")
+
+
+def test_a_cap_never_adds_what_the_cpu_lacks_and_a_bad_one_names_the_levels():
+    epyc = recorded("amd-epyc-zen3-avx2.txt", "x86_64")
+    assert apply_cap(epyc, "amx").level == "avx2" and apply_cap(epyc, "amx").dropped == ()
+    assert apply_cap(epyc, "auto") == epyc
+    grace = recorded("nvidia-grace-neoverse-v2.txt", "aarch64")
+    capped = apply_cap(grace, "neon")
+    assert capped.level == "neon" and capped.native_bf16 is None and "sve2" in capped.dropped
+    with pytest.raises(CpuIsaError, match="x86-64, avx2, avx512, avx512_bf16, amx"):
+        apply_cap(epyc, "sve")
+    with pytest.raises(CpuIsaError, match="neon, dotprod, bf16, sve, sve2"):
+        detect_cpu(env={"TIERLM_CPU_ISA": "avx2"}, cpuinfo=(RECORDED / "nvidia-grace-neoverse-v2.txt").read_text(),
+                   machine="aarch64")
+
+
+def test_an_unknown_architecture_decides_nothing_it_cannot_know():
+    cpu = parse_cpuinfo("processor : 0\nisa : rv64imafdc\n", "riscv64")
+    assert cpu.level == "unknown" and cpu.compile_flags == () and cpu.native_bf16 is None
+    assert cpu.onednn_bf16_prepack[0] is False
+
+
+def _facts(**kw) -> Facts:
+    return Facts(os_name="Linux", arch="x86_64", cpu_count=2, ram_total_bytes=16 * GiB,
+                 ram_available_bytes=12 * GiB, python_version="3.11.9", torch_version="2.13.0", **kw)
+
+
+def test_facts_record_the_cpu_and_replay_it():
+    cpu = recorded("intel-xeon-sapphire-rapids-amx.txt", "x86_64")
+    facts = _facts(cpu_flags=tuple(sorted(cpu.flags & known_flags("x86_64"))), cpu_model=cpu.model_name,
+                   cpu_physical_cores=cpu.physical_cores)
+    again = Facts.from_dict(facts.to_dict())
+    assert again == facts and again.cpu.level == "amx" and again.cpu_bf16 == "amx_bf16"
+    d = choose_backend(again, {}, "cpu")
+    assert d.native_bf16 and any("CPU level amx" in r for r in d.reasons)
+    legacy = facts.to_dict() | {"cpu_bf16": "avx512_bf16", "cpu_flags": []}  # a recording from before cpu_flags
+    assert Facts.from_dict(legacy).cpu_bf16 == "avx512_bf16"
+
+
+def test_a_bad_cap_stops_the_platform_decision_with_the_reason():
+    with pytest.raises(BackendChoiceError, match="TIERLM_CPU_ISA='avx3'"):
+        choose_backend(_facts(cpu_isa_error="TIERLM_CPU_ISA='avx3' names no x86_64 instruction level; use one of: "
+                                            "x86-64, avx2, avx512, avx512_bf16, amx (or auto)"), {}, "cpu")
+
+
+def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama):
+    from engine_harness import start_engine
+
+    from tierlm.platforms.cpu_features import this_cpu
+
+    engine = start_engine(tiny_llama, dtype="bfloat16", device="cpu")
+    try:
+        info = engine.server_info()
+    finally:
+        engine.shutdown()
+    cpu, kernels = info["cpu"], info["kernels"]
+    assert cpu["level"] == this_cpu().level and cpu["features"] and "onednn_bf16_prepack_why" in cpu
+    assert set(kernels) == {"linear", "prefill_attention", "decode_attention"}
+    # the linear kernel named is the one the CPU decision allows
+    assert ("oneDNN-prepacked" in kernels["linear"]) == (cpu["onednn_bf16_prepack"] and
+                                                         "refuses" not in kernels["linear"])

@@ -1,0 +1,77 @@
+"""The AVX2 path, run for real on an AVX-512/AMX machine: a process started with TIERLM_CPU_ISA=avx2 caps tierlm's
+decisions *and* torch's own kernels (ATen's capability, oneDNN's maximum ISA, set by the entry points before torch
+loads), so torch refuses the bf16 weight reorder exactly as on an AVX2-only CPU. bf16 and float32 must still load
+and give transformers' greedy output; a process where only oneDNN is capped (tierlm's cpuinfo still says AVX-512)
+must not crash either: torch's own refusal is probed before any weight is packed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierlm.platforms.cpu_features import this_cpu
+
+pytestmark = pytest.mark.skipif(this_cpu().arch != "x86_64", reason="the capped levels here are x86_64 levels")
+
+SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from tierlm.cli import cap_torch_isa
+cap_torch_isa()  # what `tierlm serve` and launch_server do first
+import torch
+from backend_driver import run_greedy
+from tierlm.backends.torch import cpu_paged_decode
+from tierlm.backends.torch.backend import TorchBackend
+from tierlm.backends.torch.cpu_linear import PackedLinear
+from transformers import AutoModelForCausalLM
+
+try:
+    torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    refused = False
+except RuntimeError:
+    refused = True
+out = {"capability": torch.backends.cpu.get_cpu_capability(), "torch_refuses_reorder": refused}
+prompt = [1, 72, 101, 108, 108, 111, 44, 32, 119]
+for dtype in ("bfloat16", "float32"):
+    backend = TorchBackend(sys.argv[1], dtype=dtype)
+    ours = run_greedy(backend, [prompt], 8)[0]
+    hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, dtype), attn_implementation="eager")
+    with torch.inference_mode():
+        ref = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    out[dtype] = {"equal": ours == ref, "packed": any(isinstance(m, PackedLinear) for m in backend.model.modules()),
+                  "kernels": backend.kernels()}
+out["kernel_level"] = cpu_paged_decode.describe()["level"]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(tiny_llama: Path, env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TIERLM_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")} | env_extra
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama), str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_a_process_capped_at_avx2_runs_bf16_and_float32_like_an_avx2_machine(tiny_llama):
+    out = _run(tiny_llama, {"TIERLM_CPU_ISA": "avx2"})
+    assert out["capability"] == "AVX2" and out["torch_refuses_reorder"]  # torch now behaves as on an AVX2 CPU
+    for dtype in ("bfloat16", "float32"):
+        assert out[dtype]["equal"], f"{dtype} greedy differs from transformers under the AVX2 cap"
+        assert not out[dtype]["packed"]
+    assert "needs AVX-512 BW/VL/DQ" in out["bfloat16"]["kernels"]["linear"]
+    assert out["kernel_level"] in ("avx2", None)  # None: no C compiler here (the torch path then serves)
+
+
+def test_torch_capped_alone_is_caught_by_the_reorder_probe(tiny_llama):
+    out = _run(tiny_llama, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert out["torch_refuses_reorder"]
+    assert out["bfloat16"]["equal"] and not out["bfloat16"]["packed"]
+    assert "torch refuses the oneDNN bf16 reorder" in out["bfloat16"]["kernels"]["linear"] \
+        or "needs AVX-512 BW/VL/DQ" in out["bfloat16"]["kernels"]["linear"]  # a real AVX2-only machine

@@ -180,8 +180,7 @@ def _build_library(cc: str, cc_identity: str, level: str, target_flags: tuple[st
             # Linked without -ffast-math: gcc < 13 would otherwise add crtfastmath.o, whose constructor turns on
             # flush-to-zero for the whole process (torch's float32 included) when the library loads.
             vector_math = ["-lmvec"] if b"_ZGV" in obj.read_bytes() else []  # glibc's vector expf
-            openmp = ["-fopenmp"] if "-fopenmp" in target_flags else []
-            subprocess.run([cc, "-shared", *openmp, "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
+            subprocess.run([cc, "-shared", "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(built, lib_path)  # atomic: a concurrent server never loads half a file
     return lib_path
@@ -217,7 +216,8 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
     cc = _compiler()
     if cc is None:
         return KernelBuild(None, None, "no C compiler (cc/gcc/clang); decode attention uses torch")
-    identity = _compiler_identity(cc)
+    # the CPU model too: -mtune=native tunes for it, so another model of the same level builds its own
+    identity = f"{_compiler_identity(cc)}\0{cpu.model_name}"
     errors: list[str] = []
     # One thread: a token-major loop reads each K/V row once for all heads; splitting it into (request, KV head)
     # items for OpenMP read every row Hkv times and ran 1.5-2x slower on one thread (measured here), so the

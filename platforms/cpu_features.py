@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import platform
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -214,11 +215,15 @@ def apply_cap(features: CpuFeatures, cap: str | None) -> CpuFeatures:
         valid = ", ".join(names) if names else "none on this architecture"
         raise CpuIsaError(f"{ISA_ENV}={cap!r} names no {features.arch} instruction level; use one of: {valid} "
                           "(or auto)")
-    above = frozenset().union(*(adds | needs for adds, needs in
-                                ((a, n) for _name, a, n in levels[names.index(cap) + 1:])))
+    above = frozenset().union(*(adds | needs for _name, adds, needs in levels[names.index(cap) + 1:]))
     dropped = tuple(sorted(features.flags & above))
     return CpuFeatures(arch=features.arch, flags=features.flags - above, model_name=features.model_name,
                        physical_cores=features.physical_cores, cap=cap, dropped=dropped)
+
+
+def find_c_compiler(env: Mapping[str, str]) -> str | None:
+    """The C compiler the CPU kernels are built with: $CC, else cc, gcc, clang (None: none installed)."""
+    return next((c for c in (env.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
 
 
 def torch_env_for_cap(env: Mapping[str, str]) -> dict[str, str]:
@@ -275,4 +280,5 @@ def this_cpu() -> CpuFeatures:
 
 
 __all__ = ["CpuFeatures", "CpuIsaError", "ISA_ENV", "apply_cap", "cpu_kernel_plan", "detect_cpu", "detect_cpu_or_error",
-           "known_flags", "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu", "torch_env_for_cap"]
+           "find_c_compiler", "known_flags", "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu",
+           "torch_env_for_cap"]

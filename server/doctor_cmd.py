@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -24,7 +23,7 @@ from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
-from tierlm.platforms.cpu_features import cpu_kernel_plan
+from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler
 from tierlm.runtime.engine_setup import check_context_length, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
@@ -134,8 +133,8 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
             _check_model(report, args, folder, label, decision, env)
     sizes = report["model"]
     if decision.backend == "torch" and decision.device == "cpu" and sizes:
-        compiler = next((c for c in (env.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
-        report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"], compiler)
+        report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"],
+                                                find_c_compiler(env))
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
+from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +138,7 @@ _build: KernelBuild = KernelBuild(None, None, "not loaded yet")
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+    return find_c_compiler(os.environ)
 
 
 def _compiler_identity(cc: str) -> str:

@@ -63,6 +63,8 @@ class ModelInfo:
     kv_dtype: str = ""
     # Hybrids (linear-attention / Mamba layers): the recurrent state of one request; None for attention-only models.
     state: StateGeometry | None = None
+    # The weights' format (backends/weight_format.py): "none", "torchao:int8wo", "mlx:q4-g64", "checkpoint:mxfp4".
+    weight_format: str = "none"
 
     def __post_init__(self) -> None:
         if not self.kv_dtype:
@@ -269,11 +271,16 @@ class HostStatePool:
     num_slots: int
     geometry: StateGeometry
     data: np.ndarray = field(repr=False, default=None)  # uint8 [num_slots, slot_bytes]
+    # set once ``data``'s pages are faulted in (a background thread): the server waits for it before it reports
+    # ready, so the RAM this pool was promised is committed before another instance sizes itself (issue 33)
+    faulted_in: threading.Event = field(repr=False, default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         if self.data is None:
-            flat, _ = allocate_host_bytes(self.num_slots * self.slot_bytes, prefault=False)
+            flat, self.faulted_in = allocate_host_bytes(self.num_slots * self.slot_bytes)
             self.data = flat.reshape(self.num_slots, self.slot_bytes)
+        else:
+            self.faulted_in.set()  # given memory: its owner committed it
 
     @property
     def slot_bytes(self) -> int:
@@ -412,6 +419,9 @@ class ModelBackend(ABC):
         # pages in the model's own dtype keep the namespace they always had.
         if i.kv_dtype != i.dtype:
             ns["kv_dtype"] = i.kv_dtype
+        # Quantized weights compute other K/V values; unquantized models keep the namespace they always had.
+        if i.weight_format != "none":
+            ns["weight_format"] = i.weight_format
         return ns
 
     def kv_byte_layout(self) -> str:

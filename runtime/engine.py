@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -19,7 +20,7 @@ from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.grammar.manager import GrammarError
 from tierlm.runtime.grammar.spec import grammar_spec
-from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
+from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest, PinRequest
 from tierlm.runtime.request import Req
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.server_args import ServerArgs
@@ -132,6 +133,7 @@ class Engine:
                 param="max_tokens")
         if req.rid in self._sinks:
             raise RequestError(f"request id {req.rid!r} is already in use", param="rid")
+        check_pins(req.pins, n)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Yield output increments until one with finished=True. Closing the iterator early aborts the request."""
@@ -145,7 +147,7 @@ class Engine:
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[req.rid] = (loop, sink)
         self._inbox.put(AddRequest(Req(rid=req.rid, input_ids=list(req.input_ids),
-                                       sampling_params=req.sampling_params, stream=req.stream)))
+                                       sampling_params=req.sampling_params, stream=req.stream, pins=list(req.pins))))
         finished = False
         try:
             while not finished:
@@ -294,6 +296,16 @@ class Engine:
             msg.loop.call_soon_threadsafe(_resolve, msg.future, result, exc)
         elif not isinstance(msg, Wake):
             raise TypeError(f"unknown scheduler message {msg!r}")
+
+
+def check_pins(pins: Sequence[PinRequest], prompt_len: int) -> None:
+    """A pin covers part of the prompt (0 < tokens <= its length) for a positive, finite time."""
+    for pin in pins:
+        if not 0 < pin.tokens <= prompt_len:
+            raise RequestError(f"a pin covers {pin.tokens} tokens but the prompt has {prompt_len}; pin 1 to "
+                               f"{prompt_len} tokens", param="pins")
+        if not (math.isfinite(pin.ttl_s) and pin.ttl_s > 0):
+            raise RequestError(f"a pin's ttl must be a positive number of seconds, got {pin.ttl_s}", param="pins")
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

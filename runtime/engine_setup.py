@@ -29,6 +29,7 @@ from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
+from tierlm.backends.weight_format import WeightFormatError, WeightQuant, check_backend_kind, parse_weight_quant
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               size_kv_tiers, this_cpu)
 from tierlm.platforms.memory_limits import bounded_by_cgroup, cgroup_memory
@@ -110,6 +111,8 @@ class EngineParts:
             "device": self.backend.device,
             "dtype": self.model_info.dtype,
             "dtype_chosen_by": self.dtype_reason,
+            "weight_format": self.model_info.weight_format,  # backends/weight_format.py; also in the L3 namespace
+            "weight_bytes": self.backend.weight_bytes(),  # resident: quantized tensors at their packed size
             "backend_decision": self.decision.to_dict(),
             "context_length": self.context_length,
             "architecture": self.model_info.architecture,
@@ -125,6 +128,7 @@ class EngineParts:
             "chunked_prefill_size": self.scheduler.chunk,
             "prefill_budget_tokens": self.scheduler.prefill_budget,
             "radix_cache": self.cache.tree is not None,
+            "pins": self.cache.pins_info(),  # prompt-caching pins: pinned pages and the bound per tier
             "state_pool": self.cache.state_accounting(),  # hybrids: free + cached + in_use == total; else None
             "grammar_backend": self.grammar.backend.name if self.grammar.backend else None,
             "grammar_cache": self.grammar.cache_info(),
@@ -182,6 +186,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
     cache = make_cache_manager(args, backend, tiers)
+    cache.set_pin_fraction(args.cache_pin_fraction)
     cache.register_gauges(metrics)
     commit_host_pool(cache)
     stop_ids = stop_token_ids(info, tokenizer, chat_format.extra_stop_tokens)
@@ -219,12 +224,16 @@ def commit_host_pool(cache: KVCacheManager) -> None:
     """Wait until the host (L2) pool's pages are faulted in, before the server reports ready: memory promised to
     a pool but not yet touched does not show as used, so another instance started after this one said "ready"
     would size itself from RAM this one is about to take (issue 33: the OOM killer then took the first)."""
-    if not isinstance(cache, HiCacheManager) or cache.host.faulted_in.is_set():
+    if not isinstance(cache, HiCacheManager):
+        return
+    pools = [cache.host] + ([cache.states.host] if cache.states is not None else [])  # hybrids: the state pool too
+    if all(p.faulted_in.is_set() for p in pools):
         return
     t0 = time.monotonic()
-    cache.host.faulted_in.wait()  # set by the prefault thread however it ends (backends/host_memory.py)
+    for pool in pools:
+        pool.faulted_in.wait()  # set by the prefault thread however it ends (backends/host_memory.py)
     log.info("host KV pool committed (%.0f MiB faulted in) in %.2f s, before reporting ready",
-             cache.host.total_bytes / 2**20, time.monotonic() - t0)
+             sum(p.total_bytes for p in pools) / 2**20, time.monotonic() - t0)
 
 
 def check_context_length(requested: int | None, model_max: int, env: Mapping[str, str]) -> int:
@@ -418,21 +427,34 @@ def load_backend(decision: Decision, folder: ModelFolder, args: ServerArgs, atte
         attention_backend = resolve_attention_backend(args, decision, os.environ)[0]
     if dtype is None:
         dtype = choose_dtype(args, decision, folder)[0]
+    quant = weight_quant_for(args, decision.backend)
     try:
         if decision.backend == "mlx":
             from tierlm.backends.mlx.backend import MLXBackend
 
             return MLXBackend(folder, dtype=args.dtype, seed=args.random_seed, device=decision.device,
                               trust_unverified_architecture=args.trust_unverified_architecture,
-                              kv_cache_dtype=args.kv_cache_dtype)
+                              kv_cache_dtype=args.kv_cache_dtype, weight_quant=quant)
         from tierlm.backends.torch.backend import TorchBackend
 
         return TorchBackend(folder, dtype=dtype, device=decision.device,
                             trust_remote_code=args.trust_remote_code, seed=args.random_seed,
                             trust_unverified_architecture=args.trust_unverified_architecture,
-                            kv_cache_dtype=args.kv_cache_dtype, attention_backend=attention_backend)
-    except (UnverifiedArchitectureError, KVCacheDtypeError) as e:  # the message names the fix
+                            kv_cache_dtype=args.kv_cache_dtype, attention_backend=attention_backend,
+                            weight_quant=quant)
+    except (UnverifiedArchitectureError, KVCacheDtypeError, WeightFormatError) as e:  # the message names the fix
         raise StartupError(str(e)) from e
+
+
+def weight_quant_for(args: ServerArgs, backend: str) -> WeightQuant | None:
+    """--quantization / --torchao-config as a WeightQuant for the chosen backend; a name neither backend knows,
+    or one meant for the other backend, stops startup naming the flag and the alternatives."""
+    try:
+        quant = parse_weight_quant(args.quantization, args.torchao_config)
+        check_backend_kind(quant, backend)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    return quant
 
 
 def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: ModelBackend, context_length: int

@@ -7,12 +7,22 @@ from typing import Any
 from tierlm.runtime.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class PinRequest:
+    """After the request's prompt is in the cache, pin the KV of ``input_ids[:tokens]`` (rounded down to whole
+    pages) for ``ttl_s`` seconds. Pinning an already pinned prefix refreshes its TTL (runtime/cache/pins.py)."""
+
+    tokens: int
+    ttl_s: float
+
+
 @dataclass
 class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
+    pins: list[PinRequest] = field(default_factory=list)  # prompt-caching breakpoints (Anthropic cache_control)
 
 
 @dataclass
@@ -70,6 +80,7 @@ class GenerateOutput:
     e2e_latency: float = 0.0
     logprobs: LogprobOutput | None = None  # the increment's logprobs, when the request asked (runtime/logprobs.py)
     spec: dict[str, Any] | None = None  # speculative decoding counts (SGLang's spec_* meta_info), final output only
+    pinned_tokens: int = 0  # prompt tokens newly pinned or refreshed by this request's pins, final output only
 
     def meta_info(self) -> dict[str, Any]:
         """SGLang's /generate meta_info."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tierlm.runtime.cache.radix_cache import TreeNode
 from tierlm.runtime.detokenizer import IncrementalDetokenizer
 from tierlm.runtime.grammar.spec import RequestGrammar
-from tierlm.runtime.io_struct import CachedTokens
+from tierlm.runtime.io_struct import CachedTokens, PinRequest
 from tierlm.runtime.logprob_state import LogprobState
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.runtime.speculative.ngram import NgramState
@@ -55,6 +55,8 @@ class Req:
     admitted_once: bool = False
     prefetch: PendingPrefetch | None = None  # HiCache: set while its L3 pages are read in the background
     grammar: RequestGrammar | None = None  # set by GrammarManager.attach for a structured-output request
+    pins: list[PinRequest] = field(default_factory=list)  # prompt prefixes to pin when it ends (cache/pins.py)
+    pinned_tokens: int = 0  # prompt tokens those pins held (GenerateOutput.pinned_tokens)
     logprobs: LogprobState | None = None  # set by runtime/logprobs.init_logprobs when the request asks for any
     # speculative decoding (runtime/speculative/): counts, the drafter's per-request index, output tokens it has seen
     spec: SpecStats | None = None  # once the request took part in a verify step

@@ -83,6 +83,7 @@ class Scheduler:
     # ------------------------------------------------------------ one step
     def step(self) -> bool:
         """Schedule, run one batched forward, process its tokens. Returns False when there was nothing to do."""
+        self.cache.sweep_pins()  # expiry is lazy; this keeps the pin table short
         items = self._schedule()
         if not items:
             return False
@@ -266,10 +267,12 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         if req.finish_reason is None:
             req.finish_reason = reason
-        self.cache.release(req, cache_kv=True)
+        self.cache.release(req, cache_kv=True)  # pins the prompt prefixes req.pins asks for
         if self.spec is not None:
             self.spec.finish(req)
-        self.emit(req, self.outputs.final(req))
+        out = self.outputs.final(req)
+        out.pinned_tokens = req.pinned_tokens
+        self.emit(req, out)
 
     def fail_all(self, message: str) -> None:
         """A step raised: end every request with an error; their KV is not trusted, so nothing is cached."""

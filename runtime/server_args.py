@@ -8,6 +8,7 @@ records, never written back into the launch settings.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,10 @@ ATTENTION_BACKENDS = {"triton": "torch", "torch_native": "torch", "tierlm_paged"
 ATTENTION_ALIASES = {"tierlm_paged": "torch_native"}
 # --kv-cache-dtype values (SGLang's names) tierlm stores KV pages in; "auto" is the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+# Load-time weight quantization names, checked here so the CLI refuses a typo at once; the parser and the device
+# checks are backends/weight_format.py (runtime may not import it; tests/test_weight_quant.py keeps them equal).
+QUANTIZATION_NAMES = r"w8a8_int8|fp8|q[48](-g(32|64|128))?"
+TORCHAO_CONFIG_NAMES = r"int8wo|int8dq|int4wo-(32|64|128|256)|fp8wo|fp8dq-per_row"
 # --schedule-policy values: the order waiting requests are admitted in (runtime/schedule_policy.py).
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "lof")
 # --radix-eviction-policy values: which unlocked cache pages go first when a tier (device or host) is full
@@ -65,6 +70,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     mem_fraction_static: float | None = None  # share of free memory given to weights + KV pool
     disable_radix_cache: bool = False
+    cache_pin_fraction: float = 0.5  # share of each cache tier prompt-caching pins may hold (runtime/cache/pins.py)
     # hierarchical cache (HiCache), SGLang names and defaults
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
@@ -84,7 +90,8 @@ class ServerArgs:
     # SGLang compatibility (docs/sglang-compat.md): each one works, is accepted and logged, or is refused in check()
     revision: str | None = None  # hub branch, tag or commit of --model-path
     download_dir: str | None = None  # hub cache folder for --model-path (default: the standard HF cache)
-    quantization: str | None = None  # only None: tierlm runs the checkpoint's own weights
+    quantization: str | None = None  # load-time weight quantization (backends/weight_format.py): w8a8_int8, fp8, q4, q8
+    torchao_config: str | None = None  # torch: torchao's quantize_ at load (int8wo, int8dq, int4wo-<group>, fp8*)
     kv_cache_dtype: str = "auto"  # KV pages in every tier: auto (the model's dtype), bf16, fp8_e4m3, fp8_e5m2
     attention_backend: str | None = None  # None: the chosen backend's own; else one of ATTENTION_BACKENDS
     max_prefill_tokens: int = 16384  # prompt tokens in one step's prefill (the budget is min with chunked_prefill_size)
@@ -162,6 +169,9 @@ class ServerArgs:
             )
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        if not 0.0 <= self.cache_pin_fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"--cache-pin-fraction must be between 0 and 1 (0: no pins), got "
+                             f"{self.cache_pin_fraction}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.hicache_storage_backend:
@@ -180,9 +190,15 @@ class ServerArgs:
             raise ValueError(f"{flag} {value}: tierlm runs one model copy on one device (only 1 works); to use "
                              "several devices start one tierlm instance per device and put sglang-router in front "
                              "(docs/scale-out.md)")
-        if self.quantization is not None:
-            raise ValueError(f"--quantization {self.quantization}: tierlm cannot quantize weights at load time; drop "
-                             "the flag (a checkpoint that is already quantized, e.g. gpt-oss mxfp4, loads as it is)")
+        if self.quantization is not None and self.torchao_config is not None:
+            raise ValueError(f"--quantization {self.quantization} and --torchao-config {self.torchao_config}: pass "
+                             "one of them")
+        if self.quantization is not None and not re.fullmatch(QUANTIZATION_NAMES, self.quantization):
+            raise ValueError(f"--quantization {self.quantization}: use w8a8_int8 or fp8 (torch backend, torchao), "
+                             "q4 or q8 with an optional -g32|-g64|-g128 group (mlx backend), or --torchao-config")
+        if self.torchao_config is not None and not re.fullmatch(TORCHAO_CONFIG_NAMES, self.torchao_config):
+            raise ValueError(f"--torchao-config {self.torchao_config}: use int8wo, int8dq, int4wo-<group> (32, 64, "
+                             "128, 256), fp8wo or fp8dq-per_row")
         if self.kv_cache_dtype == "fp4_e2m1":
             raise ValueError("--kv-cache-dtype fp4_e2m1: FP4 KV pages are not implemented; use fp8_e4m3 (half the "
                              "bytes of bf16) or auto")

@@ -8,14 +8,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from tierlm.runtime.engine_api import EngineAPI
+from tierlm.server.anthropic_errors import AnthropicErrorMiddleware
+from tierlm.server.anthropic_messages import router as anthropic_router
 from tierlm.server.auth import ApiKeyMiddleware
 from tierlm.server.body_limit import BodyLimitMiddleware
+from tierlm.server.cors import CorsMiddleware
 from tierlm.server.http_errors import install_error_handlers
+from tierlm.server.infill import router as infill_router
 from tierlm.server.info_routes import router as info_router
 from tierlm.server.openapi_doc import install_openapi
 from tierlm.server.native_generate import router as native_router
 from tierlm.server.openai_chat import router as chat_router
 from tierlm.server.openai_completions import router as completions_router
+from tierlm.server.openai_responses import router as responses_router
 from tierlm.server.origin_guard import OriginGuardMiddleware
 from tierlm.server.page_route import router as page_router
 from tierlm.server.request_log import RequestLogMiddleware
@@ -42,16 +47,21 @@ def create_app(engine: EngineAPI, *, shutdown_engine_on_exit: bool = False) -> F
 
     app = FastAPI(title="tierlm", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
-    for router in (chat_router, completions_router, native_router, info_router, tokenize_router, tiers_router,
-                   page_router):
+    for router in (chat_router, completions_router, responses_router, native_router, info_router, tokenize_router,
+                   tiers_router, page_router):
         app.include_router(router)
+    app.include_router(anthropic_router)  # POST /v1/messages, /v1/messages/count_tokens
+    app.include_router(infill_router)  # POST /infill, llama.cpp's fill-in-the-middle
     install_error_handlers(app)
     install_openapi(app)  # the document as the server behaves: statuses, error shape, media types
-    # Middleware runs outermost-last-added: log -> body limit -> origin guard -> API keys -> routes.
+    # Middleware runs outermost-last-added: log -> CORS -> body limit -> origin guard -> API keys -> routes
+    # (CORS outside the rest: preflights need no key, and every answer to an allowed origin gets its header).
     args = engine.args
     if args.api_key or args.admin_api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
     app.add_middleware(OriginGuardMiddleware, bind_host=args.host, allowed_origins=list(args.allowed_origins))
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
+    app.add_middleware(AnthropicErrorMiddleware)  # errors on /v1/messages* in Anthropic's shape, whoever wrote them
+    app.add_middleware(CorsMiddleware, allowed_origins=list(args.allowed_origins))
     app.add_middleware(RequestLogMiddleware, log_bodies=args.log_requests)
     return app

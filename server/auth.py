@@ -1,6 +1,6 @@
-"""API keys. --api-key: API routes need 'Authorization: Bearer <key>'; health checks and metrics stay open (as in
-SGLang). --admin-api-key: admin routes (those that change server state, e.g. /flush_cache) need that key
-instead; without it they need --api-key when one is set."""
+"""API keys. --api-key: API routes need 'Authorization: Bearer <key>' (or Anthropic's 'x-api-key: <key>'); health
+checks and metrics stay open (as in SGLang). --admin-api-key: admin routes (those that change server state, e.g.
+/flush_cache) need that key instead; without it they need --api-key when one is set."""
 from __future__ import annotations
 
 import secrets
@@ -14,15 +14,19 @@ OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 ADMIN_PATHS = ("/flush_cache",)
 
 
-def _bearer(scope: Scope) -> bytes | None:
+def _sent_keys(scope: Scope) -> list[bytes]:
+    """The keys a request sends: 'Authorization: Bearer <key>', or Anthropic's 'x-api-key: <key>'."""
+    keys = []
     for name, value in scope.get("headers", []):
-        if name == b"authorization":
-            return value.strip()
-    return None
+        if name == b"authorization" and value.strip().startswith(b"Bearer "):
+            keys.append(value.strip()[len(b"Bearer "):].strip())
+        elif name == b"x-api-key":
+            keys.append(value.strip())
+    return keys
 
 
-def _matches(sent: bytes | None, key: str | None) -> bool:
-    return sent is not None and key is not None and secrets.compare_digest(sent, f"Bearer {key}".encode())
+def _matches(sent: list[bytes], key: str | None) -> bool:
+    return key is not None and any(secrets.compare_digest(k, key.encode()) for k in sent)
 
 
 class ApiKeyMiddleware:
@@ -44,9 +48,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         key, flag = self._required(scope["path"])
-        if key is None or _matches(_bearer(scope), key):
+        if key is None or _matches(_sent_keys(scope), key):
             await self.app(scope, receive, send)
             return
-        await send_error(send, f"missing or invalid API key: send 'Authorization: Bearer <key>' with the key the "
-                               f"server was started with ({flag})", 401, code="invalid_api_key",
+        await send_error(send, f"missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                               f"<key>') with the key the server was started with ({flag})", 401, code="invalid_api_key",
                          headers=[(b"www-authenticate", b"Bearer")])

@@ -164,7 +164,8 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     http.add_argument("--admin-api-key", default=None,
                       help="require this key on admin routes (/flush_cache); defaults to --api-key")
     http.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
-                      help="browser origins (e.g. http://localhost:3000) and host names allowed besides this server's own")
+                      help="browser origins (e.g. http://localhost:3000; they also get CORS headers) and host names "
+                           "allowed besides this server's own; '*': any")
     http.add_argument("--max-request-bytes", type=int, default=_DEFAULTS.max_request_bytes,
                       help="larger request bodies are refused with 413 before they are read")
     http.add_argument("--log-level", default=_DEFAULTS.log_level, type=str.lower,
@@ -182,6 +183,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     sched.add_argument("--mem-fraction-static", type=float, default=None,
                        help="share of free device memory for weights + KV pool")
     sched.add_argument("--disable-radix-cache", action="store_true")
+    sched.add_argument("--cache-pin-fraction", type=float, default=_DEFAULTS.cache_pin_fraction,
+                       help="share of each cache tier (device, host) that prompt-caching pins (Anthropic cache_control "
+                            "breakpoints) may hold; a pin beyond it is cut short (default 0.5; 0 turns pins off)")
     sched.add_argument("--random-seed", type=int, default=_DEFAULTS.random_seed)
     sched.add_argument("--grammar-backend", default=_DEFAULTS.grammar_backend,
                        help="structured output (json_schema, regex, ebnf, response_format): xgrammar, or none to "
@@ -208,7 +212,12 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
     compat = p.add_argument_group("SGLang compatibility (docs/sglang-compat.md)")
     compat.add_argument("--revision", default=None, help="hub branch, tag or commit of --model-path")
     compat.add_argument("--download-dir", default=None, help="hub cache folder for --model-path downloads")
-    compat.add_argument("--quantization", default=None, help="refused: tierlm runs the checkpoint's own weights")
+    compat.add_argument("--quantization", default=None,
+                        help="quantize weights at load: w8a8_int8, fp8 (torch, through torchao); q4, q8, "
+                             "q4-g<group>, q8-g<group> (mlx.nn.quantize; group 32, 64 or 128, default 64)")
+    compat.add_argument("--torchao-config", default=None,
+                        help="torch backend: quantize weights at load with torchao: int8wo, int8dq, int4wo-<group> "
+                             "(CUDA), fp8wo, fp8dq-per_row (CUDA sm_89+) (docs/models.md, weight formats)")
     compat.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype,
                         help="dtype of the KV pages in every tier: auto (the model's), bf16/bfloat16, fp8_e4m3, "
                              "fp8_e5m2 (8-bit: half the bytes of bf16, dequantized when attention reads them)")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from tierlm.backends.dtypes import HALF_DTYPES, dtype_decision, kv_storage_dtype
+from tierlm.backends.dtypes import DTYPE_BYTES, HALF_DTYPES, dtype_decision, kv_storage_dtype
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
 from tierlm.backends.model_source.folder_facts import model_size
@@ -21,6 +21,8 @@ from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
+from tierlm.backends.weight_format import (WeightFormatError, check_backend_kind, device_refusal, parse_weight_quant,
+                                           quantized_bytes, safetensors_shapes, weight_format_label)
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
 from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler
@@ -81,6 +83,13 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
     size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
     size["max_position_embeddings"] = int(folder.text_config.get("max_position_embeddings")
                                           or DEFAULT_CONTEXT_LENGTH)
+    # The weight format serve reports (/server_info weight_format); a load-time quantization sizes the weights
+    # (and so the KV tiers) at their quantized bytes.
+    quant = parse_weight_quant(args.quantization, args.torchao_config)
+    size["weight_format"] = weight_format_label(folder.config, quant)
+    if quant is not None:
+        float_bytes = DTYPE_BYTES.get(size["dtype"], 4)
+        size["weight_bytes"] = quantized_bytes(safetensors_shapes(list(folder.weight_files)), float_bytes, quant)
     return size
 
 
@@ -124,6 +133,15 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         report["errors"].append(str(e))
         return report
     report["decision"] = decision.to_dict()
+    quant = parse_weight_quant(args.quantization, args.torchao_config)
+    if quant is not None:  # what serve refuses before loading (the other backend's names, a device without kernels)
+        try:
+            check_backend_kind(quant, decision.backend)
+            refusal = device_refusal(quant, decision.device, facts.compute_capability)
+        except WeightFormatError as e:
+            refusal = str(e)
+        if refusal:
+            report["errors"].append(refusal)
     with model_folder(args) as (folder, label, bytes_only_why, refusal):
         if refusal:
             report["errors"].append(refusal)
@@ -242,7 +260,8 @@ def render_text(report: dict[str, Any]) -> str:
         ratio = f" (ratio {m['hicache_ratio']:g})" if m["hicache_ratio"] is not None else ""
         if m["sized_in"] == "tokens":
             lines.append(f"KV tiers           {model['path']} ({model['dtype']}, KV {model['kv_cache_dtype']}): "
-                         f"{m['kv_bytes_per_token']} bytes/token, weights {_gb(m['weight_bytes'])}, "
+                         f"{m['kv_bytes_per_token']} bytes/token, weights {_gb(m['weight_bytes'])} "
+                         f"({model.get('weight_format', 'none')}), "
                          f"context length {m['context_length']}")
             lines.append(f"  device KV (L1)   {m['device_pages']} pages x {m['page_size']} = {m['device_kv_tokens']} "
                          f"tokens, {_gb(m['device_kv_bytes'])}")

@@ -1,4 +1,5 @@
-"""Every error leaves the server in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Every error leaves the server in OpenAI's shape: {"error": {"message", "type", "param", "code"}} (on the Anthropic
+routes, /v1/messages*, server/anthropic_errors.py rewrites it into Anthropic's shape, same status).
 
 Handlers here turn RequestError, pydantic validation errors (400, not FastAPI's 422), routing errors
 (404/405) and anything unexpected (500) into that shape, so clients see one error format everywhere.
@@ -59,7 +60,8 @@ def request_error_body(e: RequestError) -> dict[str, Any]:
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # pydantic names the member of a union a value failed in (``function-after[...]``, ``list[str]``): not a field
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header") and "[" not in str(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -70,7 +72,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable sentence for the first problem (and how many more), plus the field it names."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A value that fails every member of a union fails each differently; the member of its own type says why.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None

@@ -1,4 +1,5 @@
-"""POST /v1/completions: OpenAI text completions, n choices per prompt, optional SSE streaming and echo."""
+"""POST /v1/completions: OpenAI text completions, n choices per prompt, optional SSE streaming and echo, and
+fill-in-the-middle with ``suffix`` (server/fim.py)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
 from tierlm.server.deps import check_model, make_request, model_name, new_id, ready_engine, sub_rid
+from tierlm.server.fim import fim_prompts
 from tierlm.server.generation import (collect_outputs, finish_reason_of, stream_choices, summed_usage,
                                       unless_disconnected)
 from tierlm.server.logprob_format import CompletionLogprobBuilder, without_stop_token
@@ -28,7 +30,13 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request, engine: EngineAPI = Depends(ready_engine)) -> Response:
     check_model(engine, body.model)
     reject_unsupported_completion(body)
-    prompts = await off_loop(normalize_prompts, engine.tokenizer, body.prompt)
+    fim = await off_loop(fim_prompts, engine.tokenizer, model_name(engine), body.prompt, body.suffix, body.echo)
+    if fim is None:
+        prompts = await off_loop(normalize_prompts, engine.tokenizer, body.prompt)
+    else:  # suffix: the prompt is the code before the hole (server/fim.py)
+        prompts, tokens = fim
+        if tokens.end_id is not None:  # the family's end-of-middle token, when it is not the model's EOS
+            body = body.model_copy(update={"stop_token_ids": [*(body.stop_token_ids or []), tokens.end_id]})
     max_new_tokens = completion_max_tokens(body)
     response_id = new_id("cmpl-")
     count = len(prompts) * body.n

@@ -19,6 +19,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from tierlm.server.auth import OPEN_PATHS
+from tierlm.server.infill_protocol import InfillResponse, InfillStreamChunk
+from tierlm.server.responses_protocol import ResponseDeleted, ResponseObject, ResponseStreamEvent
 from tierlm.server.protocol import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse,
                                     DetokenizeResponse, FlushCacheResponse, ModelCard, ModelInfo, ModelList,
                                     NativeGenerateResponse, RankLoad, ServerInfo, StatusResponse, TokenizeResponse,
@@ -30,7 +32,8 @@ REF = "#/components/schemas/{model}"
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, NativeGenerateResponse,
     StatusResponse, ModelList, ModelCard, ModelInfo, ServerInfo, FlushCacheResponse, TokenizeResponse,
-    DetokenizeResponse, RankLoad, VersionResponse,
+    DetokenizeResponse, RankLoad, VersionResponse, InfillResponse, InfillStreamChunk, ResponseObject,
+    ResponseStreamEvent, ResponseDeleted,
 )
 
 ERROR_DESCRIPTIONS = {
@@ -38,7 +41,8 @@ ERROR_DESCRIPTIONS = {
          "the prompt does not fit the model (context length, vocabulary)",
     401: "Missing or invalid API key (only when the server runs with --api-key or --admin-api-key)",
     403: "Refused cross-site request: the Host or Origin header does not name this server (see --allowed-origins)",
-    404: "Unknown model: the 'model' named is not the one this server serves",
+    404: "Unknown model: the 'model' named is not the one this server serves (or, on /v1/responses, an unknown "
+         "response id)",
     413: "The request body is larger than --max-request-bytes",
     500: "Internal error (the server keeps serving)",
     503: "The model is still loading (or, for /health_generate, produced no token in time)",
@@ -70,6 +74,19 @@ def _event_stream(*events: type[BaseModel]) -> dict[str, Any]:
     }}}
 
 
+def _responses_event_stream() -> dict[str, Any]:
+    """The Responses API's stream: `event: <type>` and `data: <json>` per event, no [DONE]."""
+    return {"text/event-stream": {"schema": {
+        "description": "Server-sent events: `event:` names the type, `data:` is the event as JSON (with the same "
+                       "`type` and a `sequence_number`); the stream ends with response.completed, "
+                       "response.incomplete or response.failed.",
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"type": "string"}, "data": {
+            "type": "string", "contentMediaType": "application/json", "contentSchema": _ref(ResponseStreamEvent)}},
+    }}}
+
+
 @dataclass(frozen=True)
 class Operation:
     operation_id: str
@@ -87,6 +104,18 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation(
         "createChatCompletion", "OpenAI chat completions (SSE with stream=true)",
         {**_json(_ref(ChatCompletionResponse)), **_event_stream(ChatCompletionChunk)}, GENERATION_ERRORS),
+    ("post", "/infill"): Operation(
+        "infill", "llama.cpp's fill-in-the-middle for code-completion plugins (SSE with stream=true, no [DONE])",
+        {**_json(_ref(InfillResponse)), **_event_stream(InfillStreamChunk, InfillResponse)}, GENERATION_ERRORS),
+    ("post", "/v1/responses"): Operation(
+        "createResponse", "OpenAI Responses API (Responses events with stream=true; docs/api.md)",
+        {**_json(_ref(ResponseObject)), **_responses_event_stream()}, GENERATION_ERRORS),
+    ("get", "/v1/responses/{response_id}"): Operation(
+        "retrieveResponse", "A stored response (404 once it is deleted or dropped from the bounded store)",
+        _json(_ref(ResponseObject)), (404,), (("response_id", r"^[^\n]*$"),)),
+    ("delete", "/v1/responses/{response_id}"): Operation(
+        "deleteResponse", "Delete a stored response", _json(_ref(ResponseDeleted)), (404,),
+        (("response_id", r"^[^\n]*$"),)),
     ("post", "/generate"): Operation(
         "generate", "SGLang-native generation: one result per prompt, a list for a batch",
         {**_json({"anyOf": [_ref(NativeGenerateResponse), {"type": "array", "items": _ref(NativeGenerateResponse)}]}),

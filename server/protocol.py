@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter,
                       ValidationError, ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, model_serializer,
                       model_validator)
 
@@ -39,7 +39,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 StopField = Annotated[Union[str, list[str], None], _accepts(_nullable({"anyOf": [
     {"type": "string"}, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string"}}]}),
     f"a stop string or a list of at most {MAX_STOP_STRINGS}")]
-INT64_MAX = 2**63 - 1
+JSON_SAFE_INT_MAX = 2**53 - 1
 # Lax type: keys are checked as decimal token ids (server/sampling_mapping.token_id_keys) and against the vocabulary
 # (a 400 naming logit_bias); the document says what a valid key and value are.
 LogitBiasField = Annotated[dict[str, float] | None, _accepts(_nullable({
@@ -59,7 +59,9 @@ def _not_bool(value: Any) -> Any:
 IdInt = Annotated[int, BeforeValidator(_not_bool)]
 # The bounds before the validator: placed after it, pydantic writes them into the OpenAPI schema as "ge"/"le"
 # (no JSON Schema meaning) instead of "minimum"/"maximum", and clients validating against the document miss them.
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_not_bool)]
+# The bound is 2**53 - 1, the largest integer every JSON parser holds exactly: at 2**63 - 1 a client (or a fuzzer)
+# writing the bound as a float (9.223372036854776e18, "an integer" to JSON Schema) sends 2**63 after parsing.
+TokenId = Annotated[int, Field(ge=0, le=JSON_SAFE_INT_MAX), BeforeValidator(_not_bool)]
 
 # ---------------------------------------------------------------- requests
 
@@ -147,9 +149,10 @@ class CompletionRequest(_OpenAISamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="log-probabilities of each returned token and this many top alternatives "
                                              "(with echo, of the prompt tokens too; docs/logprobs.md)")
-    suffix: Annotated[str | None, _accepts(
-        _nullable({"type": "string", "maxLength": 0}),
-        "insertion is not supported yet: only null or '' is accepted")] = None
+    suffix: str | None = Field(default=None, description=(
+        "fill-in-the-middle: the text after the insertion point, the prompt being the text before it; needs a model "
+        "whose tokenizer has FIM tokens (Qwen2.5-Coder, StarCoder, DeepSeek-Coder, CodeLlama, Codestral), else 400. "
+        "'' on a model without them is a plain completion. Not with echo (docs/api.md)"))
     # JSON Schema cannot say "equal to n"; the handler refuses any other value with a 400 naming best_of.
     best_of: int | None = Field(default=None, ge=1, le=128,
                                 description="only best_of equal to n is supported (the n choices are the candidates)")
@@ -222,6 +225,9 @@ class ChatCompletionRequest(_OpenAISamplingFields):
     chat_template: Annotated[str | None, _accepts({"type": "null"}, _REQUEST_TEMPLATE_NOTE)] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         default=None, description="passed to the chat template as reasoning_effort (gpt-oss reads it)")
+    continue_final_message: StrictBool = Field(
+        default=False, description="vLLM: the last message (the assistant's) is left open and the model continues "
+                                   "it instead of starting a new turn")
     separate_reasoning: StrictBool = Field(
         default=True, description="SGLang: with a reasoning parser, the thinking text goes to reasoning_content; "
                                   "false leaves it in content")
@@ -266,6 +272,23 @@ def _refuse_unimplemented(body: Any) -> Any:
     return body
 
 
+def _printable_rid(value: str) -> str:
+    # checked here, not with Field(max_length=...): a constrained str refuses a lone surrogate with a vaguer message
+    # than the body's own Unicode check (text_fields.py) gives
+    if not 1 <= len(value) <= MAX_RID_CHARS:
+        raise ValueError(f"a request id has 1 to {MAX_RID_CHARS} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError("a request id may not contain control characters (newline, tab, ...): it is written into "
+                         "log lines, where one could forge others")
+    return value
+
+
+MAX_RID_CHARS = 256
+# A client's own request id (SGLang's rid): printable, bounded, so every log line that names it stays one line.
+RidField = Annotated[str, AfterValidator(_printable_rid), WithJsonSchema({
+    "type": "string", "minLength": 1, "maxLength": MAX_RID_CHARS, "pattern": r"^[^\x00-\x1f\x7f]+$"})]
+
+
 class NativeGenerateRequest(_CheckedText):
     # The handler needs exactly one of text and input_ids (a 400 otherwise); the schema says so.
     model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
@@ -280,7 +303,7 @@ class NativeGenerateRequest(_CheckedText):
         "token ids (one prompt) or lists of token ids (a batch), in the model's vocabulary")] = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: StrictBool = False
-    rid: str | list[str] | None = None
+    rid: RidField | list[RidField] | None = None
     # SGLang's logprob fields (docs/logprobs.md)
     return_logprob: StrictBool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)

@@ -19,8 +19,6 @@ def _not_supported(what: str, param: str) -> RequestError:
 
 
 def reject_unsupported_completion(req: CompletionRequest) -> None:
-    if req.suffix:
-        raise _not_supported("suffix (insertion)", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise _not_supported("best_of different from n", "best_of")
 

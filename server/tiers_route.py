@@ -158,6 +158,7 @@ async def tiers(request: Request, engine: EngineAPI = Depends(ready_engine)) -> 
                      "finished": int(counters["requests"]), "max_running": info.get("max_running_requests"),
                      "mean_ttft_s": counters["ttft_seconds_sum"] / ttft_n if ttft_n else None},
         "queues": queues(info),
+        "pins": info.get("pins"),  # cache_control pins (docs/hicache.md): prefixes, pinned pages per tier; null: none
         "history": {"window_s": HISTORY_WINDOW_S, "intervals": history.intervals()},
         "machine": machine(info),
     })

@@ -117,10 +117,41 @@ def _alias_reasoning(d: dict[str, Any]) -> dict[str, Any]:
 
 def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage],
                         template_kwargs: dict[str, Any] | None = None, policy: TemplatePolicy = TemplatePolicy(),
-                        top_level_template: str | None = None) -> list[int]:
+                        top_level_template: str | None = None, continue_final_message: bool = False) -> list[int]:
     """Render messages with the chat template (the operator's, or the request's where the policy allows it) in the
     guarded sandbox, ready for the assistant's reply, and tokenize as transformers does (no special tokens added:
-    the template writes them)."""
+    the template writes them). ``continue_final_message``: the last message is the start of the assistant's reply
+    (Anthropic's prefill, vLLM's field), left open so the model continues it."""
+    if continue_final_message:
+        text = _open_final_message(tokenizer, messages, template_kwargs, policy, top_level_template)
+    else:
+        text = render_chat_text(tokenizer, messages, template_kwargs, policy, top_level_template)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def _open_final_message(tokenizer: Tokenizer, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None,
+                        policy: TemplatePolicy, top_level_template: str | None) -> str:
+    """The conversation rendered without a generation prompt and cut right after the final message's text (as
+    transformers' continue_final_message), so its end-of-turn marker is not there."""
+    final = messages[-1] if messages else None
+    content = final.content if final is not None else None
+    if final is None or final.role != "assistant" or not isinstance(content, str) or not content.strip():
+        raise RequestError("continue_final_message needs a conversation that ends with an assistant message with "
+                           "text to continue", 400, param="messages", code="nothing_to_continue")
+    text = render_chat_text(tokenizer, messages, template_kwargs, policy, top_level_template,
+                            add_generation_prompt=False)
+    end = text.rfind(content.strip())
+    if end < 0:
+        raise RequestError("the chat template does not write the final assistant message's text as it is, so it "
+                           "cannot be continued", 400, param="messages", code="nothing_to_continue")
+    return text[:end + len(content.strip())]
+
+
+def render_chat_text(tokenizer: Tokenizer, messages: list[ChatMessage],
+                     template_kwargs: dict[str, Any] | None = None, policy: TemplatePolicy = TemplatePolicy(),
+                     top_level_template: str | None = None, add_generation_prompt: bool = True) -> str:
+    """The chat template's text for ``messages`` (apply_chat_template before tokenizing; the Responses API renders
+    text to splice an earlier turn's exact tokens into the prompt, server/responses_prefix.py)."""
     kwargs = dict(template_kwargs or {})
     sent = request_template(kwargs, top_level_template, policy)
     template_param, template = sent or ("messages", tokenizer.chat_template)
@@ -132,7 +163,7 @@ def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage],
     conversation = [_alias_reasoning(_message_to_template_dict(i, m)) for i, m in enumerate(messages)]
     check_strings(conversation, "messages")
     variables = {"tools": None, "documents": None, **(tokenizer.special_tokens_map or {}), **kwargs,
-                 "messages": conversation, "add_generation_prompt": True}
+                 "messages": conversation, "add_generation_prompt": add_generation_prompt}
     try:
         text = render_template(template, variables, policy.max_chars, policy.time_limit_s)
     except RenderLimitError as e:
@@ -143,4 +174,4 @@ def apply_chat_template(tokenizer: Tokenizer, messages: list[ChatMessage],
                            param=template_param) from None
     except Exception as e:  # noqa: BLE001 - jinja raises for conversations the template refuses
         raise RequestError(f"the chat template rejected these messages: {e}", 400, param="messages") from None
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return text

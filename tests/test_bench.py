@@ -152,7 +152,7 @@ def test_prefix_bench_reads_hits_per_tier(tiny_llama, capsys) -> None:
     assert all(r["confirmed"] == "yes" for r in rows.values())
     assert rows["cold"]["ttft_vs_cold"] == 1.0
     assert [t["name"] for t in rep["targets"]] == ["L1 hit TTFT", "L2 hit TTFT", "L3 hit TTFT"] + [
-        "L3 other instance TTFT"] * other + ["L3 hit TTFT vs L2 hit"]
+        "L3 other instance TTFT"] * other + ["L3 hit TTFT vs L2 hit", "L3 extra read rate"]
     assert rows["L3 hit"]["l3_read_mib_s"] > 0 and rows["L2 hit"]["l3_read_mib_s"] is None
     raw = rep["raw"]["requests"]
     assert all(r["prompt_tokens"] == 72 and r["completion_tokens"] == 2 for r in raw)

@@ -59,3 +59,35 @@ def test_l2_hit_through_either_io_backend_gives_the_cold_output(tiny_llama, stor
         assert hot.last.cached.host > 0 and hot.token_ids == cold.token_ids == reference_greedy(tiny_llama, prompt, 6)
     finally:
         engine.shutdown()
+
+
+def test_page_runs_split_where_either_list_stops_stepping_by_one():
+    from tierlm.backends.torch.host_copies import page_runs
+
+    assert page_runs(np.array([4, 5, 6, 9, 2, 3]), np.array([0, 1, 2, 3, 7, 8])) == [(4, 0, 3), (9, 3, 1), (2, 7, 2)]
+    assert page_runs(np.array([1, 2]), np.array([5, 9])) == [(1, 5, 1), (2, 9, 1)]
+    assert page_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_cpu_copies_move_runs_and_single_pages_in_one_pass(layout):
+    """On CPU the kernel mode copies between the two pools' bytes run by run: pages in consecutive runs and lone
+    pages land exactly where asked, byte for byte, and nothing else is written."""
+    pool = TorchKVPool(3, 10, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+    pages, host_pages = np.array([0, 1, 2, 7, 5, 6]), np.array([3, 4, 5, 0, 8, 9])
+    host = HostKVPool(num_pages=10, page_bytes=pool.page_bytes, num_layers=3, layout=layout, prefault=False)
+    pool.to_host(pages, host, host_pages)
+    for p, hp in zip(pages, host_pages):  # each host page holds its device page, layer by layer, K then V
+        want = pool._page_view()[:, :, p].contiguous().view(torch.uint8).numpy().reshape(3, -1)
+        got = host.data[:, hp] if layout == "layer_first" else host.data[hp].reshape(3, -1)
+        assert np.array_equal(got.reshape(3, -1), want)
+    assert not (host.data[:, [1, 2, 6, 7]] if layout == "layer_first" else host.data[[1, 2, 6, 7]]).any()
+    original = pool.buffer.clone()
+    pool.buffer.zero_()
+    pool.from_host(host, host_pages, pages)
+    moved = torch.as_tensor(pages)
+    assert torch.equal(pool._page_view()[:, :, moved].view(torch.uint8),
+                       original.view(pool._page_view().shape)[:, :, moved].view(torch.uint8))
+    others = torch.as_tensor([3, 4, 8, 9])
+    assert not pool._page_view()[:, :, others].view(torch.uint8).any()

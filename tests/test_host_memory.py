@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from tierlm.backends.base import HostKVPool
+from tierlm.backends.base import HostKVPool, HostStatePool, StateGeometry
 from tierlm.backends.host_memory import allocate_host_bytes
 
 
@@ -44,3 +44,14 @@ def test_populated_memory_is_resident_and_unpopulated_is_not() -> None:
     data, done = allocate_host_bytes(16 << 20)
     assert done.wait(30)
     assert _rss_kib(data.__array_interface__["data"][0]) >= 16 << 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux only")
+def test_the_hybrid_host_state_pool_is_resident_once_committed() -> None:
+    # commit_host_pool (runtime/engine_setup.py) waits on this event for the state pool too, before ready
+    geometry = StateGeometry(num_linear_layers=4, conv_dim=256, conv_kernel=4, rec_shape=(8, 64, 64),
+                             conv_dtype="float32", rec_dtype="float32")
+    pool = HostStatePool(32, geometry)  # 32 slots x 4 layers x (3 KiB + 128 KiB)
+    assert pool.total_bytes > 16 << 20
+    assert pool.faulted_in.wait(30)
+    assert _rss_kib(pool.data.__array_interface__["data"][0]) >= pool.total_bytes >> 10

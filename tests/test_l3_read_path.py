@@ -310,6 +310,9 @@ def test_storage_hit_read_into_host_pages_gives_the_cold_output(tiny_llama, l3_d
         assert cache.accounting()["host_prefetch_pages"] == 0 and pool_is_clean(engine)
         st = cache.tiers_info()["storage"]
         assert st["errors"] == 0 and st["bytes_read"] == 15 * cache.host.page_bytes and st["read_seconds"] > 0
+        stages = cache.tiers_info()["stages"]  # where the hit's time went, as /server_info shows it
+        assert all(stages[s] > 0 for s in ("storage_read", "checksum", "host_to_device", "forward"))
+        assert stages["checksum"] == st["checksum_seconds"] and stages["host_copy"] == 0  # read into host pages
     finally:
         engine.shutdown()
 
@@ -374,6 +377,46 @@ def test_released_waiting_request_gives_its_reserved_host_pages_back(tiny_llama,
         engine.shutdown()
 
 
+@pytest.mark.parametrize(("policy", "damaged"), [("timeout", False), ("wait_complete", False), ("timeout", True)])
+def test_pages_are_copied_to_the_device_while_the_rest_are_still_read(tiny_llama, l3_dir, policy, damaged):
+    """Nothing else runs: the request is admitted once its first page is in, and the pages go to the device as
+    they arrive (the copy overlaps the read); the output is the cold one and every page is accounted for, also
+    when a damaged page ends the read early (the device pages reserved past it go back)."""
+    import time
+
+    prompt = [(17 * j) % 250 + 5 for j in range(60)] + [3]
+    engine = _engine(tiny_llama, policy=policy)
+    try:
+        cold, = run(engine, [prompt], greedy(8))
+        _drop_memory_tiers(engine)
+        cache = engine.parts.cache
+        if damaged:
+            _flip(cache.storage._path(page_keys(prompt[:60], PS)[5]), HEADER_SIZE + 3)
+        storage, backend = cache.storage, cache.backend
+        slow_get_into, copy = storage.get_into, backend.copy_pages_from_host
+        reads_at_copy: list[tuple[int, int]] = []  # (pages read so far, pages in this copy)
+
+        def get_into(*a, **kw):
+            time.sleep(0.02)  # a slow disk: 15 pages take 0.3 s
+            return slow_get_into(*a, **kw)
+
+        def copy_from_host(host, host_pages, dev_pages):
+            reads_at_copy.append((storage.stats()["reads"], len(dev_pages)))
+            return copy(host, host_pages, dev_pages)
+
+        storage.get_into, backend.copy_pages_from_host = get_into, copy_from_host
+        reads_before = storage.stats()["reads"]
+        hot, = run(engine, [prompt], greedy(8))
+        loaded = 5 if damaged else 15
+        assert hot.token_ids == cold.token_ids and hot.last.cached.storage == loaded * PS
+        assert sum(n for _, n in reads_at_copy) == loaded  # every page read copied once
+        assert reads_at_copy[0][0] - reads_before < loaded  # the first copy ran while pages were still being read
+        assert cache.stage_seconds()["host_to_device"] > 0
+        assert cache.accounting()["host_prefetch_pages"] == 0 and pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_bench_prefix_summary_reports_the_l3_read_rate():
     from tierlm.server.bench import prefix as bench_prefix
 
@@ -385,8 +428,12 @@ def test_bench_prefix_summary_reports_the_l3_read_rate():
              "l3_read_mib_s": 2000.0}]
     summary = {r["case"]: r for r in bench_prefix.summarize(rows)}
     assert summary["L3 hit"]["l3_read_mib_s"] == 2000.0 and summary["L2 hit"]["l3_read_mib_s"] is None
-    target = bench_prefix.targets(list(summary.values()))[-1]
-    assert target.name == "L3 hit TTFT vs L2 hit" and target.met is True and "1.10x" in target.measured
+    found = {t.name: t for t in bench_prefix.targets(list(summary.values()))}
+    target = found["L3 hit TTFT vs L2 hit"]
+    assert target.met is True and "1.10x" in target.measured
+    # 1 MiB in the 10 ms the L3 hit took over the L2 hit: 0.1 GB/s, short of the 1.5 GB/s goal
+    extra = found["L3 extra read rate"]
+    assert extra.met is False and "0.10 GB/s" in extra.measured
     assert bench_prefix._read_rate(2**20, 0.5) == 2.0 and bench_prefix._read_rate(0, 0.0) is None
     assert json.dumps(summary["L3 hit"])  # JSON-able
 
@@ -502,7 +549,8 @@ def _offer(handle: _Handle, budget: float = 5.0):
     from tierlm.runtime.cache.storage_prefetch import StoragePrefetch
     from tierlm.runtime.request import PendingPrefetch
 
-    prefetch = SimpleNamespace(policy="timeout", budget=lambda pf: budget, states=None)
+    # other requests run (no streaming admission): the request waits for its whole read, within the budget
+    prefetch = SimpleNamespace(policy="timeout", budget=lambda pf: budget, states=None, _may_stream=lambda pf: False)
     req = SimpleNamespace(prefetch=PendingPrefetch(0, handle, time.perf_counter(), 4))
     return lambda: StoragePrefetch.ready(prefetch, req)
 

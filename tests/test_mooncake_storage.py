@@ -164,6 +164,23 @@ def test_batches_and_sharing_between_instances(master) -> None:
         b.close()
 
 
+def test_batch_get_into_fills_the_buffers_and_times_its_checksum_and_copy(master) -> None:
+    """The prefetch's batched read lands each page in its buffers, stops at the first absent one, and reports the
+    checksum and copy parts of its read time (hit_stages.py prints them)."""
+    s = open_mooncake(master)
+    try:
+        ks = keys(4, seed=9)
+        assert set_all(s, ks[:3], [page(i) for i in range(3)]) == [True] * 3
+        outs = [[bytearray(PAGE_BYTES)] for _ in range(4)]
+        assert s.batch_get_into([ks[0], ks[1], ks[3], ks[2]], outs) == [True, True, False, False]
+        assert bytes(outs[0][0]) == page(0) and bytes(outs[1][0]) == page(1) and not any(outs[3][0])
+        st = s.stats()
+        assert st["checksum_seconds"] > 0 and st["copy_seconds"] > 0
+        assert st["checksum_seconds"] + st["copy_seconds"] <= st["read_seconds"]
+    finally:
+        s.close()
+
+
 def test_another_namespace_never_sees_the_pages(master) -> None:
     a, other = open_mooncake(master, ns("model-a")), open_mooncake(master, ns("model-b"))
     try:

@@ -52,13 +52,15 @@ def short_generations(ctx: schemathesis.HookContext, body: Any) -> Any:
     """Keep valid values valid and invalid ones invalid: only integers above the cap are lowered to it."""
     if not isinstance(body, dict):
         return body
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens"):
         _cap(body, key, MAX_TOKENS)
     _cap(body, "n", MAX_N)
     if isinstance(body.get("best_of"), int) and isinstance(body.get("n"), int):
         _cap(body, "best_of", MAX_N)
     if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS  # chat's default is "what the context allows"
+    if "input" in body and "max_output_tokens" not in body:
+        body["max_output_tokens"] = MAX_TOKENS  # /v1/responses: the same default
     sp = body.get("sampling_params")
     if isinstance(sp, dict):
         _cap(sp, "max_new_tokens", MAX_TOKENS)
@@ -84,7 +86,11 @@ ALLOWED_REFUSALS = [
     (r"best_of$", r"best_of different from n"),  # JSON Schema cannot say "equal to n"
     (r"top_logprobs$", r"needs logprobs"),  # chat: top_logprobs only with logprobs: true (as OpenAI)
     (r"stream$", r"streaming a batch"),
+    (r"(input_)?suffix$", r"fill-in-the-middle needs a model"),  # the model's tokenizer decides (docs/api.md)
+    (r"echo$", r"echo cannot be combined with suffix"),
     (r"rid$", r"ids for \d+ prompts|already in use"),
+    # /v1/responses: a reasoning blob must be one this server sealed (an HMAC no schema can state)
+    (r"input\[\d+\]\.encrypted_content$", r"not a reasoning blob made by this server"),
     (r"(text|input_ids)$", r"batch is empty"),
     # Structured output: JSON Schema cannot say "at most one of these fields", and a schema-valid grammar (any
     # string, any schema object) may not compile: both are 400s naming the field (docs/api.md).
@@ -104,8 +110,8 @@ def schema_valid_requests_are_accepted(ctx: Any, response: Any, case: schemathes
     if meta is None or not meta.generation.mode.is_positive or not 400 <= response.status_code < 500:
         return
     err = response.json()["error"]
-    if response.status_code == 404 and err.get("code") == "model_not_found":
-        return  # which names are served is configuration, not schema
+    if response.status_code == 404 and err.get("code") in ("model_not_found", "response_not_found"):
+        return  # which names are served, and which responses are stored, is state, not schema
     if response.status_code == 400 and err.get("param") and any(
             re.match(p, err["param"]) and re.search(m, err["message"]) for p, m in ALLOWED_REFUSALS):
         return

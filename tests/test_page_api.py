@@ -95,6 +95,9 @@ def test_tiers_occupancy_adds_up_and_flush_empties_the_cache(server: ServerProce
     storage = data["tiers"]["storage"]
     assert storage["enabled"] and storage["backend"] == "file" and storage["state"] == "online"
     assert set(data["queues"]) >= {"prefetch_pages", "prefetches_in_flight", "write_back_pending"}
+    pins = data["pins"]  # nothing pinned here (no cache_control), but the bound is there per memory tier
+    assert pins["prefixes"] == 0 and set(pins["tiers"]) == {"device", "host"}
+    assert pins["tiers"]["device"]["limit_pages"] > 0
     machine = data["machine"]
     assert (machine["backend"], machine["dtype"], machine["context_length"]) == ("torch", "float32", 512)
     assert machine["backend_decision"]["reasons"] and machine["chat_template"]

@@ -112,3 +112,13 @@ def test_health_generate(client: TestClient, engine: FakeEngine) -> None:
     assert engine.received[-1].sampling_params.max_new_tokens == 1
     engine.ready = False
     assert client.get("/health_generate").status_code == 503
+
+
+@pytest.mark.parametrize("rid", ["a\nINFO forged line", "tab\there", "", "x" * 257, ["ok", "cr\rlf"]])
+def test_a_rid_that_could_forge_log_lines_is_a_400(client: TestClient, engine: FakeEngine, rid) -> None:
+    # rids are written into the scheduler's log lines: a newline in one would let a client write lines of its own
+    r = client.post("/generate", json={"text": ["ab", "xy"] if isinstance(rid, list) else "ab", "rid": rid,
+                                       "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400, r.text
+    assert "rid" in r.text
+    assert not engine.received

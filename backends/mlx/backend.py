@@ -24,6 +24,7 @@ from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 from tierlm.backends.verified_architectures import check_architecture
+from tierlm.backends.weight_format import WeightQuant, weight_format_label
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,12 @@ class MLXBackend(ModelBackend):
 
     def __init__(self, model_dir: ModelFolder | str | Path, dtype: str = "float32", seed: int = 0,
                  device: str | None = None, trust_unverified_architecture: bool = False,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", weight_quant: WeightQuant | None = None) -> None:
         """``device``: "cpu" pins MLX to the CPU (e.g. SGLANG_USE_MLX=1 --device cpu on a Mac); None keeps
         MLX's default (the Metal GPU where there is one). ``trust_unverified_architecture``: load an architecture
         outside backends/verified_architectures.py anyway (with a warning) instead of refusing it.
         ``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3); fp8_e5m2 is a KVCacheDtypeError (MLX has
-        no e5m2 cast), raised before any weights load."""
+        no e5m2 cast), raised before any weights load. ``weight_quant``: --quantization q4|q8 (weight_quant.py)."""
         if kv_cache_dtype not in MLX_KV_CACHE_DTYPES:
             raise KVCacheDtypeError(
                 f"--kv-cache-dtype {kv_cache_dtype} is not available on the mlx backend (MLX casts to fp8 only in "
@@ -55,7 +56,7 @@ class MLXBackend(ModelBackend):
         if device == "cpu":
             mx.set_default_device(mx.cpu)
         self.model_dir = folder.path
-        self.model, config, self.dtype = load_mlx_model(folder, dtype)
+        self.model, config, self.dtype = load_mlx_model(folder, dtype, weight_quant)
         self.device = "metal" if mx.default_device() == mx.gpu else "cpu"
         self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if not (hasattr(self.model, "model") or hasattr(self.model, "backbone")):
@@ -93,6 +94,7 @@ class MLXBackend(ModelBackend):
             sliding_window=next((w for w in windows if w is not None), None),
             kv_dtype=kv_storage_dtype(kv_cache_dtype, DTYPE_NAMES[self.dtype]),
             state=self.linear_state.geometry if self.linear_state is not None else None,
+            weight_format=weight_format_label(folder.config, weight_quant),
         )
         self.pool: MLXKVPool | None = None
         self._key = mx.random.key(seed)

@@ -10,8 +10,10 @@ import mlx.nn as nn
 
 from tierlm.backends.dtypes import serving_dtype
 from tierlm.backends.mlx.hybrid_families import hybrid_model_classes, hybrid_overrides
+from tierlm.backends.mlx.weight_quant import quantize_model
 from tierlm.backends.model_source.hybrid_layout import hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
+from tierlm.backends.weight_format import WeightQuant, check_backend_kind, check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +46,27 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_mlx_model(folder: ModelFolder | Path, dtype: str) -> tuple[nn.Module, dict[str, Any], mx.Dtype]:
-    """Return (model, config, dtype) for the folder; weights are cast to ``dtype`` (quantized ones kept). mlx-lm
-    reads config.json again itself (it has no way to take the parsed dict); the overrides are computed from ours."""
+def load_mlx_model(folder: ModelFolder | Path, dtype: str,
+                   quant: WeightQuant | None = None) -> tuple[nn.Module, dict[str, Any], mx.Dtype]:
+    """Return (model, config, dtype) for the folder; weights are cast to ``dtype`` (quantized ones kept: an
+    mlx-lm quantized checkpoint loads as it is), then quantized with ``quant`` (--quantization q4|q8) if given.
+    mlx-lm reads config.json again itself (it has no way to take the parsed dict); the overrides are computed
+    from ours."""
     from mlx_lm.utils import load_model
 
     folder = as_model_folder(folder)
     model_dir, config = folder.path, folder.config
     if not config:
         raise FileNotFoundError(f"{model_dir} has no readable config.json; pass a Hugging Face model folder")
+    check_backend_kind(quant, "mlx")
+    check_checkpoint(config, "mlx", quant)  # before mlx-lm reads the weights
     overrides = {**config_overrides(config), **hybrid_overrides(config, hybrid_layout(config))}
     model, config = load_model(model_dir, lazy=True, model_config=overrides, get_model_classes=model_classes)
     target = resolve_dtype(dtype, config)
     # set_dtype only touches floating parameters, so quantized weights stay packed.
     model.set_dtype(target)
+    if quant is not None:
+        quantize_model(model, quant)
     _check_cpu_expert_dtype(model, target, model_dir)
     mx.eval(model.parameters(), _private_arrays(model))
     log.info("mlx model %s loaded as %s on %s%s", model_dir, target, mx.default_device(),

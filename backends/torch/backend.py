@@ -22,7 +22,9 @@ from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
+from tierlm.backends.torch.weight_quant import tensor_bytes
 from tierlm.backends.verified_architectures import check_architecture
+from tierlm.backends.weight_format import WeightQuant, weight_format_label
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +35,11 @@ class TorchBackend(ModelBackend):
 
     def __init__(self, model_dir: ModelFolder | str | Path, dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, seed: int = 0, trust_unverified_architecture: bool = False,
-                 kv_cache_dtype: str = "auto", attention_backend: str = paged_attention.TORCH_NATIVE) -> None:
+                 kv_cache_dtype: str = "auto", attention_backend: str = paged_attention.TORCH_NATIVE,
+                 weight_quant: WeightQuant | None = None) -> None:
         """``kv_cache_dtype``: --kv-cache-dtype (auto, bf16, fp8_e4m3, fp8_e5m2): what KV pages are stored in.
         ``attention_backend``: "torch_native" (SDPA over gathered pages) or "triton" (triton_attention.py), as
-        the composition root chose it."""
+        the composition root chose it. ``weight_quant``: --torchao-config / --quantization (weight_quant.py)."""
         folder = as_model_folder(model_dir)  # read once: the checks, EOS ids and the fingerprint share it
         self.model_dir = folder.path
         # Before any weights load: refuses (UnverifiedArchitectureError) what the reference tests do not verify.
@@ -49,7 +52,7 @@ class TorchBackend(ModelBackend):
         if self.device == "cpu":
             configure_cpu_threads()  # before any kernel runs: one core left to the server (cpu_threads.py)
         self.dtype = resolve_dtype(dtype, self.torch_device)
-        self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code)
+        self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code, weight_quant)
         cfg = self.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         num_heads = text_cfg.num_attention_heads
@@ -66,6 +69,7 @@ class TorchBackend(ModelBackend):
             dtype=str(self.dtype).removeprefix("torch."),
             fingerprint=model_fingerprint(folder),
             sliding_window=getattr(text_cfg, "sliding_window", None),
+            weight_format=weight_format_label(folder.config, weight_quant),
         )
         self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
         self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
@@ -105,7 +109,7 @@ class TorchBackend(ModelBackend):
 
     # --- sizing ---
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
+        return sum(tensor_bytes(p) for p in self.model.parameters()) + packed_bytes(self.model)
 
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info
@@ -138,6 +142,11 @@ class TorchBackend(ModelBackend):
                              text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if keep.numel() == 0 and self.info.weight_format.startswith("torchao:"):
+            # A step of prefill chunks only: torchao's dynamic activation quantization fails on an lm_head input
+            # of 0 rows, so one row is computed and dropped.
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+            return out.logits[0, :0].float()
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()
 

@@ -10,7 +10,9 @@ On CUDA the host pool's memory is registered as page-locked once (``cudaHostRegi
 are real DMAs that overlap compute. Loads into the device run on a dedicated copy stream and end with an event;
 the next forward's stream waits on that event (a device-side wait: the scheduler thread never blocks on it).
 Saves to the host (demotions) are waited for before they return, because an L3 writer may read the host page
-right after. On CPU both modes are plain memory copies and every call is synchronous.
+right after. On CPU both modes are plain memory copies and every call is synchronous: there the device pool is
+host memory too, so pages move in one pass between the two pools' bytes (``cpu_to_host`` / ``cpu_from_host``), one
+numpy copy per run of consecutive pages (no staging block, no per-layer loop, no thread pool to wake).
 """
 from __future__ import annotations
 
@@ -121,3 +123,39 @@ def direct_from_host(page_view: torch.Tensor, host: HostKVPool, host_pages: np.n
     for p, hp in zip(pages.tolist(), host_pages.tolist()):
         for layer, src in enumerate(host_page_tensors(host, hp, L)):
             raw[layer, :, p].copy_(src, non_blocking=non_blocking)
+
+
+def page_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first source page, first destination page, count) of each run where both page lists step by one together:
+    allocators hand out consecutive pages, so a prefix is usually one run or a few."""
+    src, dst = np.asarray(src, dtype=np.int64).reshape(-1), np.asarray(dst, dtype=np.int64).reshape(-1)
+    if len(src) == 0:
+        return []
+    cuts = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [len(src)]))
+    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
+def _host_blocks(host: HostKVPool, num_layers: int) -> tuple[np.ndarray, bool]:
+    """The host pool's bytes as [page, layer, K/V, block] (page_first) or [layer, page, K/V, block] (layer_first),
+    and whether it is layer_first."""
+    if host.layout == "layer_first":
+        return host.data.reshape(num_layers, host.num_pages, 2, -1), True
+    return host.data.reshape(host.num_pages, num_layers, 2, -1), False
+
+
+def cpu_from_host(dev_bytes: np.ndarray, host: HostKVPool, host_pages: np.ndarray, pages: np.ndarray) -> None:
+    """Host pages into the CPU device pool whose bytes are ``dev_bytes`` [layer, K/V, page, block]: one pass."""
+    blocks, layer_first = _host_blocks(host, dev_bytes.shape[0])
+    for h, d, k in page_runs(host_pages, pages):
+        src = blocks[:, h:h + k].transpose(0, 2, 1, 3) if layer_first else blocks[h:h + k].transpose(1, 2, 0, 3)
+        np.copyto(dev_bytes[:, :, d:d + k], src)
+
+
+def cpu_to_host(dev_bytes: np.ndarray, pages: np.ndarray, host: HostKVPool, host_pages: np.ndarray) -> None:
+    """CPU device pool pages into host pages, the reverse of cpu_from_host: one pass."""
+    blocks, layer_first = _host_blocks(host, dev_bytes.shape[0])
+    for d, h, k in page_runs(pages, host_pages):
+        dst = blocks[:, h:h + k].transpose(0, 2, 1, 3) if layer_first else blocks[h:h + k].transpose(1, 2, 0, 3)
+        np.copyto(dst, dev_bytes[:, :, d:d + k])

@@ -17,7 +17,12 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     name = str(dtype).removeprefix("torch.")
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
     plain = sum(type(m) is nn.Linear for m in model.modules())
-    if device != "cpu":
+    # torchao-quantized linears (--torchao-config, weight_quant.py) keep nn.Linear with a tensor-subclass weight.
+    quantized = [type(m.weight).__name__ for m in model.modules()
+                 if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)]
+    if quantized:
+        linear = f"torchao {', '.join(sorted(set(quantized)))} ({len(quantized)} layers, activations {name})"
+    elif device != "cpu":
         linear = f"torch F.linear {name} (cuBLAS)"
     elif packed:
         linear = f"oneDNN-prepacked {name} ({packed} layers" + (f"; {plain} shared/tied plain)" if plain else ")")

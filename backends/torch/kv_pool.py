@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from tierlm.backends.base import HostKVPool, KVPoolGeometry
-from tierlm.backends.torch.host_copies import DIRECT, HostCopyEngine, direct_from_host, direct_to_host
+from tierlm.backends.torch.host_copies import (DIRECT, HostCopyEngine, cpu_from_host, cpu_to_host, direct_from_host,
+                                                direct_to_host)
 
 # dtypes.kv_storage_dtype names -> torch dtypes.
 KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -42,10 +43,14 @@ class TorchKVPool(KVPoolGeometry):
         self.k_pages = [k.view(num_pages, page_size, num_kv_heads, head_dim) for k in self.k]
         self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
         self._stage: torch.Tensor | None = None
+        # On CPU the pool's own bytes [layer, K/V, page, block]: host copies move pages between them in one pass.
+        self._cpu_bytes = self.buffer.view(torch.uint8).numpy().reshape(num_layers, 2, num_pages, -1) \
+            if device.type == "cpu" else None
         self.copies = HostCopyEngine(device)  # --hicache-io-backend, the copy stream and pinning (host_copies.py)
 
     def set_io_backend(self, mode: str) -> None:
-        """--hicache-io-backend: kernel (batched gather + one copy) or direct (one copy per page and layer)."""
+        """--hicache-io-backend: kernel (batched: on CPU one pass per run of pages, on CUDA a gather + one DMA) or
+        direct (one copy per page and layer)."""
         self.copies = HostCopyEngine(self.device, mode)
 
     # --- what attention writes and reads ---
@@ -95,6 +100,9 @@ class TorchKVPool(KVPoolGeometry):
         c = self.copies
         c.pin(host.data)
         c.before_staging_reuse()
+        if self._cpu_bytes is not None and c.mode != DIRECT:
+            cpu_to_host(self._cpu_bytes, np.asarray(pages), host, np.asarray(host_pages))
+            return
         if c.mode == DIRECT:
             with c.begin_load():  # the copy stream, after the compute that wrote these pages
                 direct_to_host(self._page_view(), np.asarray(pages), host, np.asarray(host_pages), c.cuda)
@@ -122,6 +130,9 @@ class TorchKVPool(KVPoolGeometry):
         c = self.copies
         c.pin(host.data)
         c.before_staging_reuse()
+        if self._cpu_bytes is not None and c.mode != DIRECT:
+            cpu_from_host(self._cpu_bytes, host, np.asarray(host_pages), np.asarray(pages))
+            return
         if c.mode == DIRECT:
             with c.begin_load():
                 direct_from_host(self._page_view(), host, np.asarray(host_pages), np.asarray(pages), c.cuda)

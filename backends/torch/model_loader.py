@@ -10,6 +10,8 @@ import torch
 from tierlm.backends.dtypes import serving_dtype
 from tierlm.backends.torch import paged_attention
 from tierlm.backends.torch.cpu_linear import pack_linears
+from tierlm.backends.torch.weight_quant import check_device, quantize_model
+from tierlm.backends.weight_format import WeightQuant, check_backend_kind, check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +23,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[serving_dtype(dtype, device.type)]
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+               quant: WeightQuant | None = None):
+    """``quant``: a load-time quantization (--torchao-config / --quantization), applied after the weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     paged_attention.register()
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    # Refused before any weights load: the other backend's names, a device without the kernels, a checkpoint
+    # method we cannot serve (weight_format.py).
+    check_backend_kind(quant, "torch")
+    if quant is not None:
+        check_device(quant, device)
+    check_checkpoint(config.to_dict(), "torch", quant)
     # Loaded with "eager" (every architecture has it; gpt-oss has no sdpa path), then switched to the paged hook.
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code,
@@ -35,7 +45,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
+    if quant is not None:
+        quantize_model(model, quant)
+    elif device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
         pack_linears(model)  # oneDNN-prepacked weights where the CPU runs them: same products, faster decode
     return model
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from tierlm.backends.base import HostKVPool, ModelBackend
 from tierlm.runtime.cache.hiradix_cache import HiRadixCache
+from tierlm.runtime.cache.hit_stages import STAGES, HitStages
 from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.cache.page_allocator import PageAllocator
 from tierlm.runtime.cache.radix_cache import MatchResult, TreeNode
@@ -78,6 +80,7 @@ class HiCacheManager(KVCacheManager):
             st, st_io = state_storage if state_storage is not None else (None, None)
             self.states = StateTiers(backend, tree, self.snapshots, max(host_state_slots, 1), page_size, st, st_io)
         self.loaded_host_pages = 0
+        self.stages = HitStages()  # where hits' time goes (hit_stages.py), in /server_info and /metrics
         self.prefetch: StoragePrefetch | None = None  # the L3 read of waiting requests (storage_prefetch.py)
         if storage is not None and storage_io is not None:
             self.prefetch = StoragePrefetch(self, storage, storage_io, prefetch_policy, prefetch_timeout)
@@ -152,6 +155,7 @@ class HiCacheManager(KVCacheManager):
         return self.prefetch is None or self.prefetch.ready(req)
 
     def release(self, req: Req, cache_kv: bool) -> None:
+        self.stages.released(req, req.first_token_time)
         if req.prefetch is not None:
             self.prefetch.drop(req)
         super().release(req, cache_kv)
@@ -163,9 +167,10 @@ class HiCacheManager(KVCacheManager):
         """Device pages in place, then the host continuation copied back, then pages read from storage. Every
         node reused counts one hit: the device match's in ``match_prefix``, loaded ones where they are loaded."""
         if self.write_policy == "write_through_selective":
-            for node in _path(self.tree, m.last_node):
+            for node in self.tree.path_to(m.last_node):
                 if node.hit_count >= 2 and node.host_pages is None:
                     self._backup_node(node)
+        copies_before = self.stages.copies()
         node, pages = m.last_node, list(m.device_pages)
         n_dev, n_host, n_store = len(pages), 0, 0
         count = not req.admitted_once  # a retracted request coming back is not a new reuse
@@ -180,6 +185,8 @@ class HiCacheManager(KVCacheManager):
             node, pages, n_store = self.prefetch.load(tokens, node, pages, pf, count)
         if self.states is not None:
             self.states.to_device(node)  # the snapshot the request resumes at (KVCacheManager.match cuts there)
+        if count:
+            self.stages.admitted(req, req.arrival, copies_before)
         ps = self.page_size
         return node, pages, CachedTokens(device=n_dev * ps, host=n_host * ps, storage=n_store * ps)
 
@@ -203,7 +210,9 @@ class HiCacheManager(KVCacheManager):
             dev = self.allocator.alloc(n)
         finally:
             self.tree.unlock(m.host_last_node)
+        t0 = time.perf_counter()
         self.backend.copy_pages_from_host(self.host, np.asarray(m.host_pages), np.asarray(dev))
+        self.stages.add("host_to_device", time.perf_counter() - t0)
         i = 0
         for node in nodes:
             k = len(node.host_pages)
@@ -252,7 +261,15 @@ class HiCacheManager(KVCacheManager):
                                "io_timeout_s": self.storage_io.io_timeout_s, "io": self.storage_io.stats()}
         if self.states is not None:
             info["host_state"] = self.states.info()
+        info["stages"] = self.stage_seconds()
         return info
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds spent in each stage of a hit, summed since startup (hit_stages.py)."""
+        return self.stages.snapshot(self.storage.stats() if self.storage is not None else None)
+
+    def pin_capacity(self) -> dict[str, int]:
+        return {**super().pin_capacity(), "host": self.host.num_pages}  # pins are bounded in the host tier too
 
     def state_accounting(self) -> dict[str, int] | None:
         acc = super().state_accounting()
@@ -291,6 +308,9 @@ class HiCacheManager(KVCacheManager):
                   lambda: self.loaded_host_pages * ps)
         m.counter("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage into the device tier",
                   lambda: self.prefetch.loaded_pages * ps if self.prefetch else 0)
+        for stage in STAGES:
+            m.counter(f"tierlm_hicache_stage_{stage}_seconds", f"Seconds of cache hits spent in stage {stage} "
+                      "(runtime/cache/hit_stages.py)", lambda stage=stage: self.stage_seconds()[stage])
         m.counter("tierlm_hicache_parked_storage_tokens", "Tokens read from storage into the host tier while the "
                   "device tier had no room", lambda: self.prefetch.parked_pages * ps if self.prefetch else 0)
         if self.states is not None:
@@ -324,14 +344,6 @@ class HiCacheManager(KVCacheManager):
         if self.storage is not None:
             counters["storage"] = lambda: self.storage.stats()["evictions"]
         return counters
-
-
-def _path(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
-    out = []
-    while node is not tree.root:
-        out.append(node)
-        node = node.parent
-    return out[::-1]
 
 
 def _path_between(tree: HiRadixCache, upper: TreeNode, lower: TreeNode) -> list[TreeNode]:

@@ -9,13 +9,20 @@ Hybrid models: a node's state snapshot follows its pages through the tiers. It i
 (``host_state_slot``, only on a node with host pages) when the node's pages reach the host with a snapshot, when a
 snapshot is set on a node already backed up, and before a device snapshot is dropped; host eviction frees it with
 its pages. A host-only leaf without a snapshot can never end a match and goes at once (the device tier's rule).
+
+Pins (runtime/cache/pins.py): a pinned node is backed up to the host when pinned (and from there to L3); the host
+tier evicts pinned pages only when the unpinned ones did not free enough, so under pressure a pin moves down a tier
+(device -> host -> the L3 copy) instead of holding memory a running request needs.
 """
 from __future__ import annotations
 
 import heapq
+import logging
 from typing import Callable, Sequence
 
 from tierlm.runtime.cache.radix_cache import RadixCache, TreeNode
+
+log = logging.getLogger(__name__)
 
 
 class HiRadixCache(RadixCache):
@@ -185,10 +192,40 @@ class HiRadixCache(RadixCache):
             assert child.device_pages is None and child.lock_ref == 0
             del node.children[self._page_key(child.key, 0)]
 
+    # ---------------------------------------------------------------- pins
+    keeps_host_copies = True
+    _sparing_pins = False  # while a pin is written through: making host room never evicts another pin
+
+    def write_through_pin(self, node: TreeNode) -> None:
+        """A newly pinned device node gets its host copy now (and so its L3 copy, when storage is on)."""
+        if node.device_pages is None or node.host_pages is not None:
+            return
+        self._sparing_pins = True
+        try:
+            if not self._backup_node(node):
+                log.warning("a pinned prefix has no host copy: the host tier is full of locked or pinned pages")
+        finally:
+            self._sparing_pins = False
+
     # ---------------------------------------------------------------- host eviction
     def evict_host(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` host pages: host-only leaves first, then host copies of device nodes (they
-        stay on the device), each in eviction-policy order. Locked nodes are never touched."""
+        """Free at least ``num_pages`` host pages, unpinned pages first (pinned ones only when that was not enough,
+        and never to make room for another pin's copy). Locked nodes are never touched."""
+        pinned = self.pins.pinned_now() if self.pins is not None else None
+        freed = self._evict_host_pass(num_pages, pinned)
+        if freed < num_pages and pinned is not None and not self._sparing_pins:
+            more = self._evict_host_pass(num_pages - freed, None)
+            if more:
+                self.evicted_pinned_pages += more
+                log.warning("memory pressure: %d pinned host pages evicted (nothing unpinned was left); their L3 "
+                            "copy stays where storage is on", more)
+            freed += more
+        return freed
+
+    def _evict_host_pass(self, num_pages: int, pinned: Callable[[TreeNode], bool] | None) -> int:
+        """Host-only leaves first, then host copies of device nodes (they stay on the device), each in
+        eviction-policy order, passing over nodes ``pinned`` says are."""
+        skip = pinned or (lambda _: False)
         freed = 0
         heap = []
         stack = [self.root]
@@ -196,7 +233,7 @@ class HiRadixCache(RadixCache):
             n = stack.pop()
             stack.extend(n.children.values())
             if n is not self.root and n.host_pages is not None and n.device_pages is None and not n.children \
-                    and n.lock_ref == 0:
+                    and n.lock_ref == 0 and not skip(n):
                 heap.append(self._heap_entry(n))
         heapq.heapify(heap)
         while freed < num_pages and heap:
@@ -211,7 +248,7 @@ class HiRadixCache(RadixCache):
                 self._prune_leaf(parent)
                 freed += before - self.host_pages_cached
             if parent is not self.root and parent.host_pages is not None and parent.device_pages is None \
-                    and not parent.children and parent.lock_ref == 0:
+                    and not parent.children and parent.lock_ref == 0 and not skip(parent):
                 heapq.heappush(heap, self._heap_entry(parent))
         if freed < num_pages:
             both = []
@@ -219,7 +256,7 @@ class HiRadixCache(RadixCache):
             while stack:
                 n = stack.pop()
                 stack.extend(n.children.values())
-                if n is not self.root and n.host_pages is not None and n.device_pages is not None:
+                if n is not self.root and n.host_pages is not None and n.device_pages is not None and not skip(n):
                     both.append(n)
             for node in sorted(both, key=self.eviction_priority):
                 if freed >= num_pages:
@@ -254,6 +291,8 @@ class HiRadixCache(RadixCache):
 
     def reset(self) -> None:
         assert self.device_pages_locked == 0, "flush with running requests"
+        if self.pins is not None:
+            self.pins.clear()
         stack = [self.root]
         while stack:
             n = stack.pop()

@@ -8,6 +8,9 @@ Hybrid models (linear-attention / Mamba layers) also need one recurrent-state sl
 prefixes are reused only up to a state snapshot (runtime/cache/state_snapshots.py): a match is cut to the deepest node
 holding one, which is copied into the request's live slot, and a request publishes pages only up to its own
 latest snapshot. Without a radix tree every prompt is prefilled from a zero state.
+
+Pins (runtime/cache/pins.py): when a request with ``pins`` finishes, its prompt prefixes are pinned in the tree for
+their TTL; ``pins`` is None without a radix tree.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import numpy as np
 
 from tierlm.runtime.cache.cacheable_prefix import cacheable_prefix_len
 from tierlm.runtime.cache.page_allocator import PageAllocator
+from tierlm.runtime.cache.pins import PinTable
 from tierlm.runtime.cache.radix_cache import MatchResult, RadixCache, TreeNode
 from tierlm.runtime.cache.state_slots import StateSlots
 from tierlm.runtime.cache.state_snapshots import StateSnapshots
@@ -48,6 +52,16 @@ class KVCacheManager:
             self.snapshots = StateSnapshots(state_slots, self.tree, page_size, copy_state_slots)
         self.in_use_pages = 0
         self.evicted_device_pages = 0
+        self.pins = PinTable(tree, self.pin_capacity) if tree is not None else None
+
+    def pin_capacity(self) -> dict[str, int]:
+        """Pages per memory tier, the base of each tier's pin bound (HiCache adds the host tier)."""
+        return {"device": self.num_pages}
+
+    def set_pin_fraction(self, fraction: float) -> None:
+        """--cache-pin-fraction: the share of each tier's pages pins may hold."""
+        if self.pins is not None:
+            self.pins.fraction = fraction
 
     # ------------------------------------------------------------ admission
     def on_request_added(self, req: Req) -> None:
@@ -161,6 +175,10 @@ class KVCacheManager:
         """Hand ``req``'s pages back: full pages of computed KV go into the radix tree, the rest are freed."""
         if cache_kv:
             self.cache_unfinished(req)  # the full pages now belong to the tree
+            # pins take hold when a request ends, not when it is retracted (it comes back) or aborted
+            if req.pins and req.finished and req.finish_reason != "abort" and self.pins is not None:
+                req.pinned_tokens = self.pins.pin_request(req.pins, req.last_node, req.tree_pages,
+                                                          min(len(req.input_ids), req.kv_len))
         own = req.pages[req.tree_pages:]
         self.allocator.free(own)
         self.in_use_pages -= len(own)
@@ -186,9 +204,18 @@ class KVCacheManager:
         """After a step that took ``req``'s planned snapshot."""
         self.snapshots.taken(req)
 
+    def sweep_pins(self) -> None:
+        """Drop expired pins from the table (the scheduler calls this every step; expiry itself is lazy)."""
+        if self.pins is not None:
+            self.pins.sweep()
+
+    def pins_info(self) -> dict[str, Any] | None:
+        """/server_info's ``pins``: pinned pages and the bound per tier; None without a radix cache."""
+        return self.pins.info() if self.pins is not None else None
+
     def flush(self, storage: bool = False) -> None:
         if self.tree is not None:
-            self.tree.reset()
+            self.tree.reset()  # pins go too
 
     def register_gauges(self, metrics: EngineMetrics) -> None:
         """Pool gauges read at scrape time; HiCache adds its host and storage tiers."""
@@ -213,6 +240,10 @@ class KVCacheManager:
                           lambda: slots.in_use)
             metrics.gauge("tierlm_state_slots_cached", "Recurrent-state snapshots held by the radix cache",
                           lambda: slots.cached)
+        if self.pins is not None:
+            pins = self.pins
+            metrics.tier_gauge("tierlm_cache_pinned_pages", "Pages of each memory tier held by prompt-caching pins",
+                               {tier: (lambda tier=tier: pins.pinned_pages()[tier]) for tier in self.pin_capacity()})
         metrics.tier_counter("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device "
                              "pages demoted to host count here too)", self.eviction_counters())
 

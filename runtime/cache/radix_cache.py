@@ -9,15 +9,24 @@ Hybrid models (runtime/cache/state_snapshots.py) also hang a recurrent-state sna
 state after the node's last token). A prefix is only usable up to the deepest node holding one; a node's state
 goes with its pages on eviction, and ``evict_states`` frees states on their own (a leaf then loses its pages too:
 KV that no snapshot at or below it can resume is dead weight).
+
+Pins (runtime/cache/pins.py): a pinned node (``pin_until`` ahead of the pin table's clock) is evicted only when the
+unpinned unlocked nodes did not free enough, so a pin never costs a running request its pages.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from tierlm.runtime.cache.eviction_policy import eviction_priority
+
+if TYPE_CHECKING:
+    from tierlm.runtime.cache.pins import PinTable
+
+log = logging.getLogger(__name__)
 
 _clock = itertools.count()
 _tiebreak = itertools.count()  # heap entries with equal policy keys never compare nodes
@@ -35,6 +44,7 @@ class TreeNode:
     state_slot: int | None = None  # hybrids: the state snapshot at the end of this node's key (a state-pool slot)
     host_state_slot: int | None = None  # hybrids with HiCache: that snapshot in a host state slot (with host_pages)
     last_access: int = field(default_factory=lambda: next(_clock))
+    pin_until: float = 0.0  # pinned while the pin table's clock is below this (runtime/cache/pins.py)
 
     def touch(self) -> None:
         self.last_access = next(_clock)
@@ -61,6 +71,8 @@ class RadixCache:
         # hybrids: frees a state slot a node drops (None: the tree holds no states); states_cached counts them
         self.free_state_slot: Callable[[int], None] | None = None
         self.states_cached = 0
+        self.pins: PinTable | None = None  # set by the PinTable built over this tree
+        self.evicted_pinned_pages = 0  # pinned pages evicted (or demoted) because nothing unpinned was left
 
     def set_eviction_policy(self, name: str) -> None:
         """--radix-eviction-policy: the order unlocked nodes are evicted in (both tiers with HiCache)."""
@@ -110,6 +122,14 @@ class RadixCache:
         while node is not upto and node is not self.root:
             node.hit_count += 1
             node = node.parent
+
+    def path_to(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from the root (excluded) down to ``node``, top first."""
+        out = []
+        while node is not self.root:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
 
     def peek_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[int, TreeNode]:
         """How many whole pages of ``tokens`` (at most ``max_pages``) ``match_prefix`` would find in memory
@@ -206,11 +226,15 @@ class RadixCache:
         child.touch()
         return child, k
 
+    def split(self, node: TreeNode, k: int) -> TreeNode:
+        """Split ``node``'s edge after ``k`` of its pages (a pin that ends inside it); the new upper node."""
+        return self._split(node, k)
+
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Split ``node``'s edge after ``k`` pages; return the new upper node (which keeps locks)."""
         ps = self.page_size
         upper = TreeNode(key=node.key[:k * ps], parent=node.parent, lock_ref=node.lock_ref,
-                         hit_count=node.hit_count, last_access=node.last_access)
+                         hit_count=node.hit_count, last_access=node.last_access, pin_until=node.pin_until)
         upper.device_pages = node.device_pages[:k] if node.device_pages is not None else None
         upper.host_pages = node.host_pages[:k] if node.host_pages is not None else None
         node.parent.children[self._page_key(upper.key, 0)] = upper
@@ -219,6 +243,8 @@ class RadixCache:
         node.host_pages = node.host_pages[k:] if node.host_pages is not None else None
         node.parent = upper
         upper.children[self._page_key(node.key, 0)] = node
+        if self.pins is not None:
+            self.pins.on_split(upper, node)
         self._on_split(upper, node)
         return upper
 
@@ -301,9 +327,23 @@ class RadixCache:
         return (self.eviction_priority(node), next(_tiebreak), node)
 
     def evict(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` device pages from unlocked leaves in eviction-policy order. Returns pages
-        freed."""
-        heap = [self._heap_entry(n) for n in self._device_leaves() if n.lock_ref == 0]
+        """Free at least ``num_pages`` device pages from unlocked leaves in eviction-policy order, unpinned ones
+        first; pinned ones only when that was not enough. Returns pages freed."""
+        pinned = self.pins.pinned_now() if self.pins is not None else None
+        freed = self._evict_pass(num_pages, pinned)
+        if freed < num_pages and pinned is not None:
+            more = self._evict_pass(num_pages - freed, None)
+            if more:
+                self.evicted_pinned_pages += more
+                log.warning("memory pressure: %d pinned device pages evicted (nothing unpinned was left)%s", more,
+                            "; they move to the host tier" if self.keeps_host_copies else "")
+            freed += more
+        return freed
+
+    def _evict_pass(self, num_pages: int, pinned: Callable[[TreeNode], bool] | None) -> int:
+        """One eviction pass over unlocked leaves in policy order, passing over nodes ``pinned`` says are."""
+        skip = pinned or _never
+        heap = [self._heap_entry(n) for n in self._device_leaves() if n.lock_ref == 0 and not skip(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -315,9 +355,15 @@ class RadixCache:
                 node, parent = parent, parent.parent  # a hybrid's stateless leaf can never end a match: goes too
                 freed += self._evict_node(node)
             if parent is not self.root and parent.lock_ref == 0 and parent.device_pages is not None and \
-                    not any(c.device_pages is not None for c in parent.children.values()):
+                    not skip(parent) and not any(c.device_pages is not None for c in parent.children.values()):
                 heapq.heappush(heap, self._heap_entry(parent))
         return freed
+
+    # ---------------------------------------------------------------- pins (runtime/cache/pins.py)
+    keeps_host_copies = False  # HiRadixCache: a pinned node is backed up to the host tier when pinned
+
+    def write_through_pin(self, node: TreeNode) -> None:
+        """Back a newly pinned node up to the lower tiers (HiCache); nothing below the device here."""
 
     def _evict_node(self, node: TreeNode) -> int:
         """Drop ``node``'s device pages (the HiCache subclass demotes to host instead). Returns pages freed."""
@@ -332,7 +378,13 @@ class RadixCache:
         return len(pages)
 
     def reset(self) -> None:
-        """Forget every unlocked node (flush_cache). Only valid when nothing is locked."""
+        """Forget every unlocked node and every pin (flush_cache). Only valid when nothing is locked."""
         assert self.device_pages_locked == 0, "flush with running requests"
+        if self.pins is not None:
+            self.pins.clear()
         self.evict(self.device_pages_cached)
         self.root.children.clear()
+
+
+def _never(_: TreeNode) -> bool:
+    return False

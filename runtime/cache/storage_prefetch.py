@@ -6,6 +6,9 @@ tree at admission (``load``); pages it did not fill go back to the host allocato
 still be writing only once that read has left it (``io_idle``, ``sweep``). The prefetch policy (SGLang's
 best_effort, wait_complete, timeout) decides how long admission waits for it (``ready``, ``budget``), always a
 bounded time. Hybrid models read the snapshot at the end of the pages too (state_tiers.py).
+When nothing else runs, a request whose pages are still being read is admitted once the first one is in, and
+``load`` copies each page to the device as soon as it is read: the host -> device copy overlaps the rest of the
+read instead of following it (``_stream``), within the same time budget.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import numpy as np
 from tierlm.backends.base import HostKVPool, ModelBackend
 from tierlm.runtime.cache.cacheable_prefix import cacheable_prefix_len
 from tierlm.runtime.cache.hiradix_cache import HiRadixCache
+from tierlm.runtime.cache.hit_stages import HitStages
 from tierlm.runtime.cache.page_allocator import PageAllocator
 from tierlm.runtime.cache.radix_cache import MatchResult, TreeNode
 from tierlm.runtime.cache.state_tiers import StateTiers
@@ -46,10 +50,12 @@ class TieredPages(Protocol):
     tree: HiRadixCache
     page_size: int
     allocator: PageAllocator  # device (L1) pages
+    in_use_pages: int  # device pages running requests hold (0: nothing runs whose steps a wait would delay)
     host_alloc: PageAllocator  # host (L2) pages
     host: HostKVPool
     backend: ModelBackend
     states: StateTiers | None
+    stages: HitStages  # where the time of a hit goes: this adds the copies at admission
 
     def make_free(self, n: int) -> bool: ...
 
@@ -148,9 +154,20 @@ class StoragePrefetch:
         left = pf.started_at + self.budget(pf) - time.perf_counter()
         if not _prefetch_done(pf, states) and left > 0 and not pf.waited:
             pf.waited = True
-            pf.handle.wait(min(left, ADMISSION_WAIT_S))
+            if self._may_stream(pf):  # the first page is enough: load() copies the rest as they arrive
+                pf.handle.wait_loaded(1, min(left, ADMISSION_WAIT_S))
+            else:
+                pf.handle.wait(min(left, ADMISSION_WAIT_S))
             left = pf.started_at + self.budget(pf) - time.perf_counter()
-        return _prefetch_done(pf, states) or left <= 0
+        return _prefetch_done(pf, states) or left <= 0 or (self._may_stream(pf) and pf.handle.num_loaded > 0)
+
+    def _may_stream(self, pf: PendingPrefetch) -> bool:
+        """Whether admission may overlap the copy to the device with the rest of the read: every page is read into
+        a reserved host page (no bytes to place), no snapshot goes with them, and no running request's steps would
+        wait while load() does."""
+        h = pf.handle
+        return (self.policy != "best_effort" and self.states is None and not h.done
+                and len(h.into) == len(h.keys) == len(self._reserved.get(h, ())) and self.cache.in_use_pages == 0)
 
     def budget(self, pf: PendingPrefetch) -> float:
         """Seconds a request waits for its L3 pages; bounded under every policy, so no request waits forever."""
@@ -172,7 +189,13 @@ class StoragePrefetch:
         pages), put into the tree and onto the device; returns (deepest node, device pages, pages loaded)."""
         cache, tree, ps = self.cache, self.cache.tree, self.cache.page_size
         start, handle = pf.start_page, pf.handle
-        if self.policy == "wait_complete":
+        if self._may_stream(pf):  # admitted while the read goes on (ready): copy as it reads, else wait for it
+            if start == len(pages):
+                streamed = self._stream(tokens, node, pages, pf, count_hit)
+                if streamed is not None:
+                    return streamed
+            handle.wait(max(0.0, pf.started_at + self.budget(pf) - time.perf_counter()))
+        elif self.policy == "wait_complete":
             handle.wait(max(0.0, pf.started_at + self.budget(pf) - time.perf_counter()))
         entries = handle.cancel()  # all of it when done; else what has arrived within the budget
         reserved = self._reserved.get(handle, [])
@@ -207,6 +230,7 @@ class StoragePrefetch:
             tree.unlock(node)
         self._give_back(handle, used)  # the reserved pages outside ``used``
         host_pages, extra_it = [], iter(extra)
+        t0 = time.perf_counter()
         for i in used:
             if i < len(reserved):
                 host_pages.append(reserved[i])  # read straight into it
@@ -214,10 +238,19 @@ class StoragePrefetch:
                 hp = next(extra_it)
                 cache.host.page_from_bytes(hp, entries[i])
                 host_pages.append(hp)
+        t1 = time.perf_counter()
+        cache.stages.add("host_copy", t1 - t0)
         if dev is None:
             self._park(tokens, node, have, host_pages, state_slot)
             return node, pages, 0
         cache.backend.copy_pages_from_host(cache.host, np.asarray(host_pages), np.asarray(dev))
+        cache.stages.add("host_to_device", time.perf_counter() - t1)
+        return self._insert(tokens, node, pages, dev, host_pages, state_slot, count_hit)
+
+    def _insert(self, tokens: list[int], node: TreeNode, pages: list[int], dev: list[int], host_pages: list[int],
+                state_slot: int | None, count_hit: bool) -> tuple[TreeNode, list[int], int]:
+        """Pages read from storage, now in ``host_pages`` and copied to ``dev``, into the tree below ``node``."""
+        tree, ps, have, n = self.cache.tree, self.cache.page_size, len(pages), len(dev)
         total = have + n
         tree_pages, last = tree.insert_with_host(tokens[:total * ps], pages + dev, host_pages, have)
         # Pages another path inserted meanwhile cannot exist (same thread), so the tree adopted ours.
@@ -228,6 +261,47 @@ class StoragePrefetch:
             tree.count_hit(last, upto=node)  # the nodes now holding the pages read from storage
         self.loaded_pages += n
         return last, tree_pages, n
+
+    def _stream(self, tokens: list[int], node: TreeNode, pages: list[int], pf: PendingPrefetch, count_hit: bool
+                ) -> tuple[TreeNode, list[int], int] | None:
+        """load() while the read is still in flight (``_may_stream``): device pages for every page it may bring,
+        each copied there as soon as it is read, until the read ends or the budget does; the device pages it did not
+        bring go back. None (nothing done) when L1 has no room for them all."""
+        cache, tree, handle = self.cache, self.cache.tree, pf.handle
+        reserved = self._reserved[handle]
+        k = len(reserved)
+        tree.lock(node)
+        try:
+            dev = cache.allocator.alloc(k) if cache.make_free(k) else None
+        finally:
+            tree.unlock(node)
+        if dev is None:
+            return None
+        deadline = pf.started_at + self.budget(pf)
+        copied = 0
+
+        def copy_up_to(n: int) -> int:
+            if n > copied:
+                t0 = time.perf_counter()
+                cache.backend.copy_pages_from_host(cache.host, np.asarray(reserved[copied:n]),
+                                                   np.asarray(dev[copied:n]))
+                cache.stages.add("host_to_device", time.perf_counter() - t0)
+            return max(n, copied)
+
+        while copied < k and not handle.done:
+            copied = copy_up_to(min(handle.num_loaded, k))
+            left = deadline - time.perf_counter()
+            if copied == k or left <= 0:
+                break
+            handle.wait_loaded(copied + 1, left)
+        n = min(len(handle.cancel()), k)  # final: pages that arrived after the last look are copied now
+        copied = copy_up_to(n)
+        self._give_back(handle, range(n))
+        if n < k:
+            cache.allocator.free(dev[n:])
+        if n == 0:
+            return node, pages, 0
+        return self._insert(tokens, node, pages, dev[:n], reserved[:n], None, count_hit)
 
     def _park(self, tokens: list[int], node: TreeNode, have: int, host_pages: list[int], state_slot: int | None
               ) -> None:

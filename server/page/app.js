@@ -185,9 +185,17 @@ function renderTiers(data) {
     ["prefetch (L3 to L2)", `${q.prefetches_in_flight} in flight, ${q.prefetch_pages} pages reserved`],
     ["write-back (L2 to L3)", `${q.write_back_pending} pending (${fmtBytes(q.write_back_pending_bytes)}), ` +
       `${q.write_backs_done} done, ${q.write_backs_failed} failed`],
-    ["pinned prefixes", "none (tierlm keeps prefixes by use, not by pins)"],
+    ["pinned prefixes", pinSummary(data.pins)],
   ]);
   renderMachine(data.machine || {});
+}
+
+// cache_control breakpoints (Anthropic's prompt caching) pin a prefix's pages in the tiers for a TTL
+function pinSummary(pins) {
+  if (!pins) return "none (no radix cache)";
+  if (pins.fraction === 0) return "off (--cache-pin-fraction 0)";
+  const tiers = Object.entries(pins.tiers).map(([t, v]) => `${t} ${v.pinned_pages} of ${v.limit_pages} pages`);
+  return `${pins.prefixes} pinned (${tiers.join(", ")})`;
 }
 
 function renderMachine(m) {

@@ -27,6 +27,11 @@ STAT_FIELDS = (
     "evictions",  # entries removed to keep within the size bound
     "read_seconds",  # time spent in get()/get_into() calls that returned a page: bytes_read / this = read rate
 )
+# Parts of read_seconds a backend may also report (absent: 0), so a slow hit names its stage (hit_stages.py).
+READ_PART_FIELDS = (
+    "checksum_seconds",  # verifying pages (header and checksum)
+    "copy_seconds",  # copying read bytes into the caller's buffers (a backend that cannot read into them)
+)
 
 
 class BorrowedPage:

@@ -206,6 +206,8 @@ class MooncakeKVStorage(KVStorage):
         self._max_known = max_known
         self._counts = dict(reads=0, writes=0, bytes_read=0, bytes_written=0, misses=0, errors=0, evictions=0)
         self._read_ns = 0
+        self._checksum_ns = 0  # parts of _read_ns: verifying pages, copying them into the caller's buffers
+        self._copy_ns = 0
         self._retry_at: float | None = None  # after a failed call: when the next call may try the store
         self._degraded: str | None = "connecting to the Mooncake master"
         self._last_error: str | None = None
@@ -316,13 +318,19 @@ class MooncakeKVStorage(KVStorage):
     def probe(self, key: str) -> bytes | None:
         return self._read(key, absent_is_miss=False)
 
-    def batch_read(self, keys: Sequence[str], *, probe: bool = False) -> list[bytes | None]:
+    def _batch_client(self, keys: Sequence[str], probe: bool) -> Any:
+        """The client for a batch read of ``keys`` (checked), or None when the store is unreachable (counted)."""
         self._check_open()
         for key in keys:
             self._check_key(key)
         store = self._client()
         if store is None:
             self._count(misses=0 if probe else min(1, len(keys)))
+        return store
+
+    def batch_read(self, keys: Sequence[str], *, probe: bool = False) -> list[bytes | None]:
+        store = self._batch_client(keys, probe)
+        if store is None:
             return [None] * len(keys)
         pages = self._get_batch(store, keys, absent_is_miss=not probe)
         got = list(itertools.takewhile(lambda page: page is not None, pages))
@@ -330,16 +338,28 @@ class MooncakeKVStorage(KVStorage):
 
     def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
                        ) -> list[bool]:
-        """batch_read's one round trip, each page copied into its buffers; stops at the first page not read."""
+        """batch_read's one round trip, each page copied once, from the value the client returned, into its
+        buffers; stops at the first page not read."""
+        store = self._batch_client(keys, probe)
+        if store is None:
+            return [False] * len(keys)
         got: list[bool] = []
-        for page, out in zip(self.batch_read(keys, probe=probe), outs):
+        for page, out in zip(self._get_batch(store, keys, absent_is_miss=not probe, as_bytes=False), outs):
             if page is None:
                 break
+            t0 = time.perf_counter_ns()
             copy_into(page, out)
+            copy_ns = time.perf_counter_ns() - t0
+            with self._lock:
+                self._copy_ns += copy_ns
+                self._read_ns += copy_ns
             got.append(True)
         return got + [False] * (len(keys) - len(got))
 
-    def _get_batch(self, store: Any, keys: Sequence[str], absent_is_miss: bool) -> list[bytes | None]:
+    def _get_batch(self, store: Any, keys: Sequence[str], absent_is_miss: bool, as_bytes: bool = True
+                   ) -> list[Any]:
+        """The verified payloads of ``keys`` (bytes, or views of the values the client returned), None where not
+        read."""
         t0 = time.perf_counter_ns()
         values = self._call(lambda: store.get_batch([self.object_key(k) for k in keys]), "get_batch")
         if values is None:
@@ -348,7 +368,7 @@ class MooncakeKVStorage(KVStorage):
         if any(values):  # the client answers b"" for a failure too: only a value proves the store works
             self._ok()
         share = (time.perf_counter_ns() - t0) // max(1, len(keys))  # one round trip, shared by its pages
-        return [self._accept(k, v, absent_is_miss, share) for k, v in zip(keys, values)]
+        return [self._accept(k, v, absent_is_miss, share, as_bytes) for k, v in zip(keys, values)]
 
     def _read(self, key: str, absent_is_miss: bool) -> bytes | None:
         self._check_open()
@@ -366,9 +386,10 @@ class MooncakeKVStorage(KVStorage):
             self._ok()
         return self._accept(key, value, absent_is_miss, time.perf_counter_ns() - t0)
 
-    def _accept(self, key: str, value: bytes, absent_is_miss: bool, read_ns: int) -> bytes | None:
-        """The verified payload of ``value`` read for ``key``; None (a miss) when absent or unusable. ``read_ns``:
-        the time its transfer took (the checksum's time is added here)."""
+    def _accept(self, key: str, value: bytes, absent_is_miss: bool, read_ns: int, as_bytes: bool = True) -> Any:
+        """The verified payload of ``value`` read for ``key`` (bytes, or a view into ``value`` when not
+        ``as_bytes``); None (a miss) when absent or unusable. ``read_ns``: the time its transfer took (the
+        checksum's time is added here)."""
         t0 = time.perf_counter_ns()
         if not value:  # the client answers b"" for an absent key
             with self._lock:
@@ -380,15 +401,18 @@ class MooncakeKVStorage(KVStorage):
         problem = page_header.verify(view[:HEADER_SIZE], len(value), len(value), key=key, ns_raw=self._ns_raw,
                                      ns_label=self.namespace.folder_name, page_bytes=self.page_bytes,
                                      views=[payload])
+        checked = time.perf_counter_ns()
         if problem is not None:
             self._discard(key, problem)
             return None
+        page = bytes(payload) if as_bytes else payload
         with self._lock:
             self._remember_locked(key)
             self._counts["reads"] += 1
             self._counts["bytes_read"] += self.page_bytes
             self._read_ns += read_ns + time.perf_counter_ns() - t0
-        return bytes(payload)
+            self._checksum_ns += checked - t0
+        return page
 
     def set(self, key: str, payload: Any) -> bool:
         """Store a page (a buffer, a list of buffers, or a BorrowedPage) as header + payload, without joining the
@@ -464,6 +488,8 @@ class MooncakeKVStorage(KVStorage):
             out: dict[str, Any] = {"files": len(self._known), "bytes": len(self._known) * self.value_bytes}
             out.update(self._counts)
             out["read_seconds"] = self._read_ns / 1e9
+            out["checksum_seconds"] = self._checksum_ns / 1e9
+            out["copy_seconds"] = self._copy_ns / 1e9
         out["max_bytes"] = None  # the store's size is the sum of the segments its clients lend
         out["backend"] = self.name  # tiers.storage in /server_info
         out["master"] = self.config.master_server_address

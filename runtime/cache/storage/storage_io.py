@@ -110,6 +110,7 @@ class PrefetchHandle:
         self._on_done = on_done
         self._pages: list[Any] = []
         self._lock = threading.Lock()
+        self._more = threading.Condition(self._lock)  # notified when a page is loaded or the prefetch ends
         self._done = threading.Event()
         self._idle = threading.Event()  # clear while a read into ``into`` is in flight
         self._idle.set()
@@ -125,6 +126,7 @@ class PrefetchHandle:
             if not self._done.is_set():
                 self._cancelled = True
                 self._done.set()
+                self._more.notify_all()
             return list(self._pages)
 
     @property
@@ -135,6 +137,12 @@ class PrefetchHandle:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished (all loaded, a miss, or cancelled); False if ``timeout`` seconds passed first."""
         return self._done.wait(timeout)
+
+    def wait_loaded(self, n: int, timeout: float | None = None) -> bool:
+        """Block until at least ``n`` pages are loaded or the prefetch has finished; False if ``timeout`` seconds
+        passed first. Lets the caller use pages while later ones are still being read."""
+        with self._more:
+            return self._more.wait_for(lambda: len(self._pages) >= n or self._done.is_set(), timeout)
 
     def result(self) -> list[bytes]:
         """The pages loaded so far (final once ``done``)."""
@@ -177,6 +185,7 @@ class PrefetchHandle:
             if self._done.is_set():
                 return False  # cancelled while this page was being read: the caller already has its result
             self._pages.append(page)
+            self._more.notify_all()
             return True
 
     def _finish(self) -> list[bytes] | None:
@@ -185,6 +194,7 @@ class PrefetchHandle:
             if self._done.is_set():
                 return None
             self._done.set()
+            self._more.notify_all()
             return list(self._pages)
 
 

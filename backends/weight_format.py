@@ -1,0 +1,205 @@
+"""Weight formats: the load-time quantization flags (--torchao-config, --quantization) and a checkpoint's own
+``quantization_config``, parsed and checked without torch or mlx (the server, doctor and both backends share it).
+
+A weight format is named by one label ("none", "torchao:int8wo", "mlx:q4-g64", "checkpoint:mxfp4", ...): it is
+reported in /server_info and ``tierlm doctor`` and is part of the L3 namespace (backends/base.kv_namespace), so
+pages written under one weight format are never read under another.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# --torchao-config names (SGLang's); int4wo takes its group size: int4wo-32|64|128|256.
+TORCHAO_CONFIGS = ("int8wo", "int8dq", "int4wo-<group>", "fp8wo", "fp8dq-per_row")
+INT4_GROUPS = (32, 64, 128, 256)
+# --quantization names SGLang uses that torchao has an equivalent for (torch backend).
+SGLANG_QUANTIZATION = {"w8a8_int8": "int8dq", "fp8": "fp8dq-per_row"}
+# --quantization names of the mlx backend: mlx.nn.quantize's affine mode, q<bits>[-g<group>] (group 64 by default).
+MLX_BITS = (4, 8)
+MLX_GROUPS = (32, 64, 128)
+MLX_DEFAULT_GROUP = 64
+MLX_QUANTIZATION = ("q4", "q8", "q4-g<group>", "q8-g<group>")
+
+# Checkpoint quantization_config methods each backend loads (anything else stops startup, never loads silently
+# dequantized to something else). "mlx" is mlx-lm's own {"bits", "group_size"} block (no quant_method).
+CHECKPOINT_METHODS = {"torch": ("mxfp4",), "mlx": ("mlx", "mxfp4")}
+
+
+class WeightFormatError(ValueError):
+    """A weight format this backend or device cannot run; the message names the flag and what to use instead."""
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """A load-time quantization: ``kind`` "torchao" (torch backend) or "mlx"; ``name`` canonical
+    (int8wo, int8dq, int4wo-128, fp8wo, fp8dq-per_row; q4-g64, q8-g32); ``flag`` as the user gave it."""
+    kind: str
+    name: str
+    flag: str
+    bits: int = 8
+    group_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+def parse_weight_quant(quantization: str | None, torchao_config: str | None) -> WeightQuant | None:
+    """The load-time quantization the two flags ask for (None: the checkpoint's weights as they are).
+
+    Raises ValueError naming the flag and the accepted names."""
+    if quantization is not None and torchao_config is not None:
+        raise ValueError(f"--quantization {quantization} and --torchao-config {torchao_config}: pass one of them")
+    if torchao_config is not None:
+        return _torchao(torchao_config, f"--torchao-config {torchao_config}")
+    if quantization is None:
+        return None
+    flag = f"--quantization {quantization}"
+    if quantization in SGLANG_QUANTIZATION:
+        return _torchao(SGLANG_QUANTIZATION[quantization], flag)
+    m = re.fullmatch(r"q(\d+)(?:-g(\d+))?", quantization)
+    if m:
+        bits, group = int(m.group(1)), int(m.group(2) or MLX_DEFAULT_GROUP)
+        if bits in MLX_BITS and group in MLX_GROUPS:
+            return WeightQuant("mlx", f"q{bits}-g{group}", flag, bits, group)
+    raise ValueError(f"{flag}: use one of {', '.join(SGLANG_QUANTIZATION)} (torch backend, through torchao), "
+                     f"{', '.join(MLX_QUANTIZATION)} (mlx backend; group in {MLX_GROUPS}), or --torchao-config "
+                     f"{'|'.join(TORCHAO_CONFIGS)}")
+
+
+def _torchao(name: str, flag: str) -> WeightQuant:
+    if name in ("int8wo", "int8dq"):
+        return WeightQuant("torchao", name, flag, 8)
+    if name in ("fp8wo", "fp8dq-per_row"):
+        return WeightQuant("torchao", name, flag, 8)
+    m = re.fullmatch(r"int4wo-(\d+)", name)
+    if m and int(m.group(1)) in INT4_GROUPS:
+        return WeightQuant("torchao", name, flag, 4, int(m.group(1)))
+    raise ValueError(f"{flag}: use one of {', '.join(TORCHAO_CONFIGS)} (int4wo group in {INT4_GROUPS})")
+
+
+def check_backend_kind(quant: WeightQuant | None, backend: str) -> None:
+    """Refuse a load-time quantization meant for the other backend, naming the equivalent."""
+    if quant is None:
+        return
+    if backend == "torch" and quant.kind != "torchao":
+        raise WeightFormatError(f"{quant.flag}: mlx.nn.quantize names work on the mlx backend only; on the torch "
+                                f"backend use --torchao-config int8wo|int8dq|int4wo-<group> or --quantization "
+                                f"w8a8_int8|fp8")
+    if backend == "mlx" and quant.kind != "mlx":
+        raise WeightFormatError(f"{quant.flag}: torchao runs on the torch backend only; on the mlx backend use "
+                                f"--quantization q8 (8-bit) or q4 (4-bit), optionally with -g<group>")
+
+
+def device_refusal(quant: WeightQuant, device: str, capability: tuple[int, int] | None) -> str | None:
+    """Why ``device`` ("cpu", "cuda", ...; ``capability`` CUDA's compute capability) cannot run a torchao
+    quantization, naming the flag and what to use instead; None when it can. The torch backend refuses with it
+    before any weights load, and ``tierlm doctor`` reports it."""
+    if quant.kind != "torchao":
+        return None
+    if quant.name.startswith("int4wo") and device != "cuda":
+        return (f"{quant.flag}: torchao's int4 weight-only kernels need a CUDA GPU; on {device} use "
+                "--torchao-config int8dq (int8 weights and activations) or int8wo")
+    if quant.name.startswith("fp8") and (device != "cuda" or capability is None or tuple(capability) < (8, 9)):
+        where = (f"this GPU (compute capability {capability[0]}.{capability[1]})" if device == "cuda" and capability
+                 else f"the {device} device")
+        return (f"{quant.flag}: torchao's fp8 matmuls need a CUDA GPU with compute capability 8.9+ (Ada, Hopper); "
+                f"{where} has none: use --torchao-config int8dq (--quantization w8a8_int8) or int8wo")
+    return None
+
+
+def checkpoint_method(config: Mapping[str, Any]) -> str | None:
+    """The quantization method of a checkpoint from its config.json (None: unquantized); mlx-lm's own block
+    ({"bits", "group_size"}, under "quantization" or "quantization_config") is "mlx"."""
+    for key in ("quantization_config", "quantization"):
+        q = config.get(key)
+        if isinstance(q, Mapping) and q:
+            method = q.get("quant_method")
+            if method:
+                return str(method).lower()
+            if "bits" in q and "group_size" in q:
+                return "mlx"
+            return "unknown"
+    text = config.get("text_config")
+    return checkpoint_method(text) if isinstance(text, Mapping) else None
+
+
+def checkpoint_label(config: Mapping[str, Any]) -> str:
+    """The label of a checkpoint's own quantization, e.g. "checkpoint:mlx-affine-q4-g64"."""
+    method = checkpoint_method(config)
+    if method != "mlx":
+        return f"checkpoint:{method}"
+    q = config.get("quantization") or config.get("quantization_config")
+    return f"checkpoint:mlx-{q.get('mode', 'affine')}-q{q['bits']}-g{q['group_size']}"
+
+
+def weight_format_label(config: Mapping[str, Any], quant: WeightQuant | None) -> str:
+    """The label of the weights a backend serves: the load-time quantization's, else the checkpoint's, else
+    "none". gpt-oss MXFP4 is "checkpoint:mxfp4" on both backends: torch dequantizes it exactly while loading, to
+    the values MLX computes with packed, so both share the label and L3 pages."""
+    if quant is not None:
+        return quant.label
+    return checkpoint_label(config) if checkpoint_method(config) else "none"
+
+
+def check_checkpoint(config: Mapping[str, Any], backend: str, quant: WeightQuant | None) -> str | None:
+    """Refuse a checkpoint quantization this backend cannot load (naming the method and the supported list), or
+    a load-time quantization on top of one; returns the checkpoint's method (None: unquantized)."""
+    method = checkpoint_method(config)
+    if method is None:
+        return None
+    supported = CHECKPOINT_METHODS[backend]
+    if method not in supported:
+        hint = " (an mlx-lm quantized checkpoint: serve it with the mlx backend)" if method == "mlx" else ""
+        raise WeightFormatError(
+            f"the checkpoint's quantization_config method {method!r} is not supported by the {backend} backend"
+            f"{hint}; supported checkpoint methods: {', '.join(supported)}; or load an unquantized checkpoint and "
+            f"quantize at load time (docs/models.md, weight formats)")
+    if quant is not None:
+        raise WeightFormatError(f"{quant.flag}: the checkpoint is already quantized ({method}); drop the flag")
+    return method
+
+
+def quantized_bytes(tensors: list[tuple[str, tuple[int, ...]]], float_bytes: int, quant: WeightQuant) -> int:
+    """Resident bytes of a model's weights after ``quant``, from its tensors' (name, shape) as stored: what
+    ``tierlm doctor`` sizes the KV tiers from before anything loads (the loaded backend reports the real bytes).
+
+    Quantized: 2-D ``*.weight`` tensors, the linear layers (torchao quantizes every nn.Linear; mlx also the
+    embeddings, where the group divides the row); the rest stays ``float_bytes`` per value."""
+    total = 0
+    for name, shape in tensors:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        embed = "embed" in name or "wte" in name
+        quantized = len(shape) == 2 and name.endswith(".weight") and (quant.kind == "mlx" or not embed)
+        if quant.kind == "mlx" and quantized and shape[-1] % quant.group_size:
+            quantized = False
+        if not quantized:
+            total += numel * float_bytes
+        elif quant.kind == "mlx":  # packed values + a scale and a bias per group, in the float dtype
+            total += numel * quant.bits // 8 + numel // quant.group_size * 2 * float_bytes
+        elif quant.group_size:  # torchao int4: packed values + bf16 scale and zero point per group
+            total += numel // 2 + numel // quant.group_size * 2 * 2
+        else:  # torchao int8 / fp8: one byte per value + one float32 scale per output row
+            total += numel + int(shape[0]) * 4
+    return total
+
+
+def safetensors_shapes(files: list[Path]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor in the safetensors files, from their headers (no tensor bytes read)."""
+    out = []
+    for path in files:
+        if path.suffix != ".safetensors":
+            continue
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        out += [(k, tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"]
+    return out

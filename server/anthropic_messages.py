@@ -84,8 +84,10 @@ async def _events(request: Request, engine: EngineAPI, run: ChatRun, body: Messa
         writer = BlockWriter(_omit_thinking(body))
         finals: list[GenerateOutput | None] = [None]
         finish: str | None = None
-        async with aclosing(stream_chat(request, engine, run, finals)) as pieces:
-            async for piece in with_pings(pieces, anthropic_stream.PING_INTERVAL_S):
+        # with_pings closed first: its pending read of ``pieces`` is cancelled before ``pieces`` itself is closed
+        async with aclosing(stream_chat(request, engine, run, finals)) as pieces, \
+                aclosing(with_pings(pieces, anthropic_stream.PING_INTERVAL_S)) as ticks:
+            async for piece in ticks:
                 if piece is None:
                     yield event("ping", {})
                     continue
@@ -115,7 +117,8 @@ async def count_tokens(body: CountTokensRequest, engine: EngineAPI = Depends(rea
         chat = to_chat_request(body, fold_system=fold)
         tool_plan(engine, chat)  # the same 400s as /v1/messages for a bad tool_choice
         return await off_loop(apply_chat_template, engine.tokenizer, template_messages(chat.messages),
-                              {**template_kwargs(chat), **template_tools(chat)}, TemplatePolicy.of(engine.args))
+                              {**template_kwargs(chat), **template_tools(chat)}, TemplatePolicy.of(engine.args),
+                              None, chat.continue_final_message)  # a prefill is counted as /v1/messages runs it
 
     ids, _ = await _with_folding(body, render)
     return JSONResponse({"input_tokens": len(ids)})

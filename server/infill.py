@@ -28,17 +28,19 @@ router = APIRouter()
 RANDOM_SEEDS = (-1, 2**32 - 1)  # llama.cpp's "pick a seed" values (LLAMA_DEFAULT_SEED)
 
 
-def infill_prompt(engine: EngineAPI, body: InfillRequest) -> list[int]:
+def infill_prompt(engine: EngineAPI, body: InfillRequest) -> tuple[list[int], int | None]:
+    """The FIM prompt's ids, and the family's end-of-middle token (a stop token) when it is not the model's EOS."""
     tokenizer = engine.tokenizer
     fim = require_fim_tokens(tokenizer, model_name(engine), param="input_suffix")
     extra = extra_context(tokenizer, fim, [(c.filename, c.text) for c in body.input_extra])
     # llama.cpp tokenizes the prompt on its own and puts it right after the prefix
     prefix = encode_plain(tokenizer, body.input_prefix, "input_prefix")
     prefix += encode_plain(tokenizer, body.prompt, "prompt")
-    return build_fim_prompt(tokenizer, fim, prefix, body.input_suffix, extra)
+    return build_fim_prompt(tokenizer, fim, prefix, body.input_suffix, extra), fim.end_id
 
 
-def sampling_params(engine: EngineAPI, body: InfillRequest, prompt_len: int) -> SamplingParams:
+def sampling_params(engine: EngineAPI, body: InfillRequest, prompt_len: int,
+                    end_id: int | None = None) -> SamplingParams:
     wanted = body.max_tokens if body.max_tokens is not None else body.n_predict
     if wanted < 0:  # -1: what the context leaves (at least 1, so an over-long prompt still gets its 400)
         wanted = max(1, min(engine.context_length - prompt_len, CHAT_DEFAULT_MAX_TOKENS))
@@ -52,6 +54,8 @@ def sampling_params(engine: EngineAPI, body: InfillRequest, prompt_len: int) -> 
             fields[theirs] = value
     if body.seed is not None and body.seed not in RANDOM_SEEDS:
         fields["seed"] = body.seed
+    if end_id is not None:  # CodeLlama's <EOT> ends the middle (as on /v1/completions with suffix)
+        fields["stop_token_ids"] = [end_id]
     return build_sampling_params(**fields)
 
 
@@ -70,8 +74,8 @@ def final_response(engine: EngineAPI, text: str, final: GenerateOutput) -> Infil
 @router.post("/infill", response_model=None)
 async def infill(body: InfillRequest, request: Request, engine: EngineAPI = Depends(ready_engine)) -> Response:
     check_model(engine, body.model)
-    ids = await off_loop(infill_prompt, engine, body)
-    req = make_request(engine, new_id("infill-"), ids, sampling_params(engine, body, len(ids)), body.stream)
+    ids, end_id = await off_loop(infill_prompt, engine, body)
+    req = make_request(engine, new_id("infill-"), ids, sampling_params(engine, body, len(ids), end_id), body.stream)
     if body.stream:
         return EventStreamResponse(_events(request, engine, req))
     result = (await unless_disconnected(request, lambda: collect_outputs(engine, [req])))[0]

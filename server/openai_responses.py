@@ -18,14 +18,14 @@ from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.server.chat_pipeline import ChatRun, prepare_chat, run_chat, stream_chat, template_kwargs
-from tierlm.server.chat_tools import template_tools
+from tierlm.server.chat_tools import template_messages, template_tools
 from tierlm.server.deps import check_model, model_name, new_id, ready_engine
 from tierlm.server.generation import EngineFailure
 from tierlm.server.http_errors import error_body
 from tierlm.server.reasoning_blob import TurnTokens, seal, unseal
 from tierlm.server.responses_input import (Conversation, ToolNames, chat_request, chat_tools, conversation,
                                            input_items)
-from tierlm.server.responses_prefix import Earlier, Prompt, build_prompt
+from tierlm.server.responses_prefix import Earlier, Prompt, assistant_digest, build_prompt
 from tierlm.server.responses_protocol import ResponsesRequest
 from tierlm.server.responses_store import ResponseStore, StoredResponse
 from tierlm.server.responses_stream import Event, OutputBuilder
@@ -157,7 +157,17 @@ class _Turn:
         ids = list(output_ids)
         if final.finish_reason == "stop" and ids and ids[-1] == final.matched_stop:
             ids.pop()  # the stop token: the template writes the turn's close itself
-        return TurnTokens(ids=self.prompt.ids + ids, prompt_hash=self.prompt.prompt_hash)
+        return TurnTokens(ids=self.prompt.ids + ids, prompt_hash=self.prompt.prompt_hash,
+                          output_digest=self.output_digest())
+
+    def output_digest(self) -> str:
+        """assistant_digest of this turn's output items as the next request's conversation will carry them back
+        (one assistant message; "" otherwise, so the next turn renders whole rather than splice a split turn)."""
+        items = [i for i in self.builder.items if not i.get("encrypted_content")]
+        messages = conversation(None, items, [f"output[{j}]" for j in range(len(items))]).messages
+        if len(messages) != 1 or messages[0].role != "assistant":
+            return ""
+        return assistant_digest(template_messages(messages)[0])
 
     def complete(self, final: GenerateOutput, output_ids: list[int], blob: dict[str, Any] | None = None) -> \
             dict[str, Any]:

@@ -30,6 +30,9 @@ class TurnTokens:
 
     ids: list[int]
     prompt_hash: str
+    # server/responses_prefix.assistant_digest of the turn's output as the conversation carries it back: the ids are
+    # spliced in only while the client sends that same output ("" never matches: render the conversation whole)
+    output_digest: str = ""
 
 
 def _b64(data: bytes) -> str:
@@ -41,7 +44,8 @@ def _unb64(text: str) -> bytes:
 
 
 def seal(turn: TurnTokens) -> str:
-    payload = zlib.compress(json.dumps({"ids": turn.ids, "h": turn.prompt_hash}, separators=(",", ":")).encode(), 6)
+    payload = zlib.compress(json.dumps({"ids": turn.ids, "h": turn.prompt_hash, "o": turn.output_digest},
+                                      separators=(",", ":")).encode(), 6)
     mac = hmac.new(_KEY, payload, hashlib.sha256).digest()
     return _PREFIX + _b64(payload) + "." + _b64(mac)
 
@@ -61,4 +65,4 @@ def unseal(blob: str, param: str) -> TurnTokens:
     if not hmac.compare_digest(mac, hmac.new(_KEY, payload, hashlib.sha256).digest()):
         raise bad
     data = json.loads(zlib.decompress(payload))  # ours: the MAC says so
-    return TurnTokens(ids=[int(t) for t in data["ids"]], prompt_hash=str(data["h"]))
+    return TurnTokens(ids=[int(t) for t in data["ids"]], prompt_hash=str(data["h"]), output_digest=str(data.get("o", "")))

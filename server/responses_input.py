@@ -203,6 +203,9 @@ def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]
         if choice is not None and choice not in ("none", "auto", "required"):
             raise RequestError("tool_choice must be none, auto, required or {type: function, name}", 400,
                                param="tool_choice")
+        if choice == "required" and not tools:
+            raise RequestError("tool_choice 'required' needs a function tool; the only tools given are hosted ones, "
+                               "which tierlm leaves out (it cannot run them)", 400, param="tool_choice")
         return choice if tools else None  # only hosted tools left: nothing to choose
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise RequestError("tool_choice: only none, auto, required and {type: function, name} are supported", 400,
@@ -234,6 +237,9 @@ def chat_request(body: ResponsesRequest, messages: list[ChatMessage], tools: lis
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
         "reasoning_effort": _EFFORT[body.reasoning.effort] if body.reasoning and body.reasoning.effort else None,
     }
+    if body.reasoning is not None and body.reasoning.effort == "none":
+        # no reasoning asked for: hybrid thinking templates (Qwen3's) read enable_thinking, as on /v1/messages
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:

@@ -12,11 +12,14 @@ store: false) and the next prompt is
 where that text is found by rendering the conversation with the earlier assistant message replaced by a sentinel
 and taking what follows it (the template's turn close, the new messages, the generation prompt). The earlier ids are
 used only while the conversation before that assistant message still renders to the very prompt they came from
-(its sha256 is kept with them); otherwise the conversation is rendered whole, as chat completions does.
+(its sha256 is kept with them) and the assistant message itself is the output the ids hold (its text and tool calls:
+a client that edits them, or adds a message that joins that turn, gets them rendered whole, as chat completions
+does; ``assistant_digest``).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +66,15 @@ def build_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], kwargs: dict
     return Prompt(ids=encode(tokenizer, full), prompt_hash=text_hash(full))
 
 
+def assistant_digest(message: ChatMessage) -> str:
+    """What of an assistant message the model's output ids stand for: its text and its calls (name, arguments).
+    Call ids and reasoning are left out: the server assigns the ids, and clients may drop reasoning text (the ids
+    hold it)."""
+    calls = [(c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+             for c in message.tool_calls or []]
+    return text_hash(json.dumps({"content": message.content or "", "calls": calls}, sort_keys=True, default=str))
+
+
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
@@ -72,6 +84,10 @@ def _splice(tokenizer: Tokenizer, msgs: list[ChatMessage], kwargs: dict[str, Any
     k = earlier.first_assistant
     if not 0 < k < len(msgs) - 1 or msgs[k].role != "assistant":
         return None  # nothing new after the earlier turn, or it is not where it should be
+    if not earlier.turn.output_digest or assistant_digest(msgs[k]) != earlier.turn.output_digest:
+        logger.info("/v1/responses: the earlier assistant turn is not the output its tokens hold (edited, or joined "
+                    "by another message); rendering the conversation whole")
+        return None
     before = render_chat_text(tokenizer, msgs[:k], kwargs, policy)
     if text_hash(before) != earlier.turn.prompt_hash:
         logger.info("/v1/responses: the conversation before the earlier turn renders differently now (instructions, "

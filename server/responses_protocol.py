@@ -115,6 +115,8 @@ class ResponsesRequest(_CheckedText):
     conversation: Annotated[Any, _doc({"type": "null"}, "not supported: only null")] = None
     prompt: Annotated[Any, _doc({"type": "null"}, "not supported: only null")] = None
     top_logprobs: Annotated[int | None, _doc({"enum": [0, None]}, "not supported: 0 or null")] = None
+    truncation: Annotated[str | None, _doc({"enum": ["disabled", None]},
+                                           "disabled (a prompt too long is a 400); auto is not supported")] = None
 
     def refused_field(self) -> str | None:
         """The first field set that tierlm cannot honour."""
@@ -125,7 +127,16 @@ class ResponsesRequest(_CheckedText):
                 return name
         if self.top_logprobs:
             return "top_logprobs"
+        if self.truncation not in (None, "disabled"):
+            return "truncation"  # auto drops earlier items to fit: a different prompt than the client sent
+        if any(i in REFUSED_INCLUDES for i in self.include or ()):
+            return "include"
         return None
+
+
+# `include` values that ask for something tierlm does not return; the others name outputs of hosted tools or images,
+# which tierlm never produces (so there is nothing to leave out), or the encrypted_content blob it does return
+REFUSED_INCLUDES = ("message.output_text.logprobs",)
 
 
 class ResponseObject(BaseModel):

@@ -95,6 +95,13 @@ def test_codellama_stops_at_its_end_of_middle_token() -> None:
     assert engine.received[0].sampling_params.stop_token_ids == []
 
 
+def test_codellama_infill_stops_at_its_end_of_middle_token_too() -> None:
+    client, engine = client_with(fim_tokenizer(CODELLAMA))
+    r = client.post("/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 3})
+    assert r.status_code == 200, r.text
+    assert engine.received[0].sampling_params.stop_token_ids == [TOKENIZER_VOCAB + 3]  # ▁<EOT>
+
+
 def test_codestral_puts_the_suffix_first_and_has_no_middle_marker() -> None:
     tok = fim_tokenizer(CODESTRAL)
     client, engine = client_with(tok)

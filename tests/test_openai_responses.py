@@ -96,8 +96,11 @@ def test_items_tierlm_cannot_read_are_400s(item, param):
 
 def test_fields_it_cannot_honour_are_400s():
     client, _ = make()
-    for field, value in (("background", True), ("conversation", "conv_1"), ("top_logprobs", 2)):
+    for field, value in (("background", True), ("conversation", "conv_1"), ("top_logprobs", 2),
+                         ("truncation", "auto"), ("include", ["message.output_text.logprobs"])):
         assert_error(client.post("/v1/responses", json={"input": "x", field: value}), 400, param=field)
+    for field, value in (("truncation", "disabled"), ("include", ["web_search_call.action.sources"])):
+        assert client.post("/v1/responses", json={"input": "x", field: value}).status_code == 200
     assert_error(client.post("/v1/responses", json={"input": "x", "text": {"format": {"type": "yaml"}}}), 400,
                  param="text.format.type")
 
@@ -130,6 +133,9 @@ def test_unknown_tool_types_are_400s_hosted_ones_are_left_out():
     r = client.post("/v1/responses", json={"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "auto"})
     assert r.status_code == 200, r.text
     assert engine.received[-1].sampling_params.structural_tag is None
+    # a call required, but only hosted tools given: nothing the model could call, so a 400, not a free answer
+    r = client.post("/v1/responses", json={"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"})
+    assert_error(r, 400, param="tool_choice", contains="hosted")
 
 
 def test_forced_named_call_goes_through_the_grammar():
@@ -237,6 +243,24 @@ def test_store_false_keeps_nothing_but_encrypted_content_carries_the_turn():
     assert_error(r, 400, param="input[2].encrypted_content")
 
 
+def test_an_edited_earlier_turn_is_rendered_as_sent_not_spliced_from_its_blob():
+    # the blob holds the tokens of "A1"; a client that edits that turn (or adds a message that joins it) must get
+    # what it sent, not the model's old output
+    client, engine = make(script="A1")
+    body = {"input": [{"role": "user", "content": "Q1"}], "store": False, "include": ["reasoning.encrypted_content"]}
+    message, blob = client.post("/v1/responses", json=body).json()["output"]
+    engine.script = "A2"
+    edited = {**message, "content": [{"type": "output_text", "text": "B1"}]}
+    r = client.post("/v1/responses", json={**body, "input": [*body["input"], edited, blob,
+                                                             {"role": "user", "content": "Q2"}]})
+    assert r.status_code == 200, r.text
+    assert prompt_text(engine) == "<user>Q1<assistant>B1<user>Q2<assistant>"
+    joined = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": " more"}]}
+    client.post("/v1/responses", json={**body, "input": [*body["input"], message, blob, joined,
+                                                         {"role": "user", "content": "Q2"}]})
+    assert prompt_text(engine) == "<user>Q1<assistant>A1 more<user>Q2<assistant>"
+
+
 def test_a_changed_conversation_is_rendered_whole():
     client, engine = make(script="A1")
     r1 = client.post("/v1/responses", json={"input": "Q1"}).json()
@@ -292,6 +316,10 @@ def test_reasoning_effort_reaches_the_template():
     for effort, seen in (("minimal", "low"), ("high", "high"), ("xhigh", "high")):
         client.post("/v1/responses", json={"input": "x", "reasoning": {"effort": effort, "summary": "auto"}})
         assert prompt_text(engine).startswith(f"[{seen}]")
+    # effort none: no reasoning, which hybrid thinking templates (Qwen3's) read as enable_thinking
+    engine.tokenizer.chat_template = "[{{ enable_thinking }}]{% for m in messages %}{{ m.content }}{% endfor %}"
+    client.post("/v1/responses", json={"input": "x", "reasoning": {"effort": "none"}})
+    assert prompt_text(engine).startswith("[False]")
 
 
 HARMONY_ANALYSIS = "<|channel|>analysis<|message|>User wants weather.<|end|>"

@@ -98,7 +98,9 @@ ALLOWED_REFUSALS = [
      r"at most one|invalid (json_schema|regex|ebnf) in|the compiler failed|cannot be used"),
     # Tool calling: tool_choice needs tools and names one of them; a forced call's grammar is built from each
     # function's parameters schema, which may not compile, and cannot be combined with another constraint.
-    (r"tool_choice$", r"only allowed when tools|not in tools|cannot be combined"),
+    (r"tool_choice$", r"only allowed when tools|not in tools|cannot be combined|needs a function tool"),
+    # /v1/responses: include may name any output; the ones tierlm does not return (logprobs) are refused
+    (r"include$", r"not supported by tierlm's Responses API"),
     (r"tools$", r"invalid structural_tag in|structural_tag in 'tools' cannot be used"),
     # JSON Schema cannot say "valid Unicode": a lone surrogate in any string is a 400 naming the field
     (r".*", r"lone UTF-16 surrogate"),

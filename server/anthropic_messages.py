@@ -23,11 +23,11 @@ from tierlm.server.anthropic_pins import breakpoints, pins_for
 from tierlm.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tierlm.server.anthropic_stream import (BlockWriter, content_blocks, error_event, event, stop_reason, usage,
                                             with_pings)
-from tierlm.server.chat_pipeline import ChatRun, prepare_chat, run_chat, stream_chat, template_kwargs
-from tierlm.server.chat_tools import template_messages, template_tools, tool_plan
+from tierlm.server.chat_pipeline import ChatRun, chat_prompt_ids, prepare_chat, run_chat, stream_chat
+from tierlm.server.chat_tools import tool_plan
 from tierlm.server.deps import check_model, model_name, new_id, ready_engine
 from tierlm.server.sse import EventStreamResponse
-from tierlm.server.tokenization import TemplatePolicy, apply_chat_template, off_loop
+from tierlm.server.tokenization import off_loop
 
 router = APIRouter()
 logger = logging.getLogger("tierlm.server")
@@ -116,9 +116,7 @@ async def count_tokens(body: CountTokensRequest, engine: EngineAPI = Depends(rea
     async def render(fold: bool) -> list[int]:
         chat = to_chat_request(body, fold_system=fold)
         tool_plan(engine, chat)  # the same 400s as /v1/messages for a bad tool_choice
-        return await off_loop(apply_chat_template, engine.tokenizer, template_messages(chat.messages),
-                              {**template_kwargs(chat), **template_tools(chat)}, TemplatePolicy.of(engine.args),
-                              None, chat.continue_final_message)  # a prefill is counted as /v1/messages runs it
+        return await off_loop(chat_prompt_ids, engine, chat)  # the prompt /v1/messages runs, prefill included
 
     ids, _ = await _with_folding(body, render)
     return JSONResponse({"input_tokens": len(ids)})

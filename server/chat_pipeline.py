@@ -80,10 +80,7 @@ async def prepare_chat(engine: EngineAPI, body: ChatCompletionRequest, response_
     llama.cpp does for clients such as Claude Code that ask for 32000 whatever the model)."""
     reject_unsupported_chat(body)
     plan = tool_plan(engine, body)  # tools, tool_choice (server/chat_tools.py)
-    ids = prompt_ids if prompt_ids is not None else await off_loop(
-        apply_chat_template, engine.tokenizer, template_messages(body.messages),
-        {**template_kwargs(body), **template_tools(body)}, TemplatePolicy.of(engine.args), body.chat_template,
-        body.continue_final_message)
+    ids = prompt_ids if prompt_ids is not None else await off_loop(chat_prompt_ids, engine, body)
     if max_tokens_cap is not None:
         max_new_tokens = clamp_to_context(max_tokens_cap, len(ids), engine.context_length)
     if max_new_tokens is None:
@@ -111,6 +108,14 @@ def clamp_to_context(requested: int, prompt_len: int, context_length: int) -> in
     logger.info("max_tokens %d clamped to %d: the prompt's %d tokens leave that much of the context (%d)",
                 requested, clamped, prompt_len, context_length)
     return clamped
+
+
+def chat_prompt_ids(engine: EngineAPI, body: ChatCompletionRequest) -> list[int]:
+    """The prompt of a chat request: its messages, tools and template settings through the chat template (blocking:
+    run it with off_loop)."""
+    return apply_chat_template(engine.tokenizer, template_messages(body.messages),
+                               {**template_kwargs(body), **template_tools(body)}, TemplatePolicy.of(engine.args),
+                               body.chat_template, body.continue_final_message)
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict:

@@ -126,6 +126,7 @@ class _Turn:
         self.items, self.store = items, store
         self.builder = OutputBuilder(names)
         self.created_at = int(time.time())
+        self._turn: TurnTokens | None = None
 
     def response(self, status: str, usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None) -> \
             dict[str, Any]:
@@ -154,6 +155,12 @@ class _Turn:
                 "encrypted_content": seal(self.turn_tokens(final, output_ids))}
 
     def turn_tokens(self, final: GenerateOutput, output_ids: list[int]) -> TurnTokens:
+        """What the turn left in the cache; made once (the blob and the store both keep it)."""
+        if self._turn is None:
+            self._turn = self._make_turn_tokens(final, output_ids)
+        return self._turn
+
+    def _make_turn_tokens(self, final: GenerateOutput, output_ids: list[int]) -> TurnTokens:
         ids = list(output_ids)
         if final.finish_reason == "stop" and ids and ids[-1] == final.matched_stop:
             ids.pop()  # the stop token: the template writes the turn's close itself

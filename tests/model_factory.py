@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 # The byte-level BPE tokenizer of tierlm's own models (backends/model_source/tokenizer.py), saved with each model.
 TOKENIZER_VOCAB = 285
@@ -36,15 +37,16 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def build_tiny_model(family: str, out_dir: Path, seed: int | None = None) -> Path:
-    """Write a seeded random model of ``family`` to ``out_dir`` and return it."""
+def build_tiny_model(family: str, out_dir: Path, seed: int | None = None, **config: Any) -> Path:
+    """Write a seeded random model of ``family`` to ``out_dir`` and return it; ``config``: fields that replace the
+    family's (e.g. a larger vocab_size for a tokenizer with extra tokens)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
-    spec = {**COMMON, **FAMILIES[family]}
+    spec = {**COMMON, **FAMILIES[family], **config}
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(sorted(FAMILIES).index(family) if seed is None else seed)

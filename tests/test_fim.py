@@ -16,7 +16,7 @@ from backends_under_test import BACKENDS
 from e2e_server import ServerProcess, start_server
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error
-from model_factory import COMMON, FAMILIES, TOKENIZER_VOCAB, reference_greedy
+from model_factory import TOKENIZER_VOCAB, build_tiny_model, reference_greedy
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.app import create_app
 from tierlm.server.fim import STYLES, find_fim_tokens
@@ -244,22 +244,10 @@ def test_infill_on_a_model_without_fim_tokens_is_a_400() -> None:
 
 def build_fim_model(out_dir: Path) -> Path:
     """A seeded random tiny qwen2 whose vocabulary has Qwen2.5-Coder's three FIM tokens (ids 285-287)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if (out_dir / "config.json").exists():
         return out_dir
-    spec = {**COMMON, **FAMILIES["qwen2"], "vocab_size": TOKENIZER_VOCAB + len(QWEN)}
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(29)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # as model_factory: logits far apart, so greedy is not decided by noise
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25 if "embed" not in name else 0.5)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    fim_tokenizer(QWEN, out_dir)
+    build_tiny_model("qwen2", out_dir, seed=29, vocab_size=TOKENIZER_VOCAB + len(QWEN))
+    fim_tokenizer(QWEN, out_dir)  # replaces the demo tokenizer the model was written with
     return out_dir
 
 

@@ -351,6 +351,16 @@ class ModelBackend(ABC):
         runs as it comes); otherwise what it set up (buckets, captured sizes), for /server_info."""
         return None
 
+    def init_torch_compile(self, max_bs: int) -> dict[str, Any]:
+        """--enable-torch-compile: run decode-only steps of up to ``max_bs`` requests through a compiled model
+        (the first steps compile it). ValueError with the reason where this backend or model cannot."""
+        raise ValueError(f"--enable-torch-compile: torch.compile applies to the torch backend, not {self.name}; "
+                         "drop the flag")
+
+    def torch_compile_stats(self) -> dict[str, Any] | None:
+        """The compiled decode path's live numbers (steps run compiled, compile seconds); None without one."""
+        return None
+
     def set_host_io_backend(self, mode: str) -> None:
         """--hicache-io-backend (kernel | direct): how pages move to and from the host pool. Backends whose device
         pool is host memory (MLX) have one way only."""
@@ -435,6 +445,15 @@ class GrammarCompileError(ValueError):
     """A grammar (JSON schema, regex, EBNF) the compiler refuses; the message is the compiler's."""
 
 
+class GrammarCompileTimeout(GrammarCompileError):
+    """A compile ran past its time limit and was stopped (nothing of it keeps running)."""
+
+
+class GrammarCompilerUnavailable(GrammarCompileError):
+    """The compiler itself could not run (its worker process did not start): the server's fault, not the
+    grammar's, so the failure is not remembered against the grammar."""
+
+
 class GrammarMatcher(ABC):
     """One request's position in its grammar: which tokens may come next, and the tokens it accepted."""
 
@@ -459,8 +478,9 @@ class GrammarBackend(ABC):
     vocab_size: int  # columns of the logits the bitmask covers
 
     @abstractmethod
-    def compile(self, kind: str, text: str) -> Any:
-        """A compiled grammar, or GrammarCompileError with the compiler's message."""
+    def compile(self, kind: str, text: str, timeout_s: float | None = None) -> Any:
+        """A compiled grammar, or GrammarCompileError with the compiler's message; GrammarCompileTimeout when the
+        compile itself (not any wait for a free compiler before it) runs longer than ``timeout_s``."""
 
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
@@ -468,6 +488,9 @@ class GrammarBackend(ABC):
     def compiled_bytes(self, compiled: Any) -> int:
         """Memory a compiled grammar holds (the grammar cache is bounded by it); 0 where unknown."""
         return 0
+
+    def close(self) -> None:
+        """Stop whatever the compiler runs in the background (its worker processes)."""
 
     def allocate_bitmask(self, rows: int) -> np.ndarray:
         """An all-allowed bitmask for ``rows`` rows."""

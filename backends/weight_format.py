@@ -1,9 +1,10 @@
 """Weight formats: the load-time quantization flags (--torchao-config, --quantization) and a checkpoint's own
 ``quantization_config``, parsed and checked without torch or mlx (the server, doctor and both backends share it).
 
-A weight format is named by one label ("none", "torchao:int8wo", "mlx:q4-g64", "checkpoint:mxfp4", ...): it is
-reported in /server_info and ``tierlm doctor`` and is part of the L3 namespace (backends/base.kv_namespace), so
-pages written under one weight format are never read under another.
+A weight format is named by one label ("none", "torchao:int8wo", "mlx:q4-g64", "checkpoint:mxfp4",
+"checkpoint:compressed-tensors-w4a16-g128", ...): it is reported in /server_info and ``tierlm doctor`` and is part
+of the L3 namespace (backends/base.kv_namespace), so pages written under one weight format are never read under
+another.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tierlm.backends import compressed_tensors_scheme
 
 # --torchao-config names (SGLang's); int4wo takes its group size: int4wo-32|64|128|256.
 TORCHAO_CONFIGS = ("int8wo", "int8dq", "int4wo-<group>", "fp8wo", "fp8dq-per_row")
@@ -28,7 +31,10 @@ MLX_QUANTIZATION = ("q4", "q8", "q4-g<group>", "q8-g<group>")
 
 # Checkpoint quantization_config methods each backend loads (anything else stops startup, never loads silently
 # dequantized to something else). "mlx" is mlx-lm's own {"bits", "group_size"} block (no quant_method).
-CHECKPOINT_METHODS = {"torch": ("mxfp4",), "mlx": ("mlx", "mxfp4")}
+CHECKPOINT_METHODS = {"torch": ("mxfp4", "compressed-tensors"), "mlx": ("mlx", "mxfp4")}
+# Methods transformers loads only through a package with CUDA extensions (gptqmodel: a source build): named in the
+# refusal with the way round it.
+CUDA_EXTENSION_METHODS = {"gptq": "gptqmodel", "awq": "gptqmodel"}
 
 
 class WeightFormatError(ValueError):
@@ -103,9 +109,9 @@ def device_refusal(quant: WeightQuant, device: str, capability: tuple[int, int] 
     before any weights load, and ``tierlm doctor`` reports it."""
     if quant.kind != "torchao":
         return None
-    if quant.name.startswith("int4wo") and device != "cuda":
-        return (f"{quant.flag}: torchao's int4 weight-only kernels need a CUDA GPU; on {device} use "
-                "--torchao-config int8dq (int8 weights and activations) or int8wo")
+    if quant.name.startswith("int4wo") and device not in ("cuda", "cpu"):
+        return (f"{quant.flag}: int4 weight-only runs on a CUDA GPU (torchao) or the CPU (torch's kernel); on "
+                f"{device} use --torchao-config int8dq (int8 weights and activations) or int8wo")
     if quant.name.startswith("fp8") and (device != "cuda" or capability is None or tuple(capability) < (8, 9)):
         where = (f"this GPU (compute capability {capability[0]}.{capability[1]})" if device == "cuda" and capability
                  else f"the {device} device")
@@ -133,6 +139,8 @@ def checkpoint_method(config: Mapping[str, Any]) -> str | None:
 def checkpoint_label(config: Mapping[str, Any]) -> str:
     """The label of a checkpoint's own quantization, e.g. "checkpoint:mlx-affine-q4-g64"."""
     method = checkpoint_method(config)
+    if method == compressed_tensors_scheme.METHOD:  # the scheme too: W8A8, W4A16 and FP8 pages never mix
+        return f"checkpoint:{method}-{compressed_tensors_scheme.scheme_label(_quantization_config(config))}"
     if method != "mlx":
         return f"checkpoint:{method}"
     q = config.get("quantization") or config.get("quantization_config")
@@ -157,13 +165,35 @@ def check_checkpoint(config: Mapping[str, Any], backend: str, quant: WeightQuant
     supported = CHECKPOINT_METHODS[backend]
     if method not in supported:
         hint = " (an mlx-lm quantized checkpoint: serve it with the mlx backend)" if method == "mlx" else ""
+        if method in CUDA_EXTENSION_METHODS:
+            hint = (f" (transformers loads {method.upper()} only through {CUDA_EXTENSION_METHODS[method]}, a source "
+                    "build with CUDA extensions; the same model quantized by llm-compressor, in compressed-tensors "
+                    "format, loads)")
         raise WeightFormatError(
             f"the checkpoint's quantization_config method {method!r} is not supported by the {backend} backend"
             f"{hint}; supported checkpoint methods: {', '.join(supported)}; or load an unquantized checkpoint and "
             f"quantize at load time (docs/models.md, weight formats)")
     if quant is not None:
         raise WeightFormatError(f"{quant.flag}: the checkpoint is already quantized ({method}); drop the flag")
+    if method == compressed_tensors_scheme.METHOD:
+        qcfg = _quantization_config(config)
+        why = compressed_tensors_scheme.refusal(qcfg)
+        if why:
+            raise WeightFormatError(
+                f"the checkpoint's quantization_config method {method!r} "
+                f"({compressed_tensors_scheme.scheme_label(qcfg)}) is not supported by the {backend} backend: {why}; "
+                f"supported compressed-tensors schemes: {'; '.join(compressed_tensors_scheme.SUPPORTED)}; other "
+                f"checkpoint methods: {', '.join(m for m in supported if m != method)}")
     return method
+
+
+def _quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The quantization_config block, at the top level or in text_config (multimodal configs)."""
+    q = config.get("quantization_config")
+    if isinstance(q, Mapping) and q:
+        return q
+    text = config.get("text_config")
+    return _quantization_config(text) if isinstance(text, Mapping) else {}
 
 
 def quantized_bytes(tensors: list[tuple[str, tuple[int, ...]]], float_bytes: int, quant: WeightQuant) -> int:
@@ -171,25 +201,37 @@ def quantized_bytes(tensors: list[tuple[str, tuple[int, ...]]], float_bytes: int
     ``tierlm doctor`` sizes the KV tiers from before anything loads (the loaded backend reports the real bytes).
 
     Quantized: 2-D ``*.weight`` tensors, the linear layers (torchao quantizes every nn.Linear; mlx also the
-    embeddings, where the group divides the row); the rest stays ``float_bytes`` per value."""
+    embeddings, where the group divides the row); the rest stays ``float_bytes`` per value. A tied lm_head (no
+    ``lm_head`` tensor stored) gets its own quantized copy on the torch backend while the embedding stays float."""
     total = 0
     for name, shape in tensors:
-        numel = 1
-        for d in shape:
-            numel *= int(d)
         embed = "embed" in name or "wte" in name
         quantized = len(shape) == 2 and name.endswith(".weight") and (quant.kind == "mlx" or not embed)
         if quant.kind == "mlx" and quantized and shape[-1] % quant.group_size:
             quantized = False
-        if not quantized:
-            total += numel * float_bytes
-        elif quant.kind == "mlx":  # packed values + a scale and a bias per group, in the float dtype
-            total += numel * quant.bits // 8 + numel // quant.group_size * 2 * float_bytes
-        elif quant.group_size:  # torchao int4: packed values + bf16 scale and zero point per group
-            total += numel // 2 + numel // quant.group_size * 2 * 2
-        else:  # torchao int8 / fp8: one byte per value + one float32 scale per output row
-            total += numel + int(shape[0]) * 4
+        total += _quantized_tensor_bytes(shape, float_bytes, quant) if quantized else _numel(shape) * float_bytes
+    if quant.kind == "torchao" and not any("lm_head" in name for name, _ in tensors):
+        tied = next((shape for name, shape in tensors
+                     if name.endswith(("embed_tokens.weight", "wte.weight")) and len(shape) == 2), None)
+        if tied is not None:
+            total += _quantized_tensor_bytes(tied, float_bytes, quant)
     return total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel
+
+
+def _quantized_tensor_bytes(shape: tuple[int, ...], float_bytes: int, quant: WeightQuant) -> int:
+    numel = _numel(shape)
+    if quant.kind == "mlx":  # packed values + a scale and a bias per group, in the float dtype
+        return numel * quant.bits // 8 + numel // quant.group_size * 2 * float_bytes
+    if quant.group_size:  # int4: packed values + a scale and a zero point per group, in the float dtype
+        return numel // 2 + numel // quant.group_size * 2 * float_bytes
+    return numel + int(shape[0]) * 4  # int8 / fp8: one byte per value + one scale per output row
 
 
 def safetensors_shapes(files: list[Path]) -> list[tuple[str, tuple[int, ...]]]:

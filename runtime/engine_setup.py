@@ -57,7 +57,7 @@ from tierlm.runtime.scheduler import Scheduler
 from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
 from tierlm.runtime.speculative.speculator import NgramSpeculator
 from tierlm.runtime.tokenizer_protocol import Tokenizer
-from tierlm.runtime.warm_up import warm_up
+from tierlm.runtime.warm_up import compile_decode_steps, warm_up
 
 IO_BACKEND_MEANING = {"kernel": "pages move as one batched gather and one copy per direction",
                       "direct": "pages move one copy per page and layer, no staging"}
@@ -93,6 +93,7 @@ class EngineParts:
     attention: tuple[str, str] = ("", "")  # (attention implementation, why): check_attention_backend
     dtype_reason: str = ""  # why the model computes in its dtype: choose_dtype
     decode_graphs: dict[str, Any] | None = None  # the static decode path (buckets, captured sizes, why): setup_decode_graphs
+    torch_compile: dict[str, Any] | None = None  # --enable-torch-compile as set up: setup_torch_compile
 
     @property
     def grammar(self) -> GrammarManager:
@@ -140,6 +141,8 @@ class EngineParts:
             "speculative": self.scheduler.spec.info() if self.scheduler.spec is not None else None,
             "attention_backend": {"name": self.attention[0], "chosen_by": self.attention[1]},
             "decode_graphs": self.decode_graphs_info(),
+            "torch_compile": {**self.torch_compile, **(self.backend.torch_compile_stats() or {})}
+            if self.torch_compile else None,
             "kernels": self.backend.kernels(),
             "cpu": this_cpu().to_dict() if self.backend.device == "cpu" else None,
         }
@@ -182,6 +185,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
+    torch_compile = setup_torch_compile(args, backend, decision)
     metrics = EngineMetrics(args.model_name)
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
@@ -203,7 +207,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     parts = EngineParts(args, folder, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
                         chat_format=chat_format, attention=attention, dtype_reason=dtype_reason,
-                        decode_graphs=decode_graphs)
+                        decode_graphs=decode_graphs, torch_compile=torch_compile)
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
         if scheduler.spec is not None:
@@ -319,6 +323,24 @@ def setup_decode_graphs(args: ServerArgs, backend: ModelBackend, decision: Decis
            if capture else f"on static buffers without capture: --cuda-graph-max-bs on {decision.device}")
     log.info("decode graphs: decode steps of up to %d requests padded to buckets %s, %s", max_bs, info["buckets"], why)
     return {"enabled": True, "why": why, "max_bs": max_bs}
+
+
+def setup_torch_compile(args: ServerArgs, backend: ModelBackend, decision: Decision) -> dict[str, Any] | None:
+    """--enable-torch-compile: the decode step compiled now, before ready (minutes on a first start, seconds from
+    inductor's disk cache after), or startup stopped with the reason where the backend cannot."""
+    if not args.enable_torch_compile:
+        return None
+    try:
+        info = backend.init_torch_compile(args.torch_compile_max_bs)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    try:
+        compile_decode_steps(backend, args.page_size, tuple(sorted({1, min(2, args.torch_compile_max_bs)})))
+    except Exception as e:  # inductor needs a C++ compiler and a working toolchain: say so, not a traceback
+        raise StartupError(f"--enable-torch-compile: compiling the decode step failed ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}); check that a C++ "
+                           "compiler (g++) is installed, or drop the flag") from e
+    return {"enabled": True, **info, **(backend.torch_compile_stats() or {})}
 
 
 def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:

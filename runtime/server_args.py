@@ -103,6 +103,9 @@ class ServerArgs:
     dp_size: int = 1  # data parallelism: only 1 (several instances behind sglang-router instead)
     disable_cuda_graph: bool = False  # CUDA: decode steps eager instead of captured (backends/torch/decode_graphs.py)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; on CPU: the static path without capture
+    # CPU: decode steps of up to torch_compile_max_bs requests run through torch.compile (compiled_decode.py)
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     enable_metrics: bool = False  # accepted: /metrics is always on
     enable_cache_report: bool = False  # accepted: usage always reports cached_tokens
     # lru | lfu | slru | loop: eviction order of unlocked pages in the device and host tiers; loop (tierlm's own,
@@ -229,6 +232,8 @@ class ServerArgs:
             raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
         if self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
 

@@ -24,7 +24,6 @@ REFUSED_SGLANG_FLAGS: dict[str, str] = {
     "--lora-paths": "LoRA adapters are not implemented yet; merge the adapter into the weights and serve that folder",
     "--enable-lora": "LoRA adapters are not implemented yet; merge the adapter into the weights and serve that folder",
     "--load-format": "tierlm loads safetensors only; drop the flag (other formats: convert to safetensors first)",
-    "--enable-torch-compile": "torch.compile is not used by tierlm yet; drop the flag",
     "--disaggregation-mode": "prefill/decode disaggregation is not implemented; drop the flag",
     "--is-embedding": "tierlm serves generative models only; embeddings are not implemented",
     "--speculative-draft-model-path": "draft-model speculative decoding (EAGLE) is not implemented; use --speculative-algorithm NGRAM",
@@ -94,7 +93,6 @@ ACCEPTED_SGLANG_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
     "--disable-cuda-graph-padding": ({"action": "store_true"},
                                      "tierlm always pads a decode step to its bucket (steps over the largest run "
                                      "eagerly)"),
-    "--torch-compile-max-bs": ({"type": int, "default": 32}, "torch.compile is not used"),
     "--disable-chunked-prefix-cache": ({"action": "store_true"}, "a DeepSeek MLA optimization tierlm does not have"),
 }
 
@@ -234,6 +232,11 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                         help="largest decode batch captured as a CUDA graph (default: min(32, "
                              "--max-running-requests)); on CPU it turns on the same static, bucketed decode path "
                              "without capture"),
+    compat.add_argument("--enable-torch-compile", action="store_true",
+                        help="CPU: decode steps run through the model compiled by torch.compile (inductor), "
+                             "compiled at startup (minutes the first time; cached on disk after)")
+    compat.add_argument("--torch-compile-max-bs", type=int, default=_DEFAULTS.torch_compile_max_bs,
+                        help="largest decode batch that runs compiled; larger steps run eagerly")
     compat.add_argument("--enable-metrics", action="store_true", help="accepted: /metrics is always on")
     compat.add_argument("--enable-cache-report", action="store_true",
                         help="accepted: usage always reports cached_tokens")

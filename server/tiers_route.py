@@ -128,7 +128,7 @@ def queues(info: dict[str, Any]) -> dict[str, Any]:
 
 
 MACHINE_KEYS = ("version", "backend", "device", "dtype", "dtype_chosen_by", "backend_decision", "attention_backend",
-                "kernels", "cpu", "decode_graphs", "architecture", "architecture_verified", "context_length",
+                "kernels", "cpu", "decode_graphs", "torch_compile", "architecture", "architecture_verified", "context_length",
                 "model_path", "chat_template", "warnings")
 
 

@@ -211,7 +211,9 @@ def test_sglang_flags_map_to_fields() -> None:
         "--max-queued-requests", "5", "--watchdog-timeout", "12.5", "--attention-backend", "mlx_paged",
         "--tp", "1", "--dp-size", "1", "--disable-cuda-graph", "--cuda-graph-max-bs", "8", "--enable-metrics",
         "--enable-cache-report", "--skip-server-warmup", "--kv-cache-dtype", "auto", "--schedule-policy", "fcfs",
+        "--enable-torch-compile", "--torch-compile-max-bs", "16",
     ])
+    assert (args.enable_torch_compile, args.torch_compile_max_bs) == (True, 16)
     assert (args.revision, args.download_dir, args.max_prefill_tokens, args.stream_interval) == ("v1", "/hf", 4096, 3)
     assert (args.max_queued_requests, args.watchdog_timeout, args.attention_backend) == (5, 12.5, "mlx_paged")
     assert (args.tp_size, args.dp_size, args.disable_cuda_graph, args.cuda_graph_max_bs) == (1, 1, True, 8)

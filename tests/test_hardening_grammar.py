@@ -1,11 +1,15 @@
 """Structured output cannot starve the server (issue #33): per-request limits with 400s that name them, only local
-$refs, empty languages refused when they compile, a compile time limit that fails the request and drops the
-result while the server keeps serving, and a compiled-grammar cache bounded by bytes (LRU) shown in /server_info
-and /metrics. A real engine (the random demo model) behind the real HTTP app, the openai client as client."""
+$refs, empty languages refused when they compile, a compile time limit that stops the compile (its worker process
+killed) and fails the request while the server keeps serving, and a compiled-grammar cache bounded by bytes (LRU)
+shown in /server_info and /metrics. A real engine (the random demo model) behind the real HTTP app, the openai
+client as client."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
+import time
 from typing import Any
 
 import jsonschema
@@ -108,40 +112,72 @@ def test_an_empty_language_is_refused_when_it_compiles(client, field: str, gramm
     assert_error(r, 400, param="sampling_params.ebnf", contains="no text matches")
 
 
-def test_a_compile_past_the_time_limit_is_abandoned_and_the_server_keeps_serving(engine, client) -> None:
+def slow_grammar(alternatives: int = 800) -> str:
+    """An EBNF of a few KB, under every limit, that xgrammar compiles for minutes even on the demo's 285-token
+    vocabulary (400 alternatives took 31 s): character-class runs of every length that the loop lets restart."""
+    return "root ::= (" + " | ".join(f'[a-z]{{{i}}} "{i % 10}"' for i in range(1, alternatives)) + ")+"
+
+
+def threads_in_xgrammar() -> list[str]:
+    """Names of the threads whose stack is inside xgrammar (a compile still running in this process)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    busy = []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            if f"{os.sep}xgrammar{os.sep}" in frame.f_code.co_filename:
+                busy.append(names.get(ident, str(ident)))
+                break
+            frame = frame.f_back
+    return busy
+
+
+def test_a_compile_past_the_time_limit_is_stopped_and_the_server_keeps_serving(engine, client) -> None:
     grammar = engine.parts.grammar
-    real_compile, limit = grammar.backend.compile, grammar.compile_timeout_s
-    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
-
-    def stuck_compile(kind: str, text: str) -> Any:  # a compile that runs until the test lets it go
-        if text == "stuck|compile":
-            entered.set()
-            release.wait(30)
-            try:
-                return real_compile(kind, text)
-            finally:
-                finished.set()
-        return real_compile(kind, text)
-
-    grammar.backend.compile, grammar.compile_timeout_s = stuck_compile, 0.2
+    limit = grammar.compile_timeout_s
+    ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "regex": "warm|up"})
+    assert ok.status_code == 200, ok.text  # a compile worker is up
+    workers = grammar.backend.workers
+    before_pids, before = workers.pids(), grammar.cache_info()
+    grammar.compile_timeout_s = 2.0
+    slow: dict[str, Any] = {}
     try:
-        before = grammar.cache_info()
-        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "regex": "stuck|compile"})
-        err = assert_error(r, 400, param="regex", contains="longer than the 0.2 s limit (--grammar-compile-timeout)")
-        assert err["code"] == "grammar_compile_timeout" and entered.is_set() and not release.is_set()
-        # the compile still runs on its thread: the event loop and the scheduler serve on meanwhile
+        caller = threading.Thread(target=lambda: slow.update(r=client.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "ebnf": slow_grammar()})))
+        caller.start()
+        while grammar.cache_info()["compiled"] == before["compiled"] and caller.is_alive():
+            time.sleep(0.01)
+        # while it compiles, the event loop and the scheduler serve on
         assert client.get("/health").status_code == 200
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert_error(client.post("/v1/completions", json={"prompt": "hi", "regex": "stuck|compile"}), 400,
-                     param="regex", contains="0.2 s limit")  # the failure is cached: no second compile
-        release.set()
-        assert finished.wait(30)
+        caller.join(60)
+        err = assert_error(slow["r"], 400, param="ebnf",
+                           contains="longer than the 2 s limit (--grammar-compile-timeout)")
+        assert err["code"] == "grammar_compile_timeout"
+        # nothing keeps compiling it: the worker that ran it is gone (the others idle) and no thread of the
+        # server is in xgrammar
+        gone = [pid for pid in before_pids if pid not in workers.pids()]
+        assert len(gone) == 1 and not _process_alive(gone[0]), (before_pids, workers.pids())
+        assert workers.busy() == 0 and threads_in_xgrammar() == []
         after = grammar.cache_info()
         assert after["bytes"] == before["bytes"] and after["timed_out"] == before["timed_out"] + 1
+        assert_error(client.post("/v1/completions", json={"prompt": "hi", "ebnf": slow_grammar()}), 400,
+                     param="ebnf", contains="2 s limit")  # the failure is cached: no second compile
+        assert grammar.cache_info()["compiled"] == after["compiled"]
+        # the next grammar compiles on a fresh worker
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "regex": "next|one"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("next", "one"), r.text
+        assert workers.pids() and gone[0] not in workers.pids()
     finally:
-        grammar.backend.compile, grammar.compile_timeout_s = real_compile, limit
-        release.set()
+        grammar.compile_timeout_s = limit
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # the pool reaps what it kills, so a stopped worker's pid is gone
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_the_grammar_cache_is_bounded_by_bytes_lru(engine, client) -> None:

@@ -593,3 +593,40 @@ def test_a_probe_that_finds_pages_waits_for_the_rest_as_for_known_pages():
     assert StoragePrefetch.budget(prefetch, pf) == pytest.approx(0.5 + 0.002 * 100)
     pf.known_pages = 10  # pages the index knows keep their own budget
     assert StoragePrefetch.budget(prefetch, pf) == pytest.approx(0.5 + 0.002 * 10)
+
+
+def test_probed_pages_of_a_shared_store_take_free_host_pages_only():
+    """Known pages may evict LRU host pages to get a page to read into; pages a shared store is only probed for
+    (usually a miss) take pages already free and never evict cached L2 pages, which would be lost for good."""
+    from types import SimpleNamespace
+
+    from tierlm.runtime.cache.storage_prefetch import StoragePrefetch
+
+    class Alloc:
+        num_free = 2
+
+        def alloc(self, k):
+            self.num_free -= k
+            return list(range(k))
+
+    class Tree:
+        evicted = 0
+
+        def lock(self, node):
+            pass
+
+        def unlock(self, node):
+            pass
+
+        def evict_host(self, n):
+            self.evicted += n
+            alloc.num_free += n
+
+    alloc, tree = Alloc(), Tree()
+    cache = SimpleNamespace(tree=tree, host_alloc=alloc, states=None, free_host_pages=lambda pages: None,
+                            host=SimpleNamespace(data=None))
+    storage = SimpleNamespace(register_host_memory=lambda data: None)
+    prefetch = StoragePrefetch(cache, storage, io=None)
+    m = SimpleNamespace(host_pages=[], last_node=None, host_last_node=None)
+    assert prefetch._reserve_host(m, 0, extra=5) == [0, 1] and tree.evicted == 0  # probes: the 2 free pages only
+    assert prefetch._reserve_host(m, 3, extra=5) == [0, 1, 2] and tree.evicted == 3  # known: evicted for

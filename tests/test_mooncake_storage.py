@@ -11,10 +11,12 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from storage_helpers import exists_prefix, get_all, mooncake_client, set_all
 
 from tierlm.runtime.cache.storage import registry as storage_registry
+from tierlm.runtime.cache.storage.base import BorrowedPage
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_keys import page_keys
 from tierlm.runtime.errors import StartupError
@@ -181,6 +183,150 @@ def test_batch_get_into_fills_the_buffers_and_times_its_checksum_and_copy(master
         s.close()
 
 
+def _counting_store_class(refuse_registration: bool = False) -> type:
+    """A MooncakeDistributedStore that counts the calls a MooncakeKVStorage makes (and can refuse registration)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    class Counting(MooncakeDistributedStore):
+        calls: dict[str, int] = {}
+
+        def _count(self, name: str) -> None:
+            Counting.calls[name] = Counting.calls.get(name, 0) + 1
+
+        def register_buffer(self, ptr, size):
+            self._count("register_buffer")
+            return -1 if refuse_registration else super().register_buffer(ptr, size)
+
+    for name in ("get", "get_batch", "put_parts", "batch_get_into_multi_buffers", "batch_put_from_multi_buffers"):
+        def counted(self, *a, _name=name, **kw):
+            self._count(_name)
+            return getattr(super(Counting, self), _name)(*a, **kw)
+        setattr(Counting, name, counted)
+    return Counting
+
+
+def open_registered(master: str, store_class: type, pages: int = 8):
+    """A MooncakeKVStorage with a layer_first host pool of ``pages`` pages registered (2 rows a page, as the
+    runtime's pool of a 2-layer model), and a function giving the rows of a host page."""
+    from tierlm.runtime.cache.storage.mooncake_storage import MooncakeConfig, MooncakeKVStorage
+
+    config = MooncakeConfig.from_mapping({"master_server_address": master, "local_hostname": "127.0.0.1",
+                                          "global_segment_size": 0}, "test")
+    s = MooncakeKVStorage(config, ns(), PAGE_BYTES, connect_wait_s=CONNECT_WAIT_S, store_class=store_class)
+    host = np.zeros((2, pages, PAGE_BYTES // 2), np.uint8)
+    s.register_host_memory(host)
+    return s, host, lambda p: [memoryview(host[layer, p]) for layer in range(2)]
+
+
+def test_reads_land_in_registered_host_pages_and_writes_leave_from_them(master) -> None:
+    """Zero-copy: with the host pool registered, a batch read lands each page straight in its host page (no
+    get/get_batch, no copy: counted), and a backup is written from the host page; the values are the same format
+    as the copying path's, so servers on either path share pages."""
+    store_class = _counting_store_class()
+    s, host, rows = open_registered(master, store_class)
+    other = open_mooncake(master)  # no host pool registered: the copying path
+    try:
+        st = s.stats()
+        assert st["read_path"] == "zero-copy" and other.stats()["read_path"].startswith("copy (no host pool")
+        ks = keys(4, seed=21)
+        host[:, 7] = np.frombuffer(page(0), np.uint8).reshape(2, -1)
+        assert s.set(ks[0], BorrowedPage(rows(7), lambda: True))
+        assert s.stats()["zero_copy_writes"] == 1 and store_class.calls.get("put_parts", 0) == 0
+        assert other.get(ks[0]) == page(0)  # written from the host page, read by a server that copies
+        assert set_all(other, ks[1:3], [page(1), page(2)]) == [True, True]
+        before = dict(store_class.calls)
+        assert s.batch_get_into(ks, [rows(p) for p in range(4)], probe=True) == [True, True, True, False]
+        assert [host[:, p].tobytes() for p in range(3)] == [page(0), page(1), page(2)]
+        assert not any(host[:, 3].ravel())  # the absent page wrote nothing
+        st = s.stats()
+        assert (st["zero_copy_reads"], st["reads"], st["copy_seconds"], st["misses"]) == (3, 3, 0.0, 0)
+        assert st["checksum_seconds"] > 0
+        calls = {k: v - before.get(k, 0) for k, v in store_class.calls.items()}
+        assert calls.get("get", 0) == calls.get("get_batch", 0) == 0
+        assert calls["batch_get_into_multi_buffers"] == 1  # one round trip for the batch
+        host[:, 4] = 0
+        assert s.get_into(ks[1], rows(4)) and host[:, 4].tobytes() == page(1)  # the first probe reads alone
+        assert s.stats()["zero_copy_reads"] == 4
+        out = [bytearray(PAGE_BYTES)]  # not registered memory: read through the copying path
+        assert s.batch_get_into(ks[2:3], [out]) == [True] and bytes(out[0]) == page(2)
+        assert s.stats()["zero_copy_reads"] == 4 and s.stats()["copy_seconds"] > 0
+    finally:
+        s.close()
+        other.close()
+
+
+def test_a_refused_registration_keeps_the_copying_path(master) -> None:
+    store_class = _counting_store_class(refuse_registration=True)
+    s, host, rows = open_registered(master, store_class)
+    try:
+        path = s.stats()["read_path"]
+        assert path.startswith("copy (register_buffer of ") and path.endswith(" bytes returned -1)")
+        k = keys(1, seed=22)[0]
+        assert s.set(k, page(6)) and store_class.calls.get("batch_put_from_multi_buffers", 0) == 0
+        assert s.batch_get_into([k], [rows(0)]) == [True] and host[:, 0].tobytes() == page(6)
+        st = s.stats()
+        assert st["zero_copy_reads"] == 0 and st["reads"] == 1 and store_class.calls["get_batch"] >= 1
+    finally:
+        s.close()
+
+
+def test_batch_sizes_follow_the_path(master) -> None:
+    """Zero-copy reads take up to 128 pages a round trip (no transfer buffer in between); the copying path asks
+    what the client's transfer buffer holds at a time, however many pages the caller passed."""
+    from tierlm.runtime.cache.storage.mooncake_storage import MAX_ZERO_COPY_BATCH_PAGES
+
+    store_class = _counting_store_class()
+    s, host, rows = open_registered(master, store_class, pages=40)
+    copier = open_mooncake(master, local_buffer_size=4 * (PAGE_BYTES + 128))  # room for 2 pages a batch
+    try:
+        assert s.read_batch_pages == MAX_ZERO_COPY_BATCH_PAGES and copier.read_batch_pages == 2
+        ks = keys(40, seed=27)
+        assert set_all(copier, ks, [page(i) for i in range(40)]) == [True] * 40
+        before = store_class.calls.get("batch_get_into_multi_buffers", 0)
+        assert s.batch_get_into(ks, [rows(p) for p in range(40)]) == [True] * 40
+        assert store_class.calls["batch_get_into_multi_buffers"] == before + 1
+        assert all(host[:, p].tobytes() == page(p) for p in range(40))
+        assert copier.batch_read(ks[:5]) == [page(i) for i in range(5)]
+        outs = [[bytearray(PAGE_BYTES)] for _ in range(5)]
+        assert copier.batch_get_into(ks[:5], outs) == [True] * 5 and bytes(outs[4][0]) == page(4)
+    finally:
+        s.close()
+        copier.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "short", "garbage", "foreign"])
+def test_a_damaged_value_is_a_counted_miss_on_the_zero_copy_path(master, damage: str) -> None:
+    """The header and checksum rules in place: a damaged, short or foreign value read into a registered host page
+    is a miss, counted, removed from the store, and the page is stored and read again afterwards."""
+    s, host, rows = open_registered(master, _counting_store_class())
+    other = open_mooncake(master, ns("model-z"))
+    try:
+        k = keys(1, seed={"flip": 23, "short": 24, "garbage": 25, "foreign": 26}[damage])[0]
+        assert s.set(k, page(5))
+        raw, obj = mooncake_client(s), s.object_key(k)
+        value = bytearray(raw.get(obj))
+        if damage == "flip":
+            value[-1] ^= 0xFF
+        elif damage == "short":
+            value = value[: len(value) - 10]
+        elif damage == "garbage":
+            value = bytearray(b"not a page" * 10)
+        else:  # a value another model's server wrote, under this namespace's name
+            assert other.set(k, page(5))
+            value = bytearray(raw.get(other.object_key(k)))
+        assert raw.upsert(obj, bytes(value)) == 0
+        before = s.stats()
+        assert s.batch_get_into([k], [rows(1)]) == [False]
+        after = s.stats()
+        assert (after["errors"], after["misses"], after["reads"]) == (
+            before["errors"] + 1, before["misses"] + 1, before["reads"])
+        assert raw.is_exist(obj) != 1  # removed, so the next backup stores it again
+        assert s.set(k, page(5)) and s.batch_get_into([k], [rows(1)]) == [True] and host[:, 1].tobytes() == page(5)
+    finally:
+        s.close()
+        other.close()
+
+
 def test_another_namespace_never_sees_the_pages(master) -> None:
     a, other = open_mooncake(master, ns("model-a")), open_mooncake(master, ns("model-b"))
     try:
@@ -338,11 +484,16 @@ def test_engine_storage_hit_after_restart(master, tiny_llama, store) -> None:
     try:
         cold, = run(engine, [prompt], greedy(12))
     finally:
-        engine.shutdown()
+        engine.shutdown()  # flushes the backups
+    written = engine.parts.cache.storage.stats()
+    assert written["zero_copy_writes"] == written["writes"] >= 15  # every page written from its registered host page
     engine = hicache_engine("torch", tiny_llama, **kw)
     try:
         hot, = run(engine, [prompt], greedy(12))
         assert hot.last.cached.storage == 60 and hot.token_ids == cold.token_ids
+        tier = json.loads(json.dumps(engine.server_info(), default=str))["tiers"]["storage"]
+        # read straight into the registered host pool: every page of the hit, no copy on the way
+        assert (tier["read_path"], tier["zero_copy_reads"], tier["copy_seconds"]) == ("zero-copy", 15, 0.0)
     finally:
         engine.shutdown()
 

@@ -176,10 +176,10 @@ def test_a_compiling_grammar_does_not_hold_up_the_queue(engine, prompt) -> None:
     real_compile = grammar.backend.compile
     release = threading.Event()
 
-    def slow_compile(kind, text):
+    def slow_compile(kind, text, **kw):
         if text == "slow|grammar":
             release.wait(30)
-        return real_compile(kind, text)
+        return real_compile(kind, text, **kw)
 
     grammar.backend.compile = slow_compile
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ import xgrammar as xgr
 
 from tierlm.backends.base import GrammarBackend, GrammarCompileError, GrammarMatcher
 from tierlm.backends.grammar.emptiness import unproductive_rules
+from tierlm.backends.grammar.worker_pool import CompileWorkerPool
 
 if TYPE_CHECKING:  # the runtime hands in the model's transformers tokenizer; xgrammar reads its vocabulary
     from transformers import PreTrainedTokenizerBase
@@ -87,53 +89,86 @@ class XGrammarMatcher(GrammarMatcher):
         return bool(self._m.is_terminated())
 
 
+def compile_checked(compiler: "xgr.GrammarCompiler", kind: str, text: str) -> "xgr.CompiledGrammar":
+    """Compile ``text`` (a grammar of ``kind``) and refuse, with GrammarCompileError, a grammar whose language is
+    empty or that has a rule no text completes. Runs in the compile worker process (compile_worker.py)."""
+    compiled = _compile(compiler, kind, text)
+    dead = unproductive_rules(str(compiled.grammar)) or []
+    if "root" in dead or not _allows_a_start(compiled):
+        raise GrammarCompileError("no text matches this grammar (its language is empty, e.g. a rule that only "
+                                  "refers to itself, or a schema whose required part nests forever), so no output "
+                                  "could follow it")
+    if dead:
+        raise GrammarCompileError(f"no text matches the grammar's rule '{dead[0]}' (it only refers to itself or to "
+                                  "rules that never end), so an output that enters it could never be completed")
+    return compiled
+
+
+def _compile(compiler: "xgr.GrammarCompiler", kind: str, text: str) -> "xgr.CompiledGrammar":
+    try:
+        if kind == "json_schema":
+            return compiler.compile_grammar(json_schema_grammar(text))
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "ebnf":
+            return compiler.compile_grammar(text)
+        if kind == "structural_tag":
+            return compiler.compile_grammar(structural_tag_grammar(text))
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise GrammarCompileError(compiler_message(e)) from None
+    raise GrammarCompileError(f"unknown grammar kind {kind!r}")
+
+
+def _allows_a_start(compiled: "xgr.CompiledGrammar") -> bool:
+    """Some token (or the stop token, for a grammar of the empty text) is allowed first."""
+    vocab_size = compiled.tokenizer_info.vocab_size
+    bitmask = np.full((1, (vocab_size + 31) // 32), -1, np.int32)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
+
+
 class XGrammarBackend(GrammarBackend):
+    """Compiles in worker processes (worker_pool.py), which a compile past its time limit kills: xgrammar's native
+    compile cannot be interrupted in a thread (xgrammar issue #298). A small compiled grammar comes back serialized
+    and is rebuilt here; a large one, once the worker compiled it within the limit, is compiled again here (cheaper
+    than xgrammar's JSON round trip of it). Matchers run in this process."""
+
     name = "xgrammar"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_threads: int = 2, workers: int = 2) -> None:
         """``tokenizer``: the model's transformers tokenizer; ``vocab_size``: the logits' width (ModelInfo.vocab_size,
         may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the ids that end a
-        request (the grammar allows them only where the document is complete)."""
+        request (the grammar allows them only where the document is complete); ``workers``: compile processes,
+        started when a compile needs one; ``max_threads``: xgrammar's threads in each."""
         self.vocab_size = int(vocab_size)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                                  stop_token_ids=list(stop_token_ids) or None)
-        # xgrammar's own cache stays off: runtime/grammar keeps one keyed by the grammar text.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        # xgrammar's own cache stays off (in the workers): runtime/grammar keeps one keyed by the grammar text.
+        self.workers = CompileWorkerPool(self.tokenizer_info.serialize_json(), size=workers, max_threads=max_threads)
+        self._max_threads = max_threads
+        self._compiler: xgr.GrammarCompiler | None = None  # for the large grammars a worker compiled in time
+        self._compiler_lock = threading.Lock()
 
-    def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        compiled = self._compile(kind, text)
-        dead = unproductive_rules(str(compiled.grammar)) or []
-        if "root" in dead or not self._allows_a_start(compiled):
-            raise GrammarCompileError("no text matches this grammar (its language is empty, e.g. a rule that only "
-                                      "refers to itself, or a schema whose required part nests forever), so no output "
-                                      "could follow it")
-        if dead:
-            raise GrammarCompileError(f"no text matches the grammar's rule '{dead[0]}' (it only refers to itself or to "
-                                      "rules that never end), so an output that enters it could never be completed")
-        return compiled
+    def compile(self, kind: str, text: str, timeout_s: float | None = None) -> xgr.CompiledGrammar:
+        data = self.workers.compile(kind, text, timeout_s)
+        if data is not None:
+            return xgr.CompiledGrammar.deserialize_json(data, self.tokenizer_info)
+        # the same compile just finished in the worker within the limit and passed the checks (deterministic)
+        return _compile(self._local_compiler(), kind, text)
 
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        try:
-            if kind == "json_schema":
-                return self._compiler.compile_grammar(json_schema_grammar(text))
-            if kind == "regex":
-                return self._compiler.compile_regex(text)
-            if kind == "ebnf":
-                return self._compiler.compile_grammar(text)
-            if kind == "structural_tag":
-                return self._compiler.compile_grammar(structural_tag_grammar(text))
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarCompileError(compiler_message(e)) from None
-        raise GrammarCompileError(f"unknown grammar kind {kind!r}")
-
-    def _allows_a_start(self, compiled: xgr.CompiledGrammar) -> bool:
-        """Some token (or the stop token, for a grammar of the empty text) is allowed first."""
-        bitmask = self.allocate_bitmask(1)
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        return bool(bitmask.any())
+    def _local_compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=self._max_threads,
+                                                     cache_enabled=False)
+            return self._compiler
 
     def compiled_bytes(self, compiled: xgr.CompiledGrammar) -> int:
         return int(compiled.memory_size_bytes)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
+
+    def close(self) -> None:
+        self.workers.close()

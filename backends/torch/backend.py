@@ -13,6 +13,7 @@ from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 from tierlm.backends.torch import cpu_paged_decode, paged_attention
+from tierlm.backends.torch.compiled_decode import CompiledDecode
 from tierlm.backends.torch.cpu_linear import packed_bytes
 from tierlm.backends.torch.cpu_threads import configure_cpu_threads
 from tierlm.backends.torch.decode_graphs import DecodeGraphs
@@ -79,6 +80,7 @@ class TorchBackend(ModelBackend):
             cpu_paged_decode.load()  # built (or found) now, not inside the first request's decode step
         self.pool: TorchKVPool | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.compiled: CompiledDecode | None = None  # --enable-torch-compile (compiled_decode.py)
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         # Hybrids: linear mixers wrapped to read/write a state pool (linear_state.py); None otherwise.
         self.linear_state = install_linear_state(self.model, folder.text_config, self.info.dtype, self.torch_device)
@@ -127,6 +129,22 @@ class TorchBackend(ModelBackend):
         self.decode_graphs = DecodeGraphs(self.pool, self.scratch_page, max_bs, context_length, self.info.vocab_size,
                                           self.torch_device, self.attention_backend, self._run_model, capture)
         return self.decode_graphs.info()
+
+    def init_torch_compile(self, max_bs: int) -> dict:
+        if self.linear_state is not None:
+            raise ValueError("--enable-torch-compile: not available for hybrid models (their recurrent-state reads "
+                             "and writes are not part of the compiled step); drop the flag")
+        if self.decode_graphs is not None:
+            raise ValueError("--enable-torch-compile with --cuda-graph-max-bs: on CPU that flag turns on the static "
+                             "bucketed decode path, which would take the decode steps compiling is for; drop one")
+        if self.device != "cpu":
+            raise ValueError(f"--enable-torch-compile: implemented for the CPU; on {self.device} decode steps run "
+                             "as captured CUDA graphs instead (the default); drop the flag")
+        self.compiled = CompiledDecode(self.model, max_bs)
+        return self.compiled.info()
+
+    def torch_compile_stats(self) -> dict | None:
+        return self.compiled.info() if self.compiled is not None else None
 
     def set_host_io_backend(self, mode: str) -> None:
         assert self.pool is not None, "init_kv_pool() first"
@@ -183,6 +201,8 @@ class TorchBackend(ModelBackend):
         if self.linear_state is not None:
             self.linear_state.begin(batch)
         try:
+            if self.compiled is not None and self.compiled.accepts(batch):
+                return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
             return self._run_model(input_ids, positions, keep)
         finally:
             paged_attention.CURRENT.meta = None

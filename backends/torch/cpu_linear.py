@@ -65,6 +65,10 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # --enable-torch-compile: an op with a shape rule (compiled_decode.py)
+            from tierlm.backends.torch.compiled_decode import packed_linear_op
+
+            return packed_linear_op(x, self.packed_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -10,6 +10,7 @@ from torch import nn
 
 from tierlm.backends.torch import cpu_paged_decode, paged_attention
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
+from tierlm.backends.torch.cpu_quant_linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 
 def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -20,7 +21,13 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     # torchao-quantized linears (--torchao-config, weight_quant.py) keep nn.Linear with a tensor-subclass weight.
     quantized = [type(m.weight).__name__ for m in model.modules()
                  if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)]
-    if quantized:
+    int8 = sum(isinstance(m, Int8WeightOnlyLinear) for m in model.modules())
+    int4 = sum(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())
+    if int8 or int4:
+        op = "_weight_int8pack_mm (int8" if int8 else "_weight_int4pack_mm_for_cpu (int4"
+        linear = f"torch {op} weight-only, {int8 + int4} layers, activations {name}" + \
+            (f"; {plain} plain)" if plain else ")")
+    elif quantized:
         linear = f"torchao {', '.join(sorted(set(quantized)))} ({len(quantized)} layers, activations {name})"
     elif device != "cpu":
         linear = f"torch F.linear {name} (cuBLAS)"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tierlm.backends.dtypes import serving_dtype
-from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch import compressed_tensors, paged_attention
 from tierlm.backends.torch.cpu_linear import pack_linears
 from tierlm.backends.torch.weight_quant import check_device, quantize_model
 from tierlm.backends.weight_format import WeightQuant, check_backend_kind, check_checkpoint
@@ -35,14 +35,18 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
     check_backend_kind(quant, "torch")
     if quant is not None:
         check_device(quant, device)
-    check_checkpoint(config.to_dict(), "torch", quant)
+    method = check_checkpoint(config.to_dict(), "torch", quant)
+    if method == "compressed-tensors":
+        compressed_tensors.check_installed()
     # Loaded with "eager" (every architecture has it; gpt-oss has no sdpa path), then switched to the paged hook.
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code,
-        **quantization_kwargs(config, dtype),
+        **quantization_kwargs(config, dtype, device),
     )
     model.set_attn_implementation(paged_attention.ATTN_IMPLEMENTATION)
     model.to(device)
+    if method == "compressed-tensors":
+        compressed_tensors.convert_model(model, dtype)  # on the device: the CPU kernels prepack there
     model.eval()
     model.requires_grad_(False)
     if quant is not None:
@@ -52,7 +56,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
     return model
 
 
-def quantization_kwargs(config, dtype: torch.dtype) -> dict:
+def quantization_kwargs(config, dtype: torch.dtype, device: torch.device) -> dict:
     """from_pretrained arguments for quantized checkpoints the torch backend can serve.
 
     MXFP4 (gpt-oss expert weights as ``*_blocks``/``*_scales``): transformers' MXFP4 kernels need triton and the
@@ -60,6 +64,9 @@ def quantization_kwargs(config, dtype: torch.dtype) -> dict:
     ``Mxfp4Config(dequantize=True)`` it decodes the blocks to ``dtype`` while loading, in plain torch, offline and
     on any device; the experts then run as ordinary ``GptOssExperts`` (memory: 2 or 4 bytes per weight instead
     of ~0.53).
+
+    compressed-tensors (llm-compressor): loaded still compressed, then swapped layer by layer
+    (compressed_tensors.py).
     """
     qcfg = getattr(config, "quantization_config", None)
     if qcfg is None:
@@ -72,4 +79,6 @@ def quantization_kwargs(config, dtype: torch.dtype) -> dict:
         log.info("MXFP4 expert weights: dequantizing to %s while loading (torch backend has no MXFP4 kernels)",
                  str(dtype).removeprefix("torch."))
         return {"quantization_config": Mxfp4Config(dequantize=True)}
+    if method == "compressed-tensors":
+        return compressed_tensors.from_pretrained_kwargs(device)
     return {}

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierlm.backends.torch import cpu_paged_decode
+from tierlm.backends.torch import compiled_decode, cpu_paged_decode
 
 ATTN_IMPLEMENTATION = "tierlm_paged"
 # --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
@@ -163,6 +163,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
     ``s_aux`` [H]: attention sinks (gpt-oss), see ``attend``.
     """
+    if torch.compiler.is_compiling():  # --enable-torch-compile: the graph records one opaque op (compiled_decode.py)
+        return compiled_decode.attention_op(module, query, key, value, scaling, sliding_window, s_aux), None
     meta, pool = CURRENT.meta, CURRENT.pool
     if meta is None:
         raise RuntimeError("tierlm paged attention called outside a tierlm forward step")

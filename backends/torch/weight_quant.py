@@ -1,23 +1,40 @@
-"""Load-time weight quantization on the torch backend through torchao's ``quantize_`` (its kernels, none of ours).
+"""Load-time weight quantization on the torch backend: torchao's ``quantize_`` (its kernels), except the
+weight-only int8/int4 formats on CPU, which run torch's own weight-only kernels (cpu_quant_linear.py) on weights
+quantized with torchao's recipes.
 
 What runs where (torchao 0.18, checked on torch 2.13):
-- int8wo: any device. On CPU torchao's weight-only path converts the int8 weight to the activation dtype inside
-  every matmul (a dense copy per call), so it saves memory but decodes slower than float32 (docs/models.md).
+- int8wo: CPU: ``torch._weight_int8pack_mm`` (cpu_quant_linear.Int8WeightOnlyLinear); torchao's own CPU path
+  converts the int8 weight to the activation dtype inside every matmul (4-5x slower than float32 decode; it still
+  serves with TIERLM_CPU_QUANT_LINEAR=0, for comparison). Other devices: torchao.
 - int8dq (SGLang's w8a8_int8): any device; activations quantized per token, int8 x int8 matmul (torch._int_mm).
-- int4wo-<group>: CUDA only (torchao's int4 weight-only kernels; its CPU layout is a prototype).
+- int4wo-<group>: CPU: ``torch._weight_int4pack_mm_for_cpu`` (cpu_quant_linear.Int4WeightOnlyLinear); CUDA:
+  torchao's int4 weight-only kernels.
 - fp8wo, fp8dq-per_row (SGLang's fp8): CUDA with compute capability 8.9+ (torchao's float8 matmuls).
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
+from tierlm.backends.torch.cpu_quant_linear import quantize_linears
 from tierlm.backends.weight_format import WeightFormatError, WeightQuant, device_refusal
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'tierlm[quant]' (torchao)"
+# TIERLM_CPU_QUANT_LINEAR=0: int8wo on CPU through torchao's own path instead (benchmarks compare the two).
+NATIVE_ENV = "TIERLM_CPU_QUANT_LINEAR"
+
+
+def native_cpu(quant: WeightQuant, device: torch.device) -> bool:
+    """Whether ``quant`` runs torch's CPU weight-only kernels (cpu_quant_linear.py) rather than torchao's."""
+    if device.type != "cpu" or quant.kind != "torchao":
+        return False
+    if quant.name.startswith("int4wo"):
+        return True  # torchao has no CPU int4 weight-only path outside its prototypes
+    return quant.name == "int8wo" and os.environ.get(NATIVE_ENV, "1") != "0"
 
 
 def check_device(quant: WeightQuant, device: torch.device) -> None:
@@ -26,6 +43,8 @@ def check_device(quant: WeightQuant, device: torch.device) -> None:
     refusal = device_refusal(quant, device.type, cc)
     if refusal:
         raise WeightFormatError(refusal)
+    if native_cpu(quant, device):
+        return  # torch's own kernels: torchao is not needed
     # On a CPU build of torch, torchao's CUDA-only extensions fail to load with one warning each: expected there.
     ao_log = logging.getLogger("torchao")
     level = ao_log.level
@@ -55,14 +74,34 @@ def torchao_config(quant: WeightQuant):
 
 
 def quantize_model(model: torch.nn.Module, quant: WeightQuant) -> None:
-    """Replace every nn.Linear weight (lm_head included) with torchao's quantized tensor, in place."""
+    """Replace every nn.Linear weight (lm_head included) with torchao's quantized tensor, or on CPU for the
+    weight-only formats every nn.Linear with cpu_quant_linear's layer, in place."""
+    param = next(model.parameters())
+    if native_cpu(quant, param.device):
+        _quantize_native(model, quant, param.dtype)
+        return
     from torchao.quantization import quantize_
 
     quantize_(model, torchao_config(quant))
     if quant.name == "int8wo" and next(model.parameters()).device.type == "cpu":
-        log.warning("%s on CPU: torchao dequantizes int8 weights inside every matmul; memory drops but decode is "
-                    "slower than float32 (--torchao-config int8dq runs int8 matmuls)", quant.flag)
+        log.warning("%s on CPU through torchao (%s=0): torchao dequantizes int8 weights inside every matmul; memory "
+                    "drops but decode is slower than float32", quant.flag, NATIVE_ENV)
     log.info("weights quantized with torchao %s (%s)", quant.name, quant.flag)
+
+
+def _quantize_native(model: torch.nn.Module, quant: WeightQuant, dtype: torch.dtype) -> None:
+    swapped, kept = quantize_linears(model, quant.bits, quant.group_size)
+    if not swapped:
+        raise WeightFormatError(f"{quant.flag}: no linear layer of this model fits torch's CPU weight-only kernel "
+                                f"({'; '.join(kept[:3])}); use --torchao-config int8dq or no quantization")
+    if kept:
+        log.warning("%s: %d linear layers stay %s (the kernel cannot take their shape: %s)", quant.flag, len(kept),
+                    dtype, "; ".join(kept[:3]) + ("; ..." if len(kept) > 3 else ""))
+    if dtype != torch.bfloat16:
+        log.warning("%s on CPU with %s activations: torch's weight-only kernels are vectorized for bfloat16 only; "
+                    "--dtype bfloat16 decodes several times faster", quant.flag, dtype)
+    log.info("weights quantized to %s: %d linear layers run torch's CPU weight-only kernel (%s)", quant.name,
+             swapped, quant.flag)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

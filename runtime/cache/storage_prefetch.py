@@ -80,6 +80,9 @@ class StoragePrefetch:
         self._reserved: dict[PrefetchHandle, list[int]] = {}
         # Host pages a cancelled read may still be writing: freed once their prefetch is io_idle.
         self._deferred: FreeAfterRead[list[int]] = FreeAfterRead(cache.free_host_pages)
+        # Reads land in (and backups leave from) the host pool: a store that moves pages through registered memory
+        # (Mooncake) registers it once, here at startup.
+        storage.register_host_memory(cache.host.data)
 
     @property
     def reserved_pages(self) -> int:
@@ -117,9 +120,12 @@ class StoragePrefetch:
             state_slot = self.states.reserve() if known else None
             if state_slot is None:
                 return
-        # The pages the index knows are read straight into host pages reserved now; probed ones (likely absent)
-        # and any the host tier cannot make room for come back as bytes.
-        host_pages = self._reserve_host(m, known)
+        # The pages the index knows are read straight into host pages reserved now (LRU host pages are evicted
+        # for them). On a shared store probed ones are too (another server may have written them), but only into
+        # pages already free: a probe usually misses, and evicting good L2 pages for it would lose them for good.
+        # Probed pages of a private store (likely absent) and any the host tier has no room for come back as
+        # bytes; reserved pages a probe did not fill go back when the request is admitted or dropped.
+        host_pages = self._reserve_host(m, known, len(keys) - known if self.storage.shared else 0)
         into = [cache.host_page_views(hp) for hp in host_pages]
         handle = self.io.prefetch(keys, known=known, into=into)
         if host_pages:
@@ -128,20 +134,21 @@ class StoragePrefetch:
             self.states.start_read(handle, keys[-1], state_slot)
         req.prefetch = PendingPrefetch(have, handle, time.perf_counter(), known)
 
-    def _reserve_host(self, m: MatchResult, n: int) -> list[int]:
-        """Up to ``n`` free host pages for a prefetch to read into (LRU host pages are evicted for them, never
-        the ones of ``m``'s own match)."""
+    def _reserve_host(self, m: MatchResult, n: int, extra: int = 0) -> list[int]:
+        """Up to ``n`` host pages for a prefetch to read into (LRU host pages are evicted for them, never the ones
+        of ``m``'s own match), then up to ``extra`` more from pages already free (no eviction)."""
         self.sweep()
-        if n <= 0:
+        if n + extra <= 0:
             return []
         tree, host_alloc = self.cache.tree, self.cache.host_alloc
         node = m.host_last_node if m.host_pages else m.last_node
-        tree.lock(node)
-        try:
-            self._make_host_free(n)
-        finally:
-            tree.unlock(node)
-        k = min(n, host_alloc.num_free)
+        if n > 0:
+            tree.lock(node)
+            try:
+                self._make_host_free(n)
+            finally:
+                tree.unlock(node)
+        k = min(n + extra, host_alloc.num_free)
         return host_alloc.alloc(k) if k else []
 
     # ------------------------------------------------------------ admission
@@ -239,7 +246,8 @@ class StoragePrefetch:
                 cache.host.page_from_bytes(hp, entries[i])
                 host_pages.append(hp)
         t1 = time.perf_counter()
-        cache.stages.add("host_copy", t1 - t0)
+        if n_bytes:  # pages read straight into their host pages took no copy here
+            cache.stages.add("host_copy", t1 - t0)
         if dev is None:
             self._park(tokens, node, have, host_pages, state_slot)
             return node, pages, 0

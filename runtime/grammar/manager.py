@@ -3,8 +3,9 @@
 ``GrammarManager.compile`` checks the grammar against the per-request limits (runtime/grammar/limits.py), hands it
 to a small thread pool and returns a future; futures are cached by (kind, text), so a grammar compiles once however
 many requests use it (a failure is cached too: the same text fails the same way). The cache is bounded by the
-compiled grammars' bytes (LRU); a compile past the time limit fails its requests and its result is dropped (the
-compiler's C++ call itself cannot be interrupted: the limits bound how long it runs). The HTTP handlers await that
+compiled grammars' bytes (LRU). The backend compiles under the time limit (xgrammar's in worker processes it kills
+at the limit: nothing keeps running), and a compile past it fails its requests with grammar_compile_timeout; the
+limit counts from when the compiler takes the grammar, not while it waits for a free one. The HTTP handlers await that
 future before queuing a request (a bad grammar is a 400 before any response starts); the scheduler only asks
 whether a waiting request's grammar is ready, so a request whose grammar still compiles waits in the queue without
 holding up the requests behind it.
@@ -18,12 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierlm.backends.base import GrammarBackend, GrammarCompileError
+from tierlm.backends.base import GrammarBackend, GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
 from tierlm.runtime.grammar.limits import GrammarLimitError, check_grammar_limits
 from tierlm.runtime.grammar.spec import GrammarSpec, RequestGrammar, grammar_spec
 
@@ -59,7 +60,7 @@ class GrammarError(Exception):
 
 class GrammarManager:
     """``cache_bytes``: the compiled grammars kept (by their size in memory; least recently used go first);
-    ``compile_timeout_s``: a compile running longer fails its requests with a 400 and its result is dropped."""
+    ``compile_timeout_s``: a compile running longer is stopped and fails its requests with a 400."""
 
     def __init__(self, backend: GrammarBackend | None, workers: int = 2, cache_bytes: int = 256 * 2**20,
                  compile_timeout_s: float = 10.0, max_entries: int = 4096) -> None:
@@ -73,7 +74,7 @@ class GrammarManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierlm-grammar") if backend else None
         self.compiled = 0  # grammars compiled (cache misses)
-        self.timed_out = 0  # compiles abandoned at the time limit
+        self.timed_out = 0  # compiles stopped at the time limit
 
     # ------------------------------------------------------------ compilation (any thread)
     def compile(self, spec: GrammarSpec) -> Future:
@@ -96,43 +97,43 @@ class GrammarManager:
             self._cache[spec.key] = fut
             self._evict()
             self.compiled += 1
-        timer = threading.Timer(self.compile_timeout_s, self._time_out, (fut,))
-        timer.daemon = True
         job = self._pool.submit(self._compile, spec)
-        timer.start()
-        job.add_done_callback(lambda j: self._finish(spec.key, fut, j, timer))
+        job.add_done_callback(lambda j: self._finish(spec.key, fut, j))
         return fut
 
     def _compile(self, spec: GrammarSpec) -> Any:
         try:
-            return self.backend.compile(spec.kind, spec.text)
+            return self.backend.compile(spec.kind, spec.text, timeout_s=self.compile_timeout_s)
+        except GrammarCompileTimeout:
+            with self._lock:
+                self.timed_out += 1
+            log.warning("a grammar compile took longer than %g s (--grammar-compile-timeout): stopped",
+                        self.compile_timeout_s)
+            raise GrammarError(
+                f"compiling it took longer than the {self.compile_timeout_s:g} s limit (--grammar-compile-timeout), "
+                "so it was stopped; make the grammar smaller (fewer enum values, alternatives or nested parts)",
+                code="grammar_compile_timeout") from None
+        except GrammarCompilerUnavailable as e:
+            err = GrammarError(str(e))
+            err.transient = True  # the server's failure: _finish does not keep it against the grammar
+            raise err from None
         except GrammarCompileError as e:
             raise GrammarError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - any compiler failure is this grammar's fault
             log.exception("grammar compilation failed")
             raise GrammarError(f"the compiler failed: {e}") from None
 
-    def _time_out(self, fut: Future) -> None:
-        """The compile is past its time: its requests fail now (the failure stays cached, so the same grammar is
-        not compiled again), and _finish drops its result when the compiler returns."""
-        try:
-            fut.set_exception(GrammarError(
-                f"compiling it took longer than the {self.compile_timeout_s:g} s limit (--grammar-compile-timeout), "
-                "so it was abandoned; make the grammar smaller (fewer enum values, alternatives or nested parts)",
-                code="grammar_compile_timeout"))
-        except InvalidStateError:
-            return  # it finished just in time
-        self.timed_out += 1
-        log.warning("a grammar compile took longer than %g s (--grammar-compile-timeout): abandoned",
-                    self.compile_timeout_s)
-
-    def _finish(self, key: tuple[str, str], fut: Future, job: Future, timer: threading.Timer) -> None:
-        timer.cancel()
-        if fut.done():
-            return  # timed out: the result is dropped, never cached
+    def _finish(self, key: tuple[str, str], fut: Future, job: Future) -> None:
+        if job.cancelled():  # close() dropped it before it started
+            fut.set_exception(GrammarError("the server is shutting down"))
+            return
         error = job.exception()
         if error is not None:
-            _settle(fut, error=error)
+            if getattr(error, "transient", False):
+                with self._lock:  # the next request for this grammar compiles it again
+                    if self._cache.get(key) is fut:
+                        del self._cache[key]
+            fut.set_exception(error)
             return
         compiled = job.result()
         size = int(self.backend.compiled_bytes(compiled))
@@ -141,7 +142,7 @@ class GrammarManager:
                 self._sizes[key] = size
                 self.cached_bytes += size
                 self._evict()
-        _settle(fut, result=compiled)
+        fut.set_result(compiled)
 
     def _evict(self) -> None:
         """Least recently used compiled grammars out until the cache fits its bytes and entries (a grammar
@@ -169,6 +170,7 @@ class GrammarManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self.backend.close()  # stops the compiles still running (their worker processes)
 
     # ------------------------------------------------------------ per request (scheduler thread)
     def attach(self, req: Req) -> None:
@@ -216,13 +218,3 @@ class GrammarManager:
             return "stop"
         return None
 
-
-def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Set ``fut`` unless the time limit already failed it."""
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:
-        pass

@@ -56,6 +56,12 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--synthetic", default=None, choices=synthetic_names(),
                      help="random weights in a real architecture's shape, built offline and cached")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--quantization", default=None,
+                   help="load-time weight quantization of every server started (serve's flag: w8a8_int8, fp8, q4, "
+                        "q8, ...; docs/models.md); in-process baselines keep the checkpoint's weights")
+    m.add_argument("--torchao-config", default=None,
+                   help="torchao load-time quantization of every server started (serve's flag: int8wo, int8dq, "
+                        "int4wo-<group>, ...)")
     g = p.add_argument_group("run")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
@@ -123,6 +129,15 @@ def resolve_dtype(requested: str, model_dir: Path) -> str:
     return choose_dtype(ServerArgs(model_path=str(model_dir), dtype=requested), decision, folder)[0]  # MLX: auto
 
 
+def _quant_flags(ns: argparse.Namespace) -> list[str]:
+    """--quantization / --torchao-config, passed on to every server."""
+    out = []
+    for flag, value in (("--quantization", ns.quantization), ("--torchao-config", ns.torchao_config)):
+        if value:
+            out += [flag, value]
+    return out
+
+
 def set_threads(n: int) -> None:
     """Same thread count for server subprocesses (they inherit the environment) and in-process baselines."""
     import os
@@ -163,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     ctx = BenchContext(model_dir=model_dir, model_label=label, dtype=resolve_dtype(ns.dtype, model_dir),
                        page_size=ns.page_size,
-                       server_extra=list(ns.server_arg), seed=ns.seed, progress=progress, work_dir=work_dir,
+                       server_extra=list(ns.server_arg) + _quant_flags(ns), seed=ns.seed, progress=progress,
+                       work_dir=work_dir,
                        command="tierlm bench " + shlex.join(argv), vocab_size=model_size(model_dir).vocab_size or 0,
                        load_at_start=load_at_start)
     from tierlm.server.bench.server_process import BenchServerError

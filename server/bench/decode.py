@@ -3,7 +3,8 @@
 ceiling (weight bytes / measured bandwidth: each decode step of one sequence reads every weight once).
 
 With ``--kv-cache-dtypes auto,fp8_e4m3``: KV cache dtypes side by side instead, one server each with the same KV
-memory: pool tokens, decode tokens/s and greedy agreement with the first dtype.
+memory: pool tokens, decode tokens/s and greedy agreement with the first dtype. With ``--weight-formats``: weight
+formats side by side instead (weight_formats.py).
 
 Everything runs one after the other in this process's run, never at the same time, so no engine steals the
 other's cores: first the bandwidth probe, then the server, then the in-process baselines.
@@ -45,7 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tok/s and greedy agreement with the first value, side by side")
     k.add_argument("--kv-budget-mib", type=float, default=64.0, help="device KV memory of every server in that mode")
     k.add_argument("--agreement-prompts", type=int, default=8,
-                   help="prompts whose greedy --new-tokens continuations are compared across KV dtypes")
+                   help="prompts whose greedy --new-tokens continuations are compared across KV dtypes or weight "
+                        "formats")
+    w = p.add_argument_group("weight formats side by side (--weight-formats)")
+    w.add_argument("--weight-formats", default=None, metavar="LIST",
+                   help="comma-separated DTYPE or DTYPE:TORCHAO_CONFIG entries, e.g. "
+                        "float32,bfloat16,bfloat16:int8wo,bfloat16:int4wo-128: instead of the throughput table, one "
+                        "server per entry; 1-stream decode tok/s (--repeats rounds), weight bytes against bytes per "
+                        "parameter x parameters, greedy agreement with the unquantized model, side by side")
 
 
 # ---------------------------------------------------------------- ceiling
@@ -320,13 +328,17 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
                          "--repeats >= 1")
     if getattr(ns, "kv_cache_dtypes", None):
         return run_kv_dtypes(ns, ctx)
+    if getattr(ns, "weight_formats", None):
+        from tierlm.server.bench.weight_formats import run_weight_formats
+
+        return run_weight_formats(ns, ctx)
     notes: list[str] = []
     bar = ctx.progress_bar(total=3 + (0 if ns.no_baseline else 2), desc="decode")
     bar.set_description("decode: memory bandwidth")
     bandwidth = memory_bandwidth(ns.bandwidth_mib)
     rows, info = server_rows(ns, ctx, bar)
     dtype = info.get("dtype", "float32")
-    wbytes = model_size(ctx.model_dir, dtype).weight_bytes
+    wbytes = info.get("weight_bytes") or model_size(ctx.model_dir, dtype).weight_bytes  # quantized: as resident
     if not ns.no_baseline:
         rows += transformers_rows(ns, ctx, bar)
         rows += _optional_rows(ns, ctx, notes)

@@ -99,6 +99,9 @@ class KVStorage(ABC):
     # Pages a prefetch asks for in one call. A networked store answers many keys per round trip (Mooncake: one
     # metadata RPC and parallel transfers), so reading them one by one would pay the round trip per page.
     read_batch_pages: int = 1
+    # Other servers write the same pages (a shared store): a key this server's index does not know is likely there,
+    # so a prefetch reserves a host page for it as for a known one and reads it straight into that page.
+    shared: bool = False
 
     @abstractmethod
     def known(self, keys: Sequence[str]) -> list[bool]:
@@ -147,6 +150,10 @@ class KVStorage(ABC):
                 break
             got.append(True)
         return got + [False] * (len(keys) - len(got))
+
+    def register_host_memory(self, buf: Any) -> None:
+        """Pages will be read into and written from ``buf`` (the host pool's array, alive while this storage is):
+        a backend that moves pages through registered memory (Mooncake) registers it; the others need nothing."""
 
     @abstractmethod
     def set(self, key: str, payload: bytes | bytearray | memoryview) -> bool:

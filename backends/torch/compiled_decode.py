@@ -1,0 +1,152 @@
+"""``--enable-torch-compile``: decode steps through the model compiled by torch.compile (inductor), on CPU.
+
+A decode step of a small model spends a third of its time outside the matmuls, in the ~30 small eager ops per
+layer of transformers' modeling code (norms, rotary, residual adds, activation: docs/performance.md, "Where the
+time goes"). Compiling the decoder stack fuses them into a few generated loops per layer. What inductor cannot
+trace stays opaque through two custom ops: tierlm's paged attention (it writes the pool and reads pages through
+the step's index tensors, which live outside the graph) and the oneDNN-prepacked bf16 linear (cpu_linear.py),
+so the matmuls and attention are exactly the eager ones.
+
+- Only decode-only steps of at most ``--torch-compile-max-bs`` requests run compiled (SGLang's rule); prefill,
+  mixed and speculative-verify steps run eagerly. One graph with a symbolic batch size serves 2..max_bs requests,
+  and one specialized graph the single stream (torch's rule for size 1, and its fastest code);
+  runtime/warm_up.py compiles both before serving, so no request waits.
+- Outputs equal the eager model's bit for bit: inductor is told to round every intermediate to the model dtype
+  where eager does (``emulate_precision_casts``), so bf16 keeps transformers' bf16 rounding points
+  (tests/test_compiled_decode.py).
+- inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR``, under tierlm's cache folder unless
+  set), so a restart on the same model and torch loads it in seconds instead of compiling again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tierlm.backends.base import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+@torch.library.custom_op("tierlm::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                        sliding_window: int, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention.paged_attention as one opaque op: it writes this layer's K/V into the pool (state outside
+    the graph, reached through paged_attention.CURRENT) and returns [1, T, H, D]."""
+    from tierlm.backends.torch import paged_attention
+
+    out, _ = paged_attention.paged_attention(_Layer(layer), query, key, value, None, scaling=scaling,
+                                             sliding_window=sliding_window or None, s_aux=s_aux)
+    return out.contiguous()
+
+
+@_paged_attention_op.register_fake
+def _(query, key, value, layer, scaling, sliding_window, s_aux):
+    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+
+@torch.library.custom_op("tierlm::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    """cpu_linear.PackedLinear's product: inductor has no shape rule for oneDNN's packed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class _Layer:
+    """What paged_attention reads of transformers' attention module."""
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+
+
+def attention_op(module, query, key, value, scaling, sliding_window, s_aux) -> torch.Tensor:
+    """The call the compiled graph records in place of paged attention (paged_attention.py routes here while
+    torch.compile traces)."""
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.tierlm.paged_attention(query, key, value, int(module.layer_idx), scale,
+                                           int(sliding_window or 0), s_aux)
+
+
+def packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    return torch.ops.tierlm.packed_linear(x, packed_weight, bias, out_features)
+
+
+def _cache_dir() -> None:
+    """inductor's on-disk cache under tierlm's cache folder (/tmp, inductor's default, is emptied on reboot),
+    unless the user chose one. inductor writes its default into the environment on first use, so that value
+    counts as unset."""
+    from platformdirs import user_cache_dir
+    from torch._inductor.runtime.runtime_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(user_cache_dir("tierlm"), "inductor")
+
+
+class CompiledDecode:
+    """The decoder stack compiled for decode steps; the model's own eager forward serves every other step."""
+
+    def __init__(self, model: torch.nn.Module, max_bs: int) -> None:
+        _cache_dir()
+        import torch._inductor.config as inductor_config
+
+        # bf16/fp16: round where eager rounds, so compiled outputs equal transformers' own (not "more precise").
+        inductor_config.emulate_precision_casts = True
+        self.inner = model.model  # the decoder stack; the lm_head (and logits_to_keep) stays eager
+        self.max_bs = max_bs
+        self._eager = self.inner.forward
+        self.graphs = 0  # graphs inductor compiled: one per size class (1 request, several)
+        self.recompiles = 0  # graphs compiled for a size class that had one already: 0 unless a shape forced one
+        self._compiled_for: set[str] = set()
+        self._seen_class = False
+        self._compiled: Callable = torch.compile(self._eager, dynamic=True, backend=self._inductor)
+        self.steps = 0  # decode steps run compiled (tests and /server_info read it)
+        self.compile_s = 0.0  # seconds the first steps took to compile (or load from the cache)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        self.recompiles += self._seen_class
+        return compile_fx(gm, example_inputs)
+
+    def accepts(self, batch: ForwardBatch) -> bool:
+        n = len(batch.q_lens)
+        return 0 < n <= self.max_bs and bool((np.asarray(batch.q_lens) == 1).all())
+
+    def run(self, batch: ForwardBatch, run_step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run_step`` with the compiled decoder stack in place of the eager one. The first step of one request
+        and the first of several each compile (or load from the cache) their graph: torch specializes a size of
+        1, which is also the fastest code for one stream; runtime/warm_up.py runs both before serving."""
+        size_class = "one request" if len(batch.q_lens) == 1 else "2 or more requests"
+        self._seen_class = size_class in self._compiled_for
+        if not self._seen_class:
+            log.info("torch.compile: compiling the decode step for %s (once per model and torch version; cached in "
+                     "%s)", size_class, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+            t0 = time.perf_counter()
+        self.inner.forward = self._compiled
+        try:
+            out = run_step()
+        finally:
+            self.inner.forward = self._eager
+        if not self._seen_class:
+            self._compiled_for.add(size_class)
+            dt = time.perf_counter() - t0
+            self.compile_s += dt
+            log.info("torch.compile: decode step for %s ready in %.1f s", size_class, dt)
+        self.steps += 1
+        return out
+
+    def info(self) -> dict:
+        return {"max_bs": self.max_bs, "compiled_steps": self.steps, "graphs": self.graphs, "recompiles": self.recompiles,
+                "compile_s": round(self.compile_s, 1),
+                "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}

@@ -1,0 +1,117 @@
+"""--enable-torch-compile (backends/torch/compiled_decode.py): decode steps through the model compiled by
+torch.compile, with the paged attention and prepacked linears as opaque ops.
+
+What must hold: the compiled step gives the eager step's logits bit for bit (float32 and bf16: inductor rounds
+where eager rounds), greedy output equals transformers' reference, only decode-only steps of at most
+--torch-compile-max-bs requests run compiled, and backends or models that cannot compile stop startup with the
+reason. Compiling takes tens of seconds on 2 cores, so the graphs are compiled once per dtype for the module and
+shared by its tests (inductor's disk cache makes a second compile of the same graph a load).
+"""
+from __future__ import annotations
+
+import pytest
+
+from backend_driver import run_greedy
+from engine_harness import greedy, pool_is_clean, run, start_engine
+from model_factory import reference_greedy
+
+pytestmark = pytest.mark.slow
+
+# Five requests joining two steps apart: prefill, mixed and decode-only steps of 1 to 5 requests.
+PROMPTS = [[5, 9, 13, 2, 7], [11, 4], list(range(20, 43)), [8], [30, 31, 32, 33, 34, 35, 36]]
+NEW_TOKENS = 12
+PAGE_SIZE = 4
+
+
+def _greedy_outputs(model_dir, dtype: str, compile_max_bs: int):
+    """Greedy outputs of PROMPTS through a fresh compiled backend, its step shapes and its compiled-step count."""
+    from tierlm.backends.torch.backend import TorchBackend
+
+    backend = TorchBackend(model_dir, dtype=dtype)
+    num_pages = sum(-(-(len(p) + NEW_TOKENS) // PAGE_SIZE) for p in PROMPTS)
+    backend.init_kv_pool(num_pages, PAGE_SIZE)
+    real_init, backend.init_kv_pool = backend.init_kv_pool, lambda n, ps: None  # keep the pool set up here
+    backend.init_torch_compile(compile_max_bs)
+    drivers: list = []
+    try:
+        outs = run_greedy(backend, PROMPTS, NEW_TOKENS, page_size=PAGE_SIZE, num_pages=num_pages, stagger=2,
+                          driver_out=drivers)
+    finally:
+        backend.init_kv_pool = real_init
+    stats = backend.torch_compile_stats()
+    assert stats["recompiles"] == 0  # the graphs of the first step serve every batch size
+    return outs, drivers[0].batch_shapes, stats["compiled_steps"]
+
+
+def test_compiled_decode_gives_the_reference_output_and_only_decode_steps_compile(tiny_llama):
+    compiled, shapes, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4)
+    for prompt, out in zip(PROMPTS, compiled):
+        assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+    # exactly the decode-only steps of at most 4 requests ran compiled; prefill, mixed and 5-request steps did not
+    decode_small = [s for s in shapes if all(q == 1 for q in s) and len(s) <= 4]
+    assert any(len(s) == 5 and all(q == 1 for q in s) for s in shapes)  # a decode step over the max: eager
+    assert steps == len(decode_small) > 0
+
+
+def test_compiled_logits_equal_eager_logits_bit_for_bit(tiny_llama):
+    """One bf16 decode step of three requests, run eagerly and compiled on the same pool: the same logits (inductor
+    rounds where eager rounds: emulate_precision_casts)."""
+    import numpy as np
+    import torch
+
+    from tierlm.backends.base import ForwardBatch, SamplingBatch
+    from tierlm.backends.torch.backend import TorchBackend
+
+    backend = TorchBackend(tiny_llama, dtype="bfloat16")
+    backend.init_kv_pool(8, PAGE_SIZE)
+    prompts = [[5, 9, 13, 2, 7], [11, 4, 6], [8, 1]]
+    ids = np.concatenate([np.asarray(p, np.int64) for p in prompts])
+    q = np.asarray([len(p) for p in prompts], np.int32)
+    table = np.asarray([[0, 1], [2, 3], [4, 5]], np.int32)
+    positions = np.concatenate([np.arange(len(p)) for p in prompts]).astype(np.int64)
+    backend.forward(ForwardBatch(ids, positions, q, q, table, np.cumsum(q).astype(np.int64) - 1,
+                                 SamplingBatch.greedy(3), PAGE_SIZE))  # prefill (eager)
+    step = ForwardBatch(np.asarray([3, 3, 3], np.int64), q.astype(np.int64), np.ones(3, np.int32), q + 1, table,
+                        np.arange(3, dtype=np.int64), SamplingBatch.greedy(3), PAGE_SIZE)
+    eager = backend.forward_logits(step).clone()
+    backend.init_torch_compile(max_bs=4)
+    compiled = backend.forward_logits(step)  # rewrites the same K/V into the same slots: same step again
+    assert backend.torch_compile_stats()["compiled_steps"] == 1
+    assert torch.equal(eager, compiled)
+
+
+def test_engine_serves_compiled_and_reports_it(tiny_llama):
+    """Compiled at startup (before ready), reported in /server_info, reference output, no page leaks."""
+    engine = start_engine(tiny_llama, "torch", dtype="float32", page_size=PAGE_SIZE, enable_torch_compile=True,
+                          torch_compile_max_bs=8)
+    try:
+        info = engine.server_info()["torch_compile"]
+        assert info["enabled"] and info["max_bs"] == 8 and info["graphs"] >= 1
+        assert info["compiled_steps"] == 2  # the startup steps of 1 and 2 requests: compiled before ready
+        prompts = [[5, 9, 13, 2, 7], [11, 4, 6], [8, 8, 9]]
+        outs = run(engine, prompts, greedy(10))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == reference_greedy(tiny_llama, prompt, 10)
+        after = engine.server_info()["torch_compile"]
+        assert after["compiled_steps"] > 2 and after["graphs"] == info["graphs"] and after["recompiles"] == 0
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_backends_and_models_that_cannot_compile_stop_startup_with_the_reason(tiny_llama, tmp_path):
+    from model_factory import HYBRIDS, build_tiny_hybrid, hybrid_available
+    from tierlm.runtime.errors import StartupError
+    from tierlm.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--torch-compile-max-bs must be >= 1"):
+        ServerArgs(model_path=str(tiny_llama), torch_compile_max_bs=0).check()
+    with pytest.raises(StartupError, match="torch.compile applies to the torch backend, not mlx"):
+        start_engine(tiny_llama, "mlx", enable_torch_compile=True)
+    with pytest.raises(StartupError, match="--cuda-graph-max-bs"):  # both want the same decode steps
+        start_engine(tiny_llama, "torch", enable_torch_compile=True, cuda_graph_max_bs=4)
+    arch = next((a for a in HYBRIDS if hybrid_available(a)), None)
+    if arch is None:
+        pytest.skip("this transformers has none of the hybrid architectures")
+    with pytest.raises(StartupError, match="not available for hybrid models"):
+        start_engine(build_tiny_hybrid(arch, tmp_path / "hybrid"), "torch", enable_torch_compile=True)

@@ -25,7 +25,10 @@ class PageAllocator:
             raise OutOfPages(f"need {n} pages, {len(self._free)} free")
         if n == 0:
             return []
-        pages = self._free[-n:]
+        # Ascending: a request's pages then follow its positions in memory order, and the decode kernel walks its
+        # K/V forward (handed out last-first, a 3.9k-token decode step took 16.8 ms instead of 10.2: the CPU's
+        # prefetchers follow ascending streams).
+        pages = sorted(self._free[-n:])
         del self._free[-n:]
         for p in pages:
             self._is_free[p] = 0

@@ -185,7 +185,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
-    torch_compile = setup_torch_compile(args, backend, decision)
+    torch_compile = setup_torch_compile(args, backend)
     metrics = EngineMetrics(args.model_name)
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
@@ -325,13 +325,14 @@ def setup_decode_graphs(args: ServerArgs, backend: ModelBackend, decision: Decis
     return {"enabled": True, "why": why, "max_bs": max_bs}
 
 
-def setup_torch_compile(args: ServerArgs, backend: ModelBackend, decision: Decision) -> dict[str, Any] | None:
+def setup_torch_compile(args: ServerArgs, backend: ModelBackend) -> dict[str, Any] | None:
     """--enable-torch-compile: the decode step compiled now, before ready (minutes on a first start, seconds from
-    inductor's disk cache after), or startup stopped with the reason where the backend cannot."""
+    inductor's disk cache after), or startup stopped with the reason where the backend cannot. /server_info adds
+    the backend's live numbers (torch_compile_stats) to what this returns."""
     if not args.enable_torch_compile:
         return None
     try:
-        info = backend.init_torch_compile(args.torch_compile_max_bs)
+        backend.init_torch_compile(args.torch_compile_max_bs)
     except ValueError as e:
         raise StartupError(str(e)) from e
     try:
@@ -340,7 +341,7 @@ def setup_torch_compile(args: ServerArgs, backend: ModelBackend, decision: Decis
         raise StartupError(f"--enable-torch-compile: compiling the decode step failed ({type(e).__name__}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}); check that a C++ "
                            "compiler (g++) is installed, or drop the flag") from e
-    return {"enabled": True, **info, **(backend.torch_compile_stats() or {})}
+    return {"enabled": True}
 
 
 def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:

@@ -6,6 +6,7 @@ is exactly as demanding as on a trained model. Each folder is built once per tes
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,12 @@ def build_tiny_hybrid(architecture: str, out_dir: Path, seed: int = 0) -> Path:
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     _write_tokenizer(out_dir)
     return out_dir
+
+
+def with_quantization_config(src: Path, dst: Path, qcfg: dict) -> Path:
+    """A copy of the model folder ``src`` at ``dst`` whose config.json carries ``qcfg`` as its quantization_config."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

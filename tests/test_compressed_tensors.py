@@ -19,12 +19,12 @@ over the whole sequence).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from backend_driver import run_greedy
 from engine_harness import greedy, run, start_engine
+from model_factory import with_quantization_config
 
 from tierlm.backends.weight_format import WeightFormatError, check_checkpoint, weight_format_label
 from tierlm.runtime.errors import StartupError
@@ -127,34 +127,21 @@ def test_the_weight_format_names_the_scheme(tiny_models_root):
     assert len(labels) == 4
 
 
-def _doc(seed: int, n: int = 60) -> list[int]:
-    return [(seed * 31 + j * 7) % 270 + 5 for j in range(n)]
-
-
 def test_hits_in_every_tier_give_the_cold_output_and_schemes_never_share_pages(tiny_models_root, store):
-    from test_hicache import hicache_engine
+    from test_hicache import doc, hicache_engine, tier_round_trip
 
     w4 = _checkpoint(tiny_models_root, "llama", "W4A16")
-    prompt = _doc(3) + [9, 9]
-    engine = hicache_engine("torch", w4, grammar_backend="none")
-    try:
+    prompt = doc(3) + [9, 9]
+
+    def names_the_scheme(engine):
         assert engine.server_info()["weight_format"] == "checkpoint:compressed-tensors-w4a16-g128"
-        cold, = run(engine, [prompt], greedy(12))
-        device, = run(engine, [prompt], greedy(12))
-        assert device.last.cached.device == 60
-        for i in range(3):  # push the prefix out of the device pool
-            run(engine, [_doc(100 + i)], greedy(4))
-        host, = run(engine, [prompt], greedy(12))
-        assert host.last.cached.host == 60 and host.last.cached.device == 0
-        assert device.token_ids == host.token_ids == cold.token_ids
-    finally:
-        engine.shutdown()  # flushes queued L3 writes
-    engine = hicache_engine("torch", w4, grammar_backend="none")
-    try:
-        storage, = run(engine, [prompt], greedy(12))
-        assert storage.last.cached.storage == 60 and storage.token_ids == cold.token_ids
-    finally:
-        engine.shutdown()
+
+    cold, device, host, storage = tier_round_trip(lambda: hicache_engine("torch", w4, grammar_backend="none"),
+                                                  prompt, 12, on_start=names_the_scheme)
+    assert device.last.cached.device == 60
+    assert host.last.cached.host == 60 and host.last.cached.device == 0
+    assert device.token_ids == host.token_ids == cold.token_ids
+    assert storage.last.cached.storage == 60 and storage.token_ids == cold.token_ids
     # The W8A8 checkpoint of the same model: the W4A16 pages are never read under it.
     w8 = _checkpoint(tiny_models_root, "llama", "W8A8")
     engine = hicache_engine("torch", w8, grammar_backend="none")
@@ -166,14 +153,6 @@ def test_hits_in_every_tier_give_the_cold_output_and_schemes_never_share_pages(t
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-def _with_quantization_config(src: Path, dst: Path, qcfg: dict) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def _ct(groups: dict, **extra) -> dict:
     return {"quant_method": "compressed-tensors", "format": "mixed", "config_groups": groups, **extra}
 
@@ -197,7 +176,7 @@ W4_ACT_ORDER = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "t
     (_ct({}), "no config_groups"),
     (_ct(W4A8, sparsity_config={"format": "sparse-24-bitmask"}), "sparsity format 'sparse-24-bitmask'")])
 def test_schemes_the_backend_cannot_serve_stop_startup_naming_them(tiny_llama, tmp_path, qcfg, named):
-    folder = _with_quantization_config(tiny_llama, tmp_path / "ct", qcfg)
+    folder = with_quantization_config(tiny_llama, tmp_path / "ct", qcfg)
     with pytest.raises(StartupError) as e:
         start_engine(folder, "torch")
     msg = str(e.value)
@@ -206,7 +185,7 @@ def test_schemes_the_backend_cannot_serve_stop_startup_naming_them(tiny_llama, t
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_gptq_and_awq_are_refused_with_the_way_round(tiny_llama, tmp_path, method):
-    folder = _with_quantization_config(tiny_llama, tmp_path / method, {"quant_method": method, "bits": 4})
+    folder = with_quantization_config(tiny_llama, tmp_path / method, {"quant_method": method, "bits": 4})
     with pytest.raises(StartupError) as e:
         start_engine(folder, "torch")
     msg = str(e.value)

@@ -31,6 +31,28 @@ def push_out_of_device(engine, rounds: int = 3):
         run(engine, [doc(100 + i)], greedy(4))
 
 
+def tier_round_trip(start, prompt: list[int], max_new_tokens: int, on_start=None):
+    """The same prompt run cold, again (a device hit), after pushing it out of the device pool (a host hit) and,
+    on a second engine from ``start()`` (a restart on the same storage), once more (a storage hit): the four
+    results, for the caller's assertions. ``on_start(engine)`` runs first on the first engine."""
+    engine = start()
+    try:
+        if on_start is not None:
+            on_start(engine)
+        cold, = run(engine, [prompt], greedy(max_new_tokens))
+        device, = run(engine, [prompt], greedy(max_new_tokens))
+        push_out_of_device(engine)
+        host, = run(engine, [prompt], greedy(max_new_tokens))
+    finally:
+        engine.shutdown()  # flushes queued L3 writes
+    engine = start()
+    try:
+        storage, = run(engine, [prompt], greedy(max_new_tokens))
+    finally:
+        engine.shutdown()
+    return cold, device, host, storage
+
+
 def test_host_hit_after_device_eviction(tiny_model, store, backend_name):
     engine = hicache_engine(backend_name, tiny_model, storage=False)
     try:

@@ -294,6 +294,16 @@ def test_batch_sizes_follow_the_path(master) -> None:
         copier.close()
 
 
+def damaged(value: bytes, damage: str) -> bytes:
+    """A stored value spoiled one way: its last byte flipped, cut 10 bytes short, or replaced by garbage."""
+    if damage == "flip":
+        return value[:-1] + bytes([value[-1] ^ 0xFF])
+    if damage == "short":
+        return value[: len(value) - 10]
+    assert damage == "garbage", damage
+    return b"not a page" * 10
+
+
 @pytest.mark.parametrize("damage", ["flip", "short", "garbage", "foreign"])
 def test_a_damaged_value_is_a_counted_miss_on_the_zero_copy_path(master, damage: str) -> None:
     """The header and checksum rules in place: a damaged, short or foreign value read into a registered host page
@@ -304,17 +314,12 @@ def test_a_damaged_value_is_a_counted_miss_on_the_zero_copy_path(master, damage:
         k = keys(1, seed={"flip": 23, "short": 24, "garbage": 25, "foreign": 26}[damage])[0]
         assert s.set(k, page(5))
         raw, obj = mooncake_client(s), s.object_key(k)
-        value = bytearray(raw.get(obj))
-        if damage == "flip":
-            value[-1] ^= 0xFF
-        elif damage == "short":
-            value = value[: len(value) - 10]
-        elif damage == "garbage":
-            value = bytearray(b"not a page" * 10)
-        else:  # a value another model's server wrote, under this namespace's name
+        if damage == "foreign":  # a value another model's server wrote, under this namespace's name
             assert other.set(k, page(5))
-            value = bytearray(raw.get(other.object_key(k)))
-        assert raw.upsert(obj, bytes(value)) == 0
+            value = raw.get(other.object_key(k))
+        else:
+            value = damaged(raw.get(obj), damage)
+        assert raw.upsert(obj, value) == 0
         before = s.stats()
         assert s.batch_get_into([k], [rows(1)]) == [False]
         after = s.stats()
@@ -351,14 +356,7 @@ def test_a_damaged_value_is_a_counted_miss(master, damage: str) -> None:
         k = keys(1, seed={"flip": 4, "short": 5, "garbage": 6}[damage])[0]
         assert s.set(k, page(5))
         raw, obj = mooncake_client(s), s.object_key(k)
-        value = bytearray(raw.get(obj))
-        if damage == "flip":
-            value[-1] ^= 0xFF
-        elif damage == "short":
-            value = value[: len(value) - 10]
-        else:
-            value = bytearray(b"not a page" * 10)
-        assert raw.upsert(obj, bytes(value)) == 0
+        assert raw.upsert(obj, damaged(raw.get(obj), damage)) == 0
         before = s.stats()
         assert s.get(k) is None
         after = s.stats()

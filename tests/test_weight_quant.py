@@ -9,13 +9,13 @@ written under one weight format never hit under another; what a device or backen
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 from backend_driver import run_greedy
 from engine_harness import greedy, run, start_engine
+from model_factory import with_quantization_config
+from test_hicache import doc
 
 from tierlm.backends.weight_format import WeightFormatError, check_checkpoint, parse_weight_quant
 from tierlm.runtime.errors import StartupError
@@ -122,17 +122,9 @@ def test_cli_takes_both_flags():
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def _with_quantization_config(src: Path, dst: Path, qcfg: dict) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("method", ["compressed-tensors", "gptq", "awq", "bitsandbytes"])
 def test_unsupported_checkpoint_method_stops_startup_naming_it(tiny_llama, tmp_path, method):
-    folder = _with_quantization_config(tiny_llama, tmp_path / method, {"quant_method": method, "bits": 4})
+    folder = with_quantization_config(tiny_llama, tmp_path / method, {"quant_method": method, "bits": 4})
     with pytest.raises(StartupError) as e:
         start_engine(folder, "torch")
     assert repr(method) in str(e.value) and "mxfp4" in str(e.value)
@@ -149,40 +141,26 @@ def test_quantizing_an_already_quantized_checkpoint_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------ engine: tiers
-def _doc(seed: int, n: int = 60) -> list[int]:
-    return [(seed * 31 + j * 7) % 270 + 5 for j in range(n)]
-
-
 @pytest.mark.parametrize("name", ["int8dq", "int8wo"])
 def test_quantized_model_hits_in_every_tier_give_the_cold_output(tiny_llama, store, name):
     """int8dq (torchao) and int8wo (torch's CPU weight-only kernel) weights: the same prompt cold, after a device
     hit, a host hit (after eviction) and a storage hit (after a restart) gives the same greedy tokens;
     /server_info names the weight format and resident bytes."""
     _torchao()
-    from test_hicache import hicache_engine
+    from test_hicache import hicache_engine, tier_round_trip
 
-    prompt = _doc(1) + [9, 9]
-    engine = hicache_engine("torch", tiny_llama, grammar_backend="none", torchao_config=name)
-    try:
+    def names_the_format(engine):
         info = engine.server_info()
         assert info["weight_format"] == f"torchao:{name}"
         assert 0 < info["weight_bytes"] < engine.parts.backend.info.num_layers * 4 * 64 * 64 * 4 * 4
-        cold, = run(engine, [prompt], greedy(NEW))
-        device, = run(engine, [prompt], greedy(NEW))
-        assert device.last.cached.device == 60
-        for i in range(3):  # push the prefix out of the device pool
-            run(engine, [_doc(100 + i)], greedy(4))
-        host, = run(engine, [prompt], greedy(NEW))
-        assert host.last.cached.host == 60 and host.last.cached.device == 0
-        assert device.token_ids == host.token_ids == cold.token_ids
-    finally:
-        engine.shutdown()  # flushes queued L3 writes
-    engine = hicache_engine("torch", tiny_llama, grammar_backend="none", torchao_config=name)
-    try:
-        storage, = run(engine, [prompt], greedy(NEW))
-        assert storage.last.cached.storage == 60 and storage.token_ids == cold.token_ids
-    finally:
-        engine.shutdown()
+
+    cold, device, host, storage = tier_round_trip(
+        lambda: hicache_engine("torch", tiny_llama, grammar_backend="none", torchao_config=name),
+        doc(1) + [9, 9], NEW, on_start=names_the_format)
+    assert device.last.cached.device == 60
+    assert host.last.cached.host == 60 and host.last.cached.device == 0
+    assert device.token_ids == host.token_ids == cold.token_ids
+    assert storage.last.cached.storage == 60 and storage.token_ids == cold.token_ids
 
 
 def test_l3_pages_of_one_weight_format_never_hit_under_another(tiny_llama, store):
@@ -191,7 +169,7 @@ def test_l3_pages_of_one_weight_format_never_hit_under_another(tiny_llama, store
     _torchao()
     from test_hicache import hicache_engine
 
-    prompt = _doc(4) + [5]
+    prompt = doc(4) + [5]
     for kw in ({}, {"torchao_config": "int8dq"}, {"torchao_config": "int8wo"}):
         engine = hicache_engine("torch", tiny_llama, grammar_backend="none", **kw)
         try:
@@ -290,7 +268,7 @@ def test_mlx_refuses_torchao_names_with_the_equivalent(tiny_llama):
 def test_mlx_quantized_engine_hits_give_the_cold_output(mlx_q4_checkpoint, store):
     from test_hicache import hicache_engine
 
-    prompt = _doc(2) + [9]
+    prompt = doc(2) + [9]
     engine = hicache_engine("mlx", mlx_q4_checkpoint, grammar_backend="none")
     try:
         assert engine.server_info()["weight_format"] == "checkpoint:mlx-affine-q4-g32"

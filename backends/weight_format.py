@@ -1,14 +1,15 @@
 """Weight formats: the load-time quantization flags (--torchao-config, --quantization) and a checkpoint's own
 ``quantization_config``, parsed and checked without torch or mlx (the server, doctor and both backends share it).
 
-A weight format is named by one label ("none", "torchao:int8wo", "mlx:q4-g64", "checkpoint:mxfp4",
-"checkpoint:compressed-tensors-w4a16-g128", ...): it is reported in /server_info and ``tierlm doctor`` and is part
-of the L3 namespace (backends/base.kv_namespace), so pages written under one weight format are never read under
-another.
+A weight format is named by one label ("none", "torchao:int8wo", "torchao:int8wo+embedding" (on CPU),
+"mlx:q4-g64", "checkpoint:mxfp4", "checkpoint:compressed-tensors-w4a16-g128", ...): it is reported in /server_info
+and ``tierlm doctor`` and is part of the L3 namespace (backends/base.kv_namespace), so pages written under one
+weight format are never read under another.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Mapping
@@ -35,6 +36,21 @@ CHECKPOINT_METHODS = {"torch": ("mxfp4", "compressed-tensors"), "mlx": ("mlx", "
 # Methods transformers loads only through a package with CUDA extensions (gptqmodel: a source build): named in the
 # refusal with the way round it.
 CUDA_EXTENSION_METHODS = {"gptq": "gptqmodel", "awq": "gptqmodel"}
+
+
+# gpt-oss MXFP4 experts on the torch backend: "packed" (backends/torch/mxfp4_experts.py: 4.25 bits per weight
+# resident, the router's experts dequantized per forward) or "dequantized" (to the serving dtype while loading).
+MXFP4_EXPERTS_ENV = "TIERLM_MXFP4_EXPERTS"
+MXFP4_EXPERTS_MODES = ("packed", "dequantized")
+
+
+# TIERLM_CPU_QUANT_LINEAR=0: int8wo on CPU through torchao's own path instead (benchmarks compare the two).
+NATIVE_ENV = "TIERLM_CPU_QUANT_LINEAR"
+# Appended to the label where the CPU weight-only path also quantizes the input embedding (llama.cpp's token_embd;
+# backends/torch/cpu_quant_embedding.py): other numerics than torchao's int8wo/int4wo (embedding in the model
+# dtype, as on CUDA and as tierlm held it before), so another L3 namespace.
+EMBEDDING_SUFFIX = "+embedding"
+FP8_MATMUL_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 matmuls (Ada, Hopper, Blackwell)
 
 
 class WeightFormatError(ValueError):
@@ -90,6 +106,17 @@ def _torchao(name: str, flag: str) -> WeightQuant:
     raise ValueError(f"{flag}: use one of {', '.join(TORCHAO_CONFIGS)} (int4wo group in {INT4_GROUPS})")
 
 
+def cpu_weight_only(quant: WeightQuant | None, device: str | None, env: Mapping[str, str]) -> bool:
+    """Whether the torch backend runs ``quant`` with torch's CPU weight-only kernels (int8wo, int4wo-<group> on
+    the CPU; int8wo goes through torchao instead under TIERLM_CPU_QUANT_LINEAR=0): linears and the input embedding
+    quantized, the embedding sharing a tied lm_head's table."""
+    if quant is None or device != "cpu" or quant.kind != "torchao":
+        return False
+    if quant.name.startswith("int4wo"):
+        return True  # torchao has no CPU int4 weight-only path outside its prototypes
+    return quant.name == "int8wo" and env.get(NATIVE_ENV, "1") != "0"
+
+
 def check_backend_kind(quant: WeightQuant | None, backend: str) -> None:
     """Refuse a load-time quantization meant for the other backend, naming the equivalent."""
     if quant is None:
@@ -112,7 +139,8 @@ def device_refusal(quant: WeightQuant, device: str, capability: tuple[int, int] 
     if quant.name.startswith("int4wo") and device not in ("cuda", "cpu"):
         return (f"{quant.flag}: int4 weight-only runs on a CUDA GPU (torchao) or the CPU (torch's kernel); on "
                 f"{device} use --torchao-config int8dq (int8 weights and activations) or int8wo")
-    if quant.name.startswith("fp8") and (device != "cuda" or capability is None or tuple(capability) < (8, 9)):
+    if quant.name.startswith("fp8") and (device != "cuda" or capability is None
+                                         or tuple(capability) < FP8_MATMUL_CAPABILITY):
         where = (f"this GPU (compute capability {capability[0]}.{capability[1]})" if device == "cuda" and capability
                  else f"the {device} device")
         return (f"{quant.flag}: torchao's fp8 matmuls need a CUDA GPU with compute capability 8.9+ (Ada, Hopper); "
@@ -147,13 +175,38 @@ def checkpoint_label(config: Mapping[str, Any]) -> str:
     return f"checkpoint:mlx-{q.get('mode', 'affine')}-q{q['bits']}-g{q['group_size']}"
 
 
-def weight_format_label(config: Mapping[str, Any], quant: WeightQuant | None) -> str:
+def weight_format_label(config: Mapping[str, Any], quant: WeightQuant | None, device: str | None = None,
+                        env: Mapping[str, str] | None = None) -> str:
     """The label of the weights a backend serves: the load-time quantization's, else the checkpoint's, else
-    "none". gpt-oss MXFP4 is "checkpoint:mxfp4" on both backends: torch dequantizes it exactly while loading, to
-    the values MLX computes with packed, so both share the label and L3 pages."""
+    "none". gpt-oss MXFP4 is "checkpoint:mxfp4" on both backends and in both torch modes (mxfp4_experts_mode):
+    torch's packed experts compute exactly what its experts dequantized while loading compute, to the values MLX
+    computes with packed, so all share the label and L3 pages. ``device``: the torch backend's (with ``env``,
+    default os.environ): its CPU weight-only path quantizes the embedding too, so the label says so
+    ("torchao:int8wo+embedding")."""
     if quant is not None:
-        return quant.label
+        env = os.environ if env is None else env
+        return quant.label + (EMBEDDING_SUFFIX if cpu_weight_only(quant, device, env) else "")
     return checkpoint_label(config) if checkpoint_method(config) else "none"
+
+
+def mxfp4_experts_mode(device: str, env: Mapping[str, str]) -> tuple[str, str]:
+    """("packed" | "dequantized", why) for gpt-oss MXFP4 experts on the torch backend's ``device``; the torch
+    backend loads by it and ``tierlm doctor`` sizes the weights by it. TIERLM_MXFP4_EXPERTS overrides."""
+    forced = env.get(MXFP4_EXPERTS_ENV)
+    if forced:
+        if forced not in MXFP4_EXPERTS_MODES:
+            raise WeightFormatError(f"{MXFP4_EXPERTS_ENV}={forced}: use one of {', '.join(MXFP4_EXPERTS_MODES)}")
+        return forced, f"{MXFP4_EXPERTS_ENV}={forced}"
+    if device == "cpu":
+        # scripts/bench_mxfp4_experts.py, one run: packed decode 0.03x of dequantized (hidden 1024, 32 experts
+        # top-4, bf16, AVX-512 EPYC) and 0.7x on the tests' tiny model; decoding the routed experts every step is
+        # compute-bound on a CPU, where a dense copy is read at memory speed.
+        return "dequantized", (f"CPU default: dequantized to the serving dtype while loading (packed decode measured "
+                               f"~30x slower here); {MXFP4_EXPERTS_ENV}=packed keeps 4.25 bits per expert weight "
+                               "resident when RAM is short")
+    return "packed", (f"{device} default: 4.25 bits per expert weight resident (gpt-oss-20b's weights ~13.8 GB "
+                      f"instead of ~42 GB), the routed experts dequantized per step; {MXFP4_EXPERTS_ENV}=dequantized "
+                      "trades that memory for speed")
 
 
 def check_checkpoint(config: Mapping[str, Any], backend: str, quant: WeightQuant | None) -> str | None:
@@ -196,21 +249,27 @@ def _quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return _quantization_config(text) if isinstance(text, Mapping) else {}
 
 
-def quantized_bytes(tensors: list[tuple[str, tuple[int, ...]]], float_bytes: int, quant: WeightQuant) -> int:
+def quantized_bytes(tensors: list[tuple[str, tuple[int, ...]]], float_bytes: int, quant: WeightQuant,
+                    device: str | None = None, env: Mapping[str, str] | None = None) -> int:
     """Resident bytes of a model's weights after ``quant``, from its tensors' (name, shape) as stored: what
     ``tierlm doctor`` sizes the KV tiers from before anything loads (the loaded backend reports the real bytes).
 
     Quantized: 2-D ``*.weight`` tensors, the linear layers (torchao quantizes every nn.Linear; mlx also the
-    embeddings, where the group divides the row); the rest stays ``float_bytes`` per value. A tied lm_head (no
-    ``lm_head`` tensor stored) gets its own quantized copy on the torch backend while the embedding stays float."""
+    embeddings, where the group divides the row; torch's CPU weight-only path (``cpu_weight_only``, on ``device``)
+    the input embedding, whose table a tied lm_head shares); the rest stays ``float_bytes`` per value. Otherwise a
+    tied lm_head (no ``lm_head`` tensor stored) gets its own quantized copy on the torch backend while the
+    embedding stays float."""
+    shared_table = cpu_weight_only(quant, device, os.environ if env is None else env)
     total = 0
     for name, shape in tensors:
         embed = "embed" in name or "wte" in name
-        quantized = len(shape) == 2 and name.endswith(".weight") and (quant.kind == "mlx" or not embed)
+        input_embed = name.endswith(("embed_tokens.weight", "wte.weight"))
+        quantized = len(shape) == 2 and name.endswith(".weight") and \
+            (quant.kind == "mlx" or not embed or (shared_table and input_embed))
         if quant.kind == "mlx" and quantized and shape[-1] % quant.group_size:
             quantized = False
         total += _quantized_tensor_bytes(shape, float_bytes, quant) if quantized else _numel(shape) * float_bytes
-    if quant.kind == "torchao" and not any("lm_head" in name for name, _ in tensors):
+    if quant.kind == "torchao" and not shared_table and not any("lm_head" in name for name, _ in tensors):
         tied = next((shape for name, shape in tensors
                      if name.endswith(("embed_tokens.weight", "wte.weight")) and len(shape) == 2), None)
         if tied is not None:

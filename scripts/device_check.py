@@ -6,8 +6,9 @@ Steps, in order, each with its own timeout inside one overall budget (default 42
 inside an 8-minute slot): ``machine`` (nvidia-smi, torch.cuda), ``deps`` (tierlm's dependencies the machine
 lacks, from the wheels scripts/device_wheels.sh prepared), ``tierlm`` (``pip install --no-deps -e .``), the
 pytest suites with ``TIERLM_TEST_DEVICE=cuda`` (backend conformance, engine reference, Triton attention against
-torch_native, gpt-oss, HiCache; the torch backend only), then ``tierlm bench prefix`` and ``tierlm bench
-decode`` on the Qwen2.5-0.5B-shaped synthetic model in bfloat16.
+torch_native, gpt-oss, quantized checkpoints (MXFP4 gpt-oss, compressed-tensors FP8), HiCache; the torch
+backend only), then ``tierlm bench prefix`` and ``tierlm bench decode`` on the Qwen2.5-0.5B-shaped synthetic
+model in bfloat16.
 
 It writes ``report.json`` (per step: command, rc, seconds, status, pytest counts and failures, bench JSON),
 ``summary.txt`` and ``device-check.log`` (every step's output) to ``$OUT``, or ``./device-report/`` when OUT is
@@ -45,13 +46,17 @@ SUITES = [
     ("engine_reference", "tests/test_engine_reference.py", "not mlx", "not mlx and test_abort_frees_pages"),
     ("triton_attention", "tests/test_triton_attention.py", "not mlx", "test_attention_backend_choice"),
     ("gpt_oss", "tests/test_gpt_oss.py", "not mlx", "not mlx and test_tiny_config_is_gpt_oss_shaped"),
+    # A tiny MXFP4 gpt-oss (experts packed on the GPU) and a tiny compressed-tensors FP8 model, greedy against the
+    # references; each prints a "RESIDENT ..." line with its weight bytes.
+    ("quantized", "tests/test_device_quantized.py", "not mlx", "test_mxfp4_gpt_oss_greedy_and_resident_bytes"),
     ("hicache", "tests/test_hicache.py", "not mlx", "not mlx and test_startup_errors_are_actionable"),
     ("decode_graphs", "tests/test_decode_graphs.py", "not mlx", "test_buckets"),
     ("host_copies", "tests/test_host_copies.py", "not mlx", "test_unknown_io_backend_is_refused"),
 ]
 # Seconds each step may take at most (the overall budget may cut it shorter).
 TIMEOUTS = {"machine": 60, "deps": 120, "tierlm": 120, "conformance": 90, "engine_reference": 90,
-            "triton_attention": 120, "gpt_oss": 90, "hicache": 120, "decode_graphs": 120, "host_copies": 60, "bench_prefix": 150, "bench_decode": 180}
+            "triton_attention": 120, "gpt_oss": 90, "quantized": 90, "hicache": 120, "decode_graphs": 120,
+            "host_copies": 60, "bench_prefix": 150, "bench_decode": 180}
 # Bench settings: (real run, dry run).
 # Prefix first: the decode benchmark's transformers baseline is the step most likely to run long.
 BENCH = {

@@ -16,16 +16,17 @@ from typing import Any, Iterator, Sequence
 from tierlm.backends.dtypes import DTYPE_BYTES, HALF_DTYPES, dtype_decision, kv_storage_dtype
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
-from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.backends.model_source.folder_facts import model_size, weight_bytes
 from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
-from tierlm.backends.weight_format import (WeightFormatError, check_backend_kind, device_refusal, parse_weight_quant,
+from tierlm.backends.weight_format import (FP8_MATMUL_CAPABILITY, WeightFormatError, check_backend_kind,
+                                           checkpoint_method, device_refusal, mxfp4_experts_mode, parse_weight_quant,
                                            quantized_bytes, safetensors_shapes, weight_format_label)
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
-from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler
+from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler, this_cpu
 from tierlm.runtime.engine_setup import check_context_length, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
@@ -74,8 +75,9 @@ def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | Non
     yield folder, given, why, None
 
 
-def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, native_bf16: bool = False
-                ) -> dict[str, Any]:
+def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, native_bf16: bool = False,
+                backend: str = "torch", env: dict[str, str] | None = None,
+                compute_capability: tuple[int, int] | None = None) -> dict[str, Any]:
     """KV bytes per token, weight bytes and max_position_embeddings of a model folder as served on ``device`` with
     --dtype and --kv-cache-dtype (raises KeyError/TypeError/ValueError for a config without the usual fields)."""
     size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype, cpu_bf16=native_bf16).to_dict()
@@ -86,11 +88,46 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
     # The weight format serve reports (/server_info weight_format); a load-time quantization sizes the weights
     # (and so the KV tiers) at their quantized bytes.
     quant = parse_weight_quant(args.quantization, args.torchao_config)
-    size["weight_format"] = weight_format_label(folder.config, quant)
+    env = os.environ if env is None else env
+    if checkpoint_method(folder.config) == "mxfp4" and backend == "torch":
+        # gpt-oss experts: packed (4.25 bits per weight) or dequantized while loading, as serve will hold them
+        # (the mlx backend keeps them packed; folder_facts counts the stored bytes, which are the packed ones).
+        mode, why = mxfp4_experts_mode(device, env)
+        size["mxfp4_experts"] = {"mode": mode, "why": why}
+        if mode == "dequantized":
+            size["weight_bytes"] = weight_bytes(folder, size["dtype"], mxfp4_dequantized=True)
+    elif checkpoint_method(folder.config) == "compressed-tensors" and backend == "torch" and \
+            not (device == "cuda" and compute_capability is not None and compute_capability >= FP8_MATMUL_CAPABILITY):
+        # fp8 weights are dequantized to the model dtype where there is no fp8 matmul (compressed_tensors.py: the
+        # CPU, CUDA before Ada); a CUDA device of unknown capability counts as one without
+        size["weight_bytes"] = weight_bytes(folder, size["dtype"], fp8_dequantized=True)
+    size["weight_format"] = weight_format_label(folder.config, quant, device, env)
     if quant is not None:
         float_bytes = DTYPE_BYTES.get(size["dtype"], 4)
-        size["weight_bytes"] = quantized_bytes(safetensors_shapes(list(folder.weight_files)), float_bytes, quant)
+        size["weight_bytes"] = quantized_bytes(safetensors_shapes(list(folder.weight_files)), float_bytes, quant,
+                                               device, env)
+    elif backend == "torch":
+        size["weight_bytes"] += tied_lm_head_copy_bytes(folder, size["dtype"], device, env)
     return size
+
+
+def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, device: str, env: dict[str, str]) -> int:
+    """bf16 on a CPU whose oneDNN prepacks: serve packs a tied lm_head as a copy next to the embedding
+    (backends/torch/cpu_linear.py; TIERLM_CPU_PACK_TIED_LM_HEAD=0 or TIERLM_CPU_PACKED_LINEAR=0 turn it off)."""
+    if device != "cpu" or dtype != "bfloat16" or "0" in (env.get("TIERLM_CPU_PACK_TIED_LM_HEAD"),
+                                                          env.get("TIERLM_CPU_PACKED_LINEAR")):
+        return 0
+    if not this_cpu().onednn_bf16_prepack[0] or checkpoint_method(folder.config) not in (None, "compressed-tensors"):
+        return 0  # MXFP4 / mlx checkpoints: no plain bf16 lm_head to pack (compressed-tensors leaves it float)
+    shapes = safetensors_shapes(list(folder.weight_files))
+    tied = folder.text_config.get("tie_word_embeddings")
+    if tied is None:  # not stated: tied when no lm_head tensor is stored
+        tied = not any("lm_head" in name for name, _ in shapes)
+    if not tied:
+        return 0
+    table = next((shape for name, shape in shapes
+                  if name.endswith(("embed_tokens.weight", "wte.weight")) and len(shape) == 2), None)
+    return table[0] * table[1] * DTYPE_BYTES["bfloat16"] if table else 0
 
 
 def model_architecture(args: ServerArgs, folder: ModelFolder, backend: str
@@ -148,7 +185,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         if bytes_only_why:
             report["warnings"].append(bytes_only_why)
         if folder is not None:
-            _check_model(report, args, folder, label, decision, env)
+            _check_model(report, args, folder, label, decision, env, facts.compute_capability)
     sizes = report["model"]
     if decision.backend == "torch" and decision.device == "cpu" and sizes:
         report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"],
@@ -170,7 +207,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
 
 
 def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: str, decision: Decision,
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], compute_capability: tuple[int, int] | None = None) -> None:
     """The architecture check, the model's sizes and the context length, as serve finds them."""
     folder = ModelFolder.read(path)  # config.json read once, as serve reads it
     report["architecture"], arch_note = model_architecture(args, folder, decision.backend)
@@ -178,7 +215,8 @@ def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: st
         report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
             arch_note)
     try:
-        sizes = model_sizes(folder, label, args, decision.device, decision.native_bf16)
+        sizes = model_sizes(folder, label, args, decision.device, decision.native_bf16, decision.backend, env,
+                            compute_capability)
     except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
         report["warnings"].append(f"cannot size {label} from its config.json (no usable {e}): tier sizes are byte "
                                   "budgets only, not tokens")
@@ -263,6 +301,8 @@ def render_text(report: dict[str, Any]) -> str:
                          f"{m['kv_bytes_per_token']} bytes/token, weights {_gb(m['weight_bytes'])} "
                          f"({model.get('weight_format', 'none')}), "
                          f"context length {m['context_length']}")
+            if model.get("mxfp4_experts"):
+                lines.append(f"  MXFP4 experts    {model['mxfp4_experts']['mode']}: {model['mxfp4_experts']['why']}")
             lines.append(f"  device KV (L1)   {m['device_pages']} pages x {m['page_size']} = {m['device_kv_tokens']} "
                          f"tokens, {_gb(m['device_kv_bytes'])}")
             host = (f"{m['host_pages']} pages x {m['page_size']} = {m['host_kv_tokens']} tokens, "

@@ -136,8 +136,9 @@ MXFP4_BLOCK = 32  # values per shared E8M0 scale; 16 bytes of two FP4 (E2M1) cod
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; code | 8 is the negative
 
 
-def build_tiny_gpt_oss(out_dir: Path, mxfp4: bool = False, seed: int = 0) -> Path:
-    """Write a seeded random tiny gpt-oss to ``out_dir`` and return it.
+def build_tiny_gpt_oss(out_dir: Path, mxfp4: bool = False, seed: int = 0, **config: Any) -> Path:
+    """Write a seeded random tiny gpt-oss to ``out_dir`` and return it; ``config``: fields that replace
+    GPT_OSS_TINY's (the benchmark's larger shapes).
 
     ``mxfp4=True`` stores the expert weights the way the released checkpoints do (``*_blocks`` uint8
     [E, out, in/32, 16] and ``*_scales`` uint8 [E, out, in/32], ``quantization_config.quant_method`` "mxfp4",
@@ -150,7 +151,7 @@ def build_tiny_gpt_oss(out_dir: Path, mxfp4: bool = False, seed: int = 0) -> Pat
     if (out_dir / "config.json").exists():
         return out_dir
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(GptOssConfig(**GPT_OSS_TINY), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**{**GPT_OSS_TINY, **config}), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

@@ -145,6 +145,8 @@ def test_prefix_bench_reads_hits_per_tier(tiny_llama, capsys) -> None:
     if other:  # server B read every prefix page that server A computed, through the shared Mooncake store
         assert rows["L3 other instance"]["hit_storage"] == 64 and rows["L3 other instance"]["hit_host"] == 0
         assert rows["L3 other instance"]["l3_read_bytes"] > 0
+        other_raw = [r for r in rep["raw"]["requests"] if r["case"] == "L3 other instance"]
+        assert other_raw and all(r["l3_transport"] == shared_l3.transport() for r in other_raw)  # B's own report
     assert (rows["cold"]["hit_device"], rows["cold"]["hit_host"], rows["cold"]["hit_storage"]) == (0, 0, 0)
     assert rows["L1 hit"]["hit_device"] == 64
     assert rows["L2 hit"]["hit_host"] == 64 and rows["L2 hit"]["hit_device"] == 0

@@ -36,7 +36,7 @@ def test_weight_formats_side_by_side(tiny_llama, capsys):
     assert bench_cmd.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["tables"][0]["rows"]
     assert [(r["weights"], r["weight_format"]) for r in rows] == [("float32", "none"),
-                                                                  ("float32 + int8wo", "torchao:int8wo")]
+                                                                  ("float32 + int8wo", "torchao:int8wo+embedding")]
     assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"] and "int8pack" in rows[1]["linear"]
     assert rows[0]["agreement"] == 1.0 and rows[1]["compared_with"] == "float32"
     assert 0 <= rows[1]["agreement"] <= 1 and all(r["decode_tps"] is None or r["decode_tps"] > 0 for r in rows)

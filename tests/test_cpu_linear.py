@@ -58,7 +58,31 @@ def _tiny(family: str, tiny_models_root, dtype):
 
 
 @needs_packing
-def test_pack_linears_keeps_tied_and_float32_weights_plain(tiny_models_root):
+def test_a_tied_lm_head_is_packed_as_a_copy_by_default(tiny_models_root, monkeypatch):
+    """By default the tied lm_head gets its own packed copy, the embedding keeps the plain rows, the logits stay
+    bit-identical and the copy counts in the packed bytes."""
+    from tierlm.backends.torch.cpu_linear import PACK_TIED_ENV, packed_bytes
+
+    qwen = _tiny("qwen2", tiny_models_root, torch.bfloat16)
+    n_linear = sum(type(m) is nn.Linear for m in qwen.modules())
+    embedding = qwen.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 9, 77, 3]])
+    monkeypatch.delenv(PACK_TIED_ENV, raising=False)
+    with torch.inference_mode():
+        before = qwen(ids).logits
+        assert pack_linears(qwen) == n_linear
+        after = qwen(ids).logits
+    assert isinstance(qwen.lm_head, PackedLinear) and qwen.model.embed_tokens.weight is embedding
+    assert packed_bytes(qwen) >= embedding.numel() * embedding.element_size()
+    assert torch.equal(before, after)
+
+
+@needs_packing
+def test_pack_linears_keeps_float32_weights_and_when_asked_tied_ones_plain(tiny_models_root, monkeypatch):
+    """TIERLM_CPU_PACK_TIED_LM_HEAD=0 keeps the tied lm_head plain (no second copy); float32 is never packed."""
+    from tierlm.backends.torch.cpu_linear import PACK_TIED_ENV
+
+    monkeypatch.setenv(PACK_TIED_ENV, "0")
     qwen = _tiny("qwen2", tiny_models_root, torch.bfloat16)  # tie_word_embeddings: lm_head shares the embedding
     n_linear = sum(type(m) is nn.Linear for m in qwen.modules())
     ids = torch.tensor([[1, 5, 9, 77, 3]])
@@ -144,3 +168,27 @@ def test_cpu_threads_leave_one_core_to_the_server_unless_omp_num_threads_says():
     assert cpu_thread_count({}, 16)[0] == 15
     n, why = cpu_thread_count({"OMP_NUM_THREADS": "2"}, 2)
     assert n is None and why == "OMP_NUM_THREADS=2"
+
+
+@needs_packing
+def test_doctor_counts_the_packed_copy_of_a_tied_lm_head(tiny_models_root, monkeypatch):
+    """bf16 on this CPU: serve holds the tied lm_head's packed copy next to the embedding, and doctor's estimate
+    (what it sizes the KV tiers from before anything loads) counts it; TIERLM_CPU_PACK_TIED_LM_HEAD=0 drops it
+    from both."""
+    from tierlm.backends.torch.backend import TorchBackend
+    from tierlm.backends.torch.cpu_linear import PACK_TIED_ENV
+    from tierlm.platforms import detect
+    from tierlm.server import doctor_cmd
+
+    _tiny("qwen2", tiny_models_root, torch.bfloat16)  # builds the folder (tie_word_embeddings)
+    folder = tiny_models_root / "qwen2"
+    for value in ("1", "0"):
+        monkeypatch.setenv(PACK_TIED_ENV, value)
+        report = doctor_cmd.diagnose(detect(), {"TIERLM_BACKEND": "torch", PACK_TIED_ENV: value},
+                                     ["--json", "--model-path", str(folder), "--dtype", "bfloat16", "--device", "cpu"])
+        assert not report["errors"], report["errors"]
+        loaded = TorchBackend(folder, dtype="bfloat16", device="cpu").weight_bytes()
+        assert abs(report["model"]["weight_bytes"] - loaded) <= 0.02 * loaded, value
+        if value == "1":
+            packed = loaded
+    assert packed > 1.1 * loaded  # the copy is a real share of this tiny model

@@ -21,6 +21,17 @@ class _Layer:
     layer_idx = 1
 
 
+def run_step(meta, pool, q, k, v, scale: float, monkeypatch) -> torch.Tensor:
+    """paged_attention of layer 1 over one step's metadata and pool; the test's monkeypatches end with it."""
+    pa.CURRENT.meta, pa.CURRENT.pool = meta, pool
+    try:
+        out, _ = pa.paged_attention(_Layer, q, k, v, None, scaling=scale)
+    finally:
+        pa.CURRENT.meta = None
+        monkeypatch.undo()
+    return out
+
+
 def _decode(heads, D, page_size, cached, use_kernel, monkeypatch, seed=0, dtype=torch.bfloat16):
     """paged_attention over one decode step of requests with ``cached`` tokens before their new one."""
     H, Hkv = heads
@@ -40,14 +51,9 @@ def _decode(heads, D, page_size, cached, use_kernel, monkeypatch, seed=0, dtype=
     else:
         real = cpu_paged_decode.paged_decode
         monkeypatch.setattr(cpu_paged_decode, "paged_decode", lambda *a: calls.append(1) or real(*a))
-    pa.CURRENT.meta = pa.StepMeta(np.ones(R, np.int64), kv_lens, np.asarray(cached, np.int64), table, page_size,
-                                  torch.device("cpu"))
-    pa.CURRENT.pool = pool
-    try:
-        out, _ = pa.paged_attention(_Layer, q, k, v, None, scaling=D ** -0.5)
-    finally:
-        pa.CURRENT.meta = None
-        monkeypatch.undo()
+    meta = pa.StepMeta(np.ones(R, np.int64), kv_lens, np.asarray(cached, np.int64), table, page_size,
+                       torch.device("cpu"))
+    out = run_step(meta, pool, q, k, v, D ** -0.5, monkeypatch)
     assert len(calls) == (1 if use_kernel else 0)  # the kernel served the step exactly when asked to
     return out[0].float()
 

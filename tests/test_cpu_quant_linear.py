@@ -1,7 +1,8 @@
-"""CPU weight-only int8 / int4 linears (backends/torch/cpu_quant_linear.py): outputs equal a dequantized reference
-(the value conventions of ``from_quantized`` as documented), ``from_linear`` holds exactly the weights torchao's
-int8wo / int4wo recipes make, and greedy output through the backend equals transformers' model running the same
-dequantized weights, token for token."""
+"""CPU weight-only int8 / int4 linears (backends/torch/cpu_quant_linear.py) and the quantized input embedding
+(cpu_quant_embedding.py): outputs equal a dequantized reference (the value conventions of ``from_quantized`` as
+documented), ``from_linear`` holds exactly the weights torchao's int8wo / int4wo recipes make, an embedding lookup
+gives the rows the lm_head kernel multiplies by (one table when tied), and greedy output through the backend
+equals transformers' model running the same dequantized weights (embedding included), token for token."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 from torch import nn
 
 from backend_driver import run_greedy
-from tierlm.backends.torch.cpu_quant_linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
+from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
+from tierlm.backends.torch.cpu_quant_linear import (QUANT_LINEARS, Int4WeightOnlyLinear, Int8WeightOnlyLinear,
+                                                    int4_tinygemm_recipe, quantize_linears)
 from tierlm.backends.weight_format import parse_weight_quant
 
 # Float32 activations: the kernels accumulate in float32, so only the summation order differs from the reference.
@@ -119,37 +122,111 @@ def test_quantize_linears_keeps_shapes_the_kernel_cannot_take_dense():
     assert kept == ["2: in_features 40 is not a multiple of the group size 32"]
 
 
+# ------------------------------------------------------------------------------------------------ embedding
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,n,k,group", [(8, 40, 64, None), (4, 285, 64, 32), (4, 208, 128, 64),
+                                            (4, 48, 256, 128)])
+def test_embedding_rows_are_the_rows_the_lm_head_kernel_multiplies_by(dtype, bits, n, k, group):
+    """A lookup reads the quantized table (int8 per row; int4 from tinygemm's packed layout, full 64-row blocks and
+    a short last block, N padded to 16 included) and gives, in the model dtype, the weight rows the lm_head kernel
+    computes with (read back through the kernel: x = identity)."""
+    torch.manual_seed(4)
+    lin = nn.Linear(k, n, bias=False).to(dtype)
+    table = Int8WeightOnlyLinear.from_linear(lin) if bits == 8 else Int4WeightOnlyLinear.from_linear(lin, group)
+    emb = QuantizedEmbedding(table, dtype)
+    w = table(torch.eye(k, dtype=dtype)).t().float()  # [N, K] as the kernel multiplies, rounded to dtype
+    ids = torch.tensor([[0, n - 1, 3], [n // 2, 1, 0]])
+    out = emb(ids)
+    assert out.shape == (2, 3, k) and out.dtype == dtype
+    # bfloat16: exact ((q - 8) * scale is exact in float32); float32: the kernel's fused multiply-add, 1 ulp
+    torch.testing.assert_close(out.float(), w[ids], rtol=1e-6 if dtype == torch.float32 else 0, atol=0)
+    if bits == 8:
+        assert torch.equal(emb.dequantized(), table.dequantized().to(dtype).float())
+
+
+def test_int4_rows_read_the_packed_layout_of_this_torch_build_or_an_unpacked_copy(monkeypatch):
+    """The probe finds how this torch build packs int4 (AVX512: 64-row blocks, AVX2: 32); where no known layout
+    reads it, the embedding reads an unpacked copy of the same values: same rows."""
+    from tierlm.backends.torch import cpu_quant_embedding
+
+    assert cpu_quant_embedding._packed_int4_layout() is not None
+    torch.manual_seed(5)
+    lin = nn.Linear(64, 285, bias=False)
+    table = Int4WeightOnlyLinear.from_linear(lin, 32)
+    packed_rows = QuantizedEmbedding(table, torch.float32).dequantized()
+    monkeypatch.setattr(cpu_quant_embedding, "_packed_int4_layout", lambda: None)
+    with pytest.raises(ValueError, match="unpacked values"):
+        QuantizedEmbedding(table, torch.float32)
+    q = int4_tinygemm_recipe(lin.weight.detach(), 32)[0]
+    assert torch.equal(QuantizedEmbedding(table, torch.float32, unpacked=q).dequantized(), packed_rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_models_root):
+    """Tied embeddings: lm_head shares the embedding matrix in the checkpoint."""
+    from model_factory import build_tiny_model
+
+    return build_tiny_model("qwen2", tiny_models_root / "qwen2")
+
+
+@pytest.mark.parametrize("value", ["int8wo", "int4wo-32"])
+def test_tied_embedding_and_lm_head_hold_one_quantized_table(tiny_qwen2, value):
+    """One table [V, H] serves the embedding lookup and the tied lm_head: no float embedding and no second copy
+    left, so the weights are the quantized linears + norms, nothing more."""
+    from tierlm.backends.torch.backend import TorchBackend
+
+    backend = TorchBackend(tiny_qwen2, dtype="bfloat16", device="cpu", weight_quant=parse_weight_quant(None, value))
+    model = backend.model
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(emb, QuantizedEmbedding) and emb.table is head
+    quant_bytes = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, QUANT_LINEARS)
+                      for p in m.parameters(recurse=False))  # q, scales (and zero points), biases
+    norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+    assert backend.weight_bytes() == quant_bytes + norms
+
+
 # ------------------------------------------------------------------------------------------------ backend
 def _dequantized_reference(model_dir, backend, prompt: list[int], new: int) -> list[int]:
-    """transformers' float32 eager model with every linear weight replaced by the backend's dequantized one."""
+    """transformers' float32 eager model with every linear weight, and the input embedding, replaced by the
+    backend's dequantized one."""
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     ref.config.tie_word_embeddings = False
-    layers = dict(backend.model.named_modules())
-    for name, m in list(ref.named_modules()):
-        q = layers.get(name)
-        if isinstance(q, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
-            m.weight = nn.Parameter(q.dequantized(), requires_grad=False)
+    ref_layers = dict(ref.named_modules())
+    emb = backend.model.get_input_embeddings()
+    assert isinstance(emb, QuantizedEmbedding)
+    for name, q in backend.model.named_modules():
+        if not isinstance(q, QUANT_LINEARS) or name.startswith("model.embed_tokens."):
+            continue  # an untied embedding's own table: set below
+        # fused_projections.py: one qkv_proj / gate_up_proj, rows in the order of transformers' layers
+        parent, _, attr = name.rpartition(".")
+        parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(attr)
+        targets = [ref_layers[f"{parent}.{p}"] for p in parts] if parts else [ref_layers[name]]
+        for m, w in zip(targets, q.dequantized().split([m.out_features for m in targets])):
+            m.weight = nn.Parameter(w, requires_grad=False)
+    ref.get_input_embeddings().weight = nn.Parameter(emb.dequantized(), requires_grad=False)
     with torch.no_grad():
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                            pad_token_id=0, min_new_tokens=new)
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("value", ["int8wo", "int4wo-32"])
-def test_backend_greedy_equals_transformers_on_the_dequantized_weights(tiny_llama, value):
+def test_backend_greedy_equals_transformers_on_the_dequantized_weights(tiny_llama, tiny_qwen2, family, value):
+    """Untied (llama: the embedding has a table of its own) and tied (qwen2: the lm_head's table) embeddings."""
     from tierlm.backends.torch.backend import TorchBackend
 
-    backend = TorchBackend(tiny_llama, dtype="float32", device="cpu",
-                           weight_quant=parse_weight_quant(None, value))
-    assert backend.info.weight_format == f"torchao:{value}"
+    model_dir = tiny_llama if family == "llama" else tiny_qwen2
+    backend = TorchBackend(model_dir, dtype="float32", device="cpu", weight_quant=parse_weight_quant(None, value))
+    assert backend.info.weight_format == f"torchao:{value}+embedding"
     kinds = {type(m) for m in backend.model.modules()}
     assert (Int8WeightOnlyLinear if value == "int8wo" else Int4WeightOnlyLinear) in kinds
     assert "weight-only" in backend.kernels()["linear"]
     prompts = [[1, 17, 42, 99, 7, 250, 31], [1, 5, 6, 200, 201, 202, 12, 13, 14]]
     got = run_greedy(backend, prompts, 12)
-    assert got == [_dequantized_reference(tiny_llama, backend, p, 12) for p in prompts]
+    assert got == [_dequantized_reference(model_dir, backend, p, 12) for p in prompts]
 
 
 def test_int8_weight_at_an_unaligned_address_and_activations_in_another_dtype():
@@ -168,3 +245,31 @@ def test_int8_weight_at_an_unaligned_address_and_activations_in_another_dtype():
     out = layer(x)
     assert out.dtype == torch.float32
     _bf16_close(out.to(torch.bfloat16), x.to(torch.bfloat16).float() @ (q.float() * scales.to(torch.bfloat16).float()[:, None]).t())
+
+
+def test_an_embedding_left_in_the_model_dtype_is_not_labelled_quantized(tiny_llama, monkeypatch):
+    """quantize_embedding declines (a scaled embedding subclass, rows the kernel cannot take): the weights keep the
+    plain int8wo label, so their L3 pages are never read under "+embedding" (which computes other numbers)."""
+    from tierlm.backends.torch import weight_quant
+    from tierlm.backends.torch.backend import TorchBackend
+    from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
+
+    monkeypatch.setattr(weight_quant, "quantize_embedding", lambda *a: "declined for the test")
+    backend = TorchBackend(tiny_llama, dtype="float32", device="cpu", weight_quant=parse_weight_quant(None, "int8wo"))
+    assert not any(isinstance(m, QuantizedEmbedding) for m in backend.model.modules())
+    assert backend.info.weight_format == "torchao:int8wo"
+
+
+@pytest.mark.parametrize("value", ["int8wo", "int4wo-32"])
+def test_a_long_lookup_in_slices_gives_the_rows_of_a_short_one(tiny_qwen2, value, monkeypatch):
+    """Lookups longer than LOOKUP_CHUNK go in slices (bounded temporaries): the same rows as one lookup."""
+    from tierlm.backends.torch import cpu_quant_embedding
+    from tierlm.backends.torch.backend import TorchBackend
+    from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
+
+    backend = TorchBackend(tiny_qwen2, dtype="float32", device="cpu", weight_quant=parse_weight_quant(None, value))
+    emb = next(m for m in backend.model.modules() if isinstance(m, QuantizedEmbedding))
+    ids = torch.randint(0, emb.num_embeddings, (3, 50))
+    whole = emb(ids)
+    monkeypatch.setattr(cpu_quant_embedding, "LOOKUP_CHUNK", 7)
+    assert torch.equal(emb(ids), whole) and whole.shape == (3, 50, emb.embedding_dim)

@@ -5,6 +5,7 @@ their pages whole in every tier, so a match at any page boundary leaves each sli
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -307,7 +308,9 @@ def mxfp4_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 
 
 def test_mxfp4_checkpoint_matches_reference(gpt_oss_mxfp4, gpt_oss, backend_name):
-    """torch dequantizes the experts while loading; MLX keeps them packed (mlx-lm's native mxfp4 mode)."""
+    """torch dequantizes the experts while loading on a CPU and keeps them packed elsewhere (the device's default,
+    weight_format.mxfp4_experts_mode; both modes: test_mxfp4_experts.py); MLX keeps them packed (mlx-lm's native
+    mxfp4 mode)."""
     backend = make_backend(backend_name, gpt_oss_mxfp4)
     experts = backend.model.model.layers[0].mlp.experts
     if backend_name == "torch":
@@ -315,11 +318,19 @@ def test_mxfp4_checkpoint_matches_reference(gpt_oss_mxfp4, gpt_oss, backend_name
         from safetensors import safe_open
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+        from tierlm.backends.torch.mxfp4_experts import PackedMxfp4Experts
+        from tierlm.backends.weight_format import mxfp4_experts_mode
+
         with safe_open(str(gpt_oss_mxfp4 / "model.safetensors"), "pt") as f:
             prefix = "model.layers.0.mlp.experts.gate_up_proj"
-            expected = convert_moe_packed_tensors(f.get_tensor(prefix + "_blocks"), f.get_tensor(prefix + "_scales"),
-                                                  dtype=torch.float32)
-        assert experts.gate_up_proj.dtype == torch.float32 and torch.equal(experts.gate_up_proj, expected)
+            blocks, scales = f.get_tensor(prefix + "_blocks"), f.get_tensor(prefix + "_scales")
+        packed = isinstance(experts, PackedMxfp4Experts)
+        assert packed == (mxfp4_experts_mode(backend.device, os.environ)[0] == "packed")
+        if packed:
+            assert torch.equal(experts.gate_up_proj_blocks.cpu(), blocks)
+        else:
+            expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            assert experts.gate_up_proj.dtype == torch.float32 and torch.equal(experts.gate_up_proj.cpu(), expected)
     else:
         assert type(experts.gate_proj).__name__ == "QuantizedSwitchLinear" and experts.gate_proj.mode == "mxfp4"
     ps = prompts([7, 33, 61], seed=4)

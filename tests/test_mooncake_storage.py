@@ -21,7 +21,7 @@ from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_keys import page_keys
 from tierlm.runtime.errors import StartupError
 from tierlm.server.bench.mooncake_master import INSTALL_HINT as HINT
-from tierlm.server.bench.mooncake_master import MooncakeMaster, MooncakeMasterError
+from tierlm.server.bench.mooncake_master import MooncakeMaster, MooncakeMasterError, MooncakeRealClient
 
 PAGE_BYTES = 4096
 SEGMENT = 64 * 2**20
@@ -60,9 +60,30 @@ def _stop(master: MooncakeMaster) -> None:
 def _stop_all(holder, master: MooncakeMaster | None) -> None:
     """A test's cleanup, whatever it got to: the memory-lending client closed, then its master stopped."""
     if holder is not None:
-        holder.close()
+        _release(holder)
     if master is not None:
         _stop(master)
+
+
+def _release(holder) -> None:
+    """Close a memory-lending client: an in-process one, or a mooncake_client process."""
+    if isinstance(holder, MooncakeRealClient):
+        holder.stop()
+    else:
+        holder.close()
+
+
+def _start_client(master: str, port: int | None = None) -> MooncakeRealClient:
+    """A mooncake_client lending ``master`` memory (the shm path's real client), listening when this returns."""
+    why = MooncakeRealClient.unavailable()
+    if why:
+        pytest.skip(why)
+    try:
+        return MooncakeRealClient(master, SEGMENT, port).start()
+    except MooncakeMasterError as e:
+        if "libibverbs" in str(e):
+            pytest.skip(str(e))
+        pytest.fail(str(e))
 
 
 def _holder(address: str):
@@ -197,7 +218,8 @@ def _counting_store_class(refuse_registration: bool = False) -> type:
             self._count("register_buffer")
             return -1 if refuse_registration else super().register_buffer(ptr, size)
 
-    for name in ("get", "get_batch", "put_parts", "batch_get_into_multi_buffers", "batch_put_from_multi_buffers"):
+    for name in ("get", "get_batch", "put_parts", "put_from", "setup_dummy", "batch_get_into_multi_buffers",
+                 "batch_put_from_multi_buffers"):
         def counted(self, *a, _name=name, **kw):
             self._count(_name)
             return getattr(super(Counting, self), _name)(*a, **kw)
@@ -311,25 +333,36 @@ def test_a_damaged_value_is_a_counted_miss_on_the_zero_copy_path(master, damage:
     s, host, rows = open_registered(master, _counting_store_class())
     other = open_mooncake(master, ns("model-z"))
     try:
-        k = keys(1, seed={"flip": 23, "short": 24, "garbage": 25, "foreign": 26}[damage])[0]
-        assert s.set(k, page(5))
-        raw, obj = mooncake_client(s), s.object_key(k)
-        if damage == "foreign":  # a value another model's server wrote, under this namespace's name
-            assert other.set(k, page(5))
-            value = raw.get(other.object_key(k))
-        else:
-            value = damaged(raw.get(obj), damage)
-        assert raw.upsert(obj, value) == 0
-        before = s.stats()
-        assert s.batch_get_into([k], [rows(1)]) == [False]
-        after = s.stats()
-        assert (after["errors"], after["misses"], after["reads"]) == (
-            before["errors"] + 1, before["misses"] + 1, before["reads"])
-        assert raw.is_exist(obj) != 1  # removed, so the next backup stores it again
-        assert s.set(k, page(5)) and s.batch_get_into([k], [rows(1)]) == [True] and host[:, 1].tobytes() == page(5)
+        damaged_value_is_a_counted_miss(s, other, host, rows, damage, seed={"flip": 23, "short": 24, "garbage": 25,
+                                                                             "foreign": 26}[damage])
     finally:
         s.close()
         other.close()
+
+
+def damaged_value_is_a_counted_miss(s, other, host, rows, damage: str, seed: int, staged: bool = False) -> dict:
+    """Store a page, damage its value in the store (or put another namespace's value under its name), read it:
+    a counted miss, removed from the store; stored again, it is read. ``staged``: read through a staging area,
+    so the damaged bytes never reach the host page (zero-copy reads land in it and are checked there). Returns the
+    stats after the miss."""
+    k = keys(1, seed=seed)[0]
+    assert s.set(k, page(5))
+    raw, obj = mooncake_client(s), s.object_key(k)
+    if damage == "foreign":  # a value another model's server wrote, under this namespace's name
+        assert other.set(k, page(5))
+        value = raw.get(other.object_key(k))
+    else:
+        value = damaged(raw.get(obj), damage)
+    assert raw.upsert(obj, value) == 0
+    before = s.stats()
+    assert s.batch_get_into([k], [rows(1)]) == [False]
+    assert not staged or not any(host[:, 1].ravel())
+    after = s.stats()
+    assert (after["errors"], after["misses"], after["reads"]) == (
+        before["errors"] + 1, before["misses"] + 1, before["reads"])
+    assert raw.is_exist(obj) != 1  # removed, so the next backup stores it again
+    assert s.set(k, page(5)) and s.batch_get_into([k], [rows(1)]) == [True] and host[:, 1].tobytes() == page(5)
+    return after
 
 
 def test_another_namespace_never_sees_the_pages(master) -> None:
@@ -469,6 +502,20 @@ def test_missing_package_names_the_install_command(monkeypatch) -> None:
 
 
 # ---------------------------------------------------------------- a server on the shared store
+def cold_run(model_dir, kw: dict, prompt: list[int]):
+    """One engine on the store serves ``prompt`` cold (12 greedy tokens) and shuts down, which flushes its backups:
+    (its output, its storage stats)."""
+    from engine_harness import greedy, run
+    from test_hicache import hicache_engine
+
+    engine = hicache_engine("torch", model_dir, **kw)
+    try:
+        cold, = run(engine, [prompt], greedy(12))
+    finally:
+        engine.shutdown()
+    return cold, engine.parts.cache.storage.stats()
+
+
 def test_engine_storage_hit_after_restart(master, tiny_llama, store) -> None:
     """A second engine on the same master serves the prompt from Mooncake with exactly the cold output."""
     from engine_harness import greedy, run
@@ -478,12 +525,7 @@ def test_engine_storage_hit_after_restart(master, tiny_llama, store) -> None:
                         "connect_wait_s": CONNECT_WAIT_S})
     kw = {"hicache_storage_backend": "mooncake", "hicache_storage_backend_extra_config": extra}
     prompt = doc(11) + [3]
-    engine = hicache_engine("torch", tiny_llama, **kw)
-    try:
-        cold, = run(engine, [prompt], greedy(12))
-    finally:
-        engine.shutdown()  # flushes the backups
-    written = engine.parts.cache.storage.stats()
+    cold, written = cold_run(tiny_llama, kw, prompt)
     assert written["zero_copy_writes"] == written["writes"] >= 15  # every page written from its registered host page
     engine = hicache_engine("torch", tiny_llama, **kw)
     try:
@@ -532,11 +574,16 @@ def test_clear_removes_this_namespace_only(master) -> None:
 
 def test_engine_of_another_model_gets_no_hits(master, tiny_llama, tiny_models_root, store) -> None:
     """Two models on one master: the second one's identical token ids never load the first one's pages."""
+    another_model_gets_no_hits({"master_server_address": master}, tiny_llama, tiny_models_root)
+
+
+def another_model_gets_no_hits(addresses: dict, tiny_llama, tiny_models_root) -> None:
+    """The check of the test above, on the store named by ``addresses`` (also run on the shm path)."""
     from engine_harness import greedy, run
     from model_factory import build_tiny_model, reference_greedy
     from test_hicache import doc, hicache_engine
 
-    extra = json.dumps({"master_server_address": master, "local_hostname": "127.0.0.1", "global_segment_size": 0,
+    extra = json.dumps({**addresses, "local_hostname": "127.0.0.1", "global_segment_size": 0,
                         "connect_wait_s": CONNECT_WAIT_S})
     kw = {"hicache_storage_backend": "mooncake", "hicache_storage_backend_extra_config": extra}
     prompt = doc(13) + [5]
@@ -585,21 +632,30 @@ def _stream_all(engine, prompts: list[list[int]], params, on_first_token) -> lis
     return asyncio.run(main())
 
 
-def test_engine_keeps_serving_when_the_master_dies_and_uses_it_again_when_it_returns(tiny_llama, store) -> None:
-    """The master killed while requests stream: every request finishes with the reference output, later ones are
-    served from L1/L2, /server_info shows L3 degraded; the master restarted: L3 comes back and takes pages again
-    (another engine then loads them)."""
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_engine_keeps_serving_when_the_master_dies_and_uses_it_again_when_it_returns(tiny_llama, store,
+                                                                                     transport) -> None:
+    """The master (and what lends it memory) killed while requests stream: every request finishes with the
+    reference output, later ones are served from L1/L2, /server_info shows L3 degraded; the store restarted: L3
+    comes back and takes pages again (another engine then loads them). "shm": the engines are dummy clients of a
+    mooncake_client on this host, which lends the memory (test_mooncake_shm.py)."""
     from engine_harness import greedy, pool_is_clean, run, settles_clean
     from model_factory import reference_greedy
     from test_hicache import doc, hicache_engine
 
-    rpc = _free_port()
+    rpc, client_port = _free_port(), _free_port()
     address = f"127.0.0.1:{rpc}"
     proc = _start_master(rpc)
-    holder = _holder(address)
-    extra = json.dumps({"master_server_address": address, "local_hostname": "127.0.0.1", "global_segment_size": 0,
-                        "connect_wait_s": CONNECT_WAIT_S,
-                        "retry_interval_s": 0.3})
+
+    def lender():
+        return _holder(address) if transport == "tcp" else _start_client(address, client_port)
+
+    holder = lender()
+    addresses = {"master_server_address": address}
+    if transport == "shm":
+        addresses["client_server_address"] = f"127.0.0.1:{client_port}"
+    extra = json.dumps({**addresses, "local_hostname": "127.0.0.1", "global_segment_size": 0,
+                        "connect_wait_s": CONNECT_WAIT_S, "retry_interval_s": 0.3})
     kw = {"hicache_storage_backend": "mooncake", "hicache_storage_backend_extra_config": extra,
           "hicache_storage_prefetch_policy": "timeout"}
 
@@ -608,7 +664,7 @@ def test_engine_keeps_serving_when_the_master_dies_and_uses_it_again_when_it_ret
 
     def kill_master() -> None:
         nonlocal holder, proc
-        holder.close()
+        _release(holder)
         holder = None
         _stop(proc)
         proc = None
@@ -630,10 +686,16 @@ def test_engine_keeps_serving_when_the_master_dies_and_uses_it_again_when_it_ret
                 run(engine, [doc(40) + [int(time.monotonic() * 10) % 200]], greedy(1))
                 time.sleep(0.2)
             assert storage_tier(engine)["state"] == "degraded"
+            # A read the kill left in flight past its prefetch's timeout (a dummy client's call to a dead
+            # mooncake_client takes ~4 s to fail) parks its host page until a later prefetch sweeps it.
+            for i in range(5):
+                if settles_clean(engine, 2.0):
+                    break
+                run(engine, [doc(41) + [10 + i]], greedy(1))
             assert settles_clean(engine)
 
             proc = _start_master(rpc)
-            holder = _holder(address)
+            holder = lender()
             fresh = doc(50) + [8]
             deadline = time.monotonic() + 20  # no request touches L3 meanwhile: the health probe notices it
             while storage_tier(engine)["state"] != "online" and time.monotonic() < deadline:

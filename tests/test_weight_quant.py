@@ -55,8 +55,11 @@ def _torchao_reference(model_dir: Path, name: str, prompt: list[int]) -> list[in
 # ------------------------------------------------------------------------------------------------ torch, torchao
 @pytest.mark.parametrize("flag,value,name", [("torchao_config", "int8wo", "int8wo"),
                                              ("quantization", "w8a8_int8", "int8dq")])
-def test_torchao_greedy_matches_transformers_with_same_quantization(tiny_llama, flag, value, name):
+def test_torchao_greedy_matches_transformers_with_same_quantization(tiny_llama, monkeypatch, flag, value, name):
+    """torchao's own path (int8wo on CPU with TIERLM_CPU_QUANT_LINEAR=0: the default path quantizes the embedding
+    too, checked against its dequantized weights in tests/test_cpu_quant_linear.py)."""
     _torchao()
+    monkeypatch.setenv("TIERLM_CPU_QUANT_LINEAR", "0")
     backend = _torch_backend(tiny_llama, flag, value)
     assert backend.info.weight_format == f"torchao:{name}"
     got = run_greedy(backend, PROMPTS, NEW)
@@ -66,15 +69,32 @@ def test_torchao_greedy_matches_transformers_with_same_quantization(tiny_llama, 
 
 @pytest.mark.parametrize("value,bytes_per_value", [("int8wo", 1), ("int4wo-32", 0.5)])
 def test_weight_only_linears_take_a_quarter_or_an_eighth_of_float32(tiny_llama, value, bytes_per_value):
+    import torch
+
     from tierlm.backends.torch.backend import TorchBackend
 
     dense = TorchBackend(tiny_llama, dtype="float32", device="cpu")
     q = _torch_backend(tiny_llama, "torchao_config", value)
-    linear = sum(m.weight.numel() for m in dense.model.modules() if isinstance(m, __import__("torch").nn.Linear))
-    # Linear weights go from 4 bytes to 1 or 0.5 (+ scales: one per output row, or a scale and a zero point per
-    # group of 32); embeddings and norms stay float32.
+    matrices = sum(m.weight.numel() for m in dense.model.modules() if isinstance(m, (torch.nn.Linear,
+                                                                                     torch.nn.Embedding)))
+    # Linear weights and the input embedding go from 4 bytes to 1 or 0.5 (+ scales: one per output row, or a
+    # scale and a zero point per group of 32); norms stay float32.
     saved = dense.weight_bytes() - q.weight_bytes()
-    assert 0.7 * (4 - bytes_per_value) * linear < saved <= (4 - bytes_per_value) * linear
+    assert 0.7 * (4 - bytes_per_value) * matrices < saved <= (4 - bytes_per_value) * matrices
+
+
+@pytest.mark.parametrize("value,device,env,label", [
+    ("int8wo", "cpu", {}, "torchao:int8wo+embedding"),
+    ("int4wo-128", "cpu", {}, "torchao:int4wo-128+embedding"),
+    ("int8wo", "cpu", {"TIERLM_CPU_QUANT_LINEAR": "0"}, "torchao:int8wo"),
+    ("int8wo", "cuda", {}, "torchao:int8wo"),
+    ("int8dq", "cpu", {}, "torchao:int8dq")])
+def test_the_label_says_where_the_embedding_is_quantized_too(value, device, env, label):
+    """The CPU weight-only path quantizes the embedding (other numerics than torchao's, which leaves it in the model
+    dtype, and than tierlm before): its own label, so the L3 namespace never mixes the two."""
+    from tierlm.backends.weight_format import weight_format_label
+
+    assert weight_format_label({}, parse_weight_quant(None, value), device, env) == label
 
 
 @pytest.mark.parametrize("value,needs", [("fp8wo", "compute capability 8.9"),
@@ -151,7 +171,8 @@ def test_quantized_model_hits_in_every_tier_give_the_cold_output(tiny_llama, sto
 
     def names_the_format(engine):
         info = engine.server_info()
-        assert info["weight_format"] == f"torchao:{name}"
+        # int8wo on CPU: the embedding is int8 too (cpu_quant_embedding.py), which the label says
+        assert info["weight_format"] == f"torchao:{name}" + ("+embedding" if name == "int8wo" else "")
         assert 0 < info["weight_bytes"] < engine.parts.backend.info.num_layers * 4 * 64 * 64 * 4 * 4
 
     cold, device, host, storage = tier_round_trip(
@@ -382,9 +403,10 @@ def test_tied_embeddings_quantize_on_torch(tiny_qwen2):
 
 
 @pytest.mark.parametrize("value", ["int8wo", "int4wo-32"])
-def test_doctor_counts_the_quantized_copy_of_a_tied_lm_head(tiny_qwen2, value):
-    """Tied embeddings on torch: lm_head gets its own quantized copy, the embedding stays float; doctor's
-    estimate includes the copy (within 2 % of what the backend holds; the copy is ~9 % of this model)."""
+def test_doctor_counts_the_one_quantized_table_of_a_tied_lm_head(tiny_qwen2, value):
+    """Tied embeddings on the CPU weight-only path: the embedding and lm_head share one quantized table; doctor's
+    estimate counts it once (within 2 % of what the backend holds; a second quantized copy would add ~14 % to this
+    model, a float32 embedding ~50 %) and names the same format."""
     from tierlm.backends.torch.backend import TorchBackend
     from tierlm.platforms import detect
     from tierlm.server import doctor_cmd
@@ -394,6 +416,7 @@ def test_doctor_counts_the_quantized_copy_of_a_tied_lm_head(tiny_qwen2, value):
                                   "--torchao-config", value])
     assert not report["errors"], report["errors"]
     loaded = TorchBackend(tiny_qwen2, dtype="float32", device="cpu", weight_quant=parse_weight_quant(None, value))
+    assert report["model"]["weight_format"] == loaded.info.weight_format == f"torchao:{value}+embedding"
     assert abs(report["model"]["weight_bytes"] - loaded.weight_bytes()) <= 0.02 * loaded.weight_bytes()
 
 

@@ -63,8 +63,12 @@ def model_size(model_dir: ModelFolder | Path, dtype: str = "auto", device: str =
                      state_slot_bytes=state)
 
 
-def weight_bytes(model_dir: ModelFolder | Path, dtype: str) -> int:
-    """Bytes of the weights as an engine holds them in ``dtype`` (floating tensors cast, the rest as stored).
+def weight_bytes(model_dir: ModelFolder | Path, dtype: str, mxfp4_dequantized: bool = False,
+                 fp8_dequantized: bool = False) -> int:
+    """Bytes of the weights as an engine holds them in ``dtype`` (floating tensors cast, the rest as stored: MXFP4
+    ``*_blocks`` / ``*_scales`` stay packed, as the mlx backend and the torch backend's packed experts hold them;
+    ``mxfp4_dequantized``: as the torch backend holds them dequantized, two values per block byte in ``dtype``;
+    ``fp8_dequantized``: float8 tensors in ``dtype``, as a device without fp8 matmuls holds them).
 
     Read from the safetensors headers; a file whose header cannot be read (and *.bin files, which have none)
     counts its size on disk.
@@ -81,7 +85,11 @@ def weight_bytes(model_dir: ModelFolder | Path, dtype: str) -> int:
             if name == "__metadata__":
                 continue
             numel = math.prod(int(d) for d in t["shape"])
-            float_bytes = DTYPE_BYTES.get(dtype) if t["dtype"] in SAFETENSORS_FLOATS else None
+            if mxfp4_dequantized and t["dtype"] == "U8" and name.endswith(("_blocks", "_scales")):
+                total += 2 * numel * DTYPE_BYTES[dtype] if name.endswith("_blocks") else 0
+                continue
+            floats = SAFETENSORS_FLOATS + (("F8_E4M3", "F8_E5M2") if fp8_dequantized else ())
+            float_bytes = DTYPE_BYTES.get(dtype) if t["dtype"] in floats else None
             total += numel * (float_bytes or SAFETENSORS_BYTES.get(t["dtype"], 4))
     return total
 

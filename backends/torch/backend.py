@@ -14,6 +14,7 @@ from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 from tierlm.backends.torch import cpu_paged_decode, paged_attention
 from tierlm.backends.torch.compiled_decode import CompiledDecode
+from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
 from tierlm.backends.torch.cpu_linear import packed_bytes
 from tierlm.backends.torch.cpu_threads import configure_cpu_threads
 from tierlm.backends.torch.decode_graphs import DecodeGraphs
@@ -23,9 +24,10 @@ from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
+from tierlm.backends.torch.mxfp4_experts import packed_bytes as mxfp4_packed_bytes
 from tierlm.backends.torch.weight_quant import tensor_bytes
 from tierlm.backends.verified_architectures import check_architecture
-from tierlm.backends.weight_format import WeightQuant, weight_format_label
+from tierlm.backends.weight_format import EMBEDDING_SUFFIX, WeightQuant, weight_format_label
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class TorchBackend(ModelBackend):
             dtype=str(self.dtype).removeprefix("torch."),
             fingerprint=model_fingerprint(folder),
             sliding_window=getattr(text_cfg, "sliding_window", None),
-            weight_format=weight_format_label(folder.config, weight_quant),
+            weight_format=self._weight_format(folder.config, weight_quant),
         )
         self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
         self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
@@ -86,6 +88,15 @@ class TorchBackend(ModelBackend):
         self.linear_state = install_linear_state(self.model, folder.text_config, self.info.dtype, self.torch_device)
         if self.linear_state is not None:
             self.info.state = self.linear_state.geometry
+
+    def _weight_format(self, config, weight_quant: WeightQuant | None) -> str:
+        """The label of the weights as loaded: "+embedding" only where the embedding really was quantized (it stays
+        float when it is not a plain nn.Embedding or its rows do not fit the kernel), so L3 pages never mix."""
+        label = weight_format_label(config, weight_quant, self.device)
+        if label.endswith(EMBEDDING_SUFFIX) and \
+                not any(isinstance(m, QuantizedEmbedding) for m in self.model.modules()):
+            label = label.removesuffix(EMBEDDING_SUFFIX)
+        return label
 
     def _check_attention_backend(self, name: str) -> str:
         if name == "tierlm_paged":  # torch_native's old name
@@ -126,6 +137,10 @@ class TorchBackend(ModelBackend):
         if self.linear_state is not None:
             return None  # hybrids: the recurrent-state reads and writes are not part of the static path
         capture = capture and self.device == "cuda" and self.attention_backend == paged_attention.TRITON
+        if capture and mxfp4_packed_bytes(self.model):
+            log.info("CUDA graphs: not captured: packed MXFP4 experts pick the experts to dequantize on the host "
+                     "each step (TIERLM_MXFP4_EXPERTS=dequantized captures, at 2 bytes per expert weight)")
+            capture = False
         self.decode_graphs = DecodeGraphs(self.pool, self.scratch_page, max_bs, context_length, self.info.vocab_size,
                                           self.torch_device, self.attention_backend, self._run_model, capture)
         return self.decode_graphs.info()

@@ -25,7 +25,7 @@ import logging
 import torch
 from torch import nn
 
-from tierlm.backends.weight_format import WeightFormatError
+from tierlm.backends.weight_format import FP8_MATMUL_CAPABILITY, WeightFormatError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def check_installed() -> None:
 
 def fp8_matmul_device(device: torch.device) -> bool:
     """Whether ``device`` runs fp8 matmuls (CUDA compute capability 8.9+: Ada, Hopper, Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MATMUL_CAPABILITY
 
 
 def from_pretrained_kwargs(device: torch.device) -> dict:

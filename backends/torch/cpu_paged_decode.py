@@ -4,6 +4,8 @@ float32 pages.
 torch has no paged attention on CPU: the torch_native path gathers each request's pages per layer, and the
 matmuls then copy the gathered K/V again; at 3.9k cached tokens that was ~13 ms of a 28 ms llama-small bf16 step,
 against ~4 MB of K/V per layer to read. This kernel reads each K and V row once, straight from the pool.
+The same library holds the row softmax of bf16 prefill attention (``softmax_rows_bf16``, used by
+cpu_blocked_attention.py), so one build, one cache file and one switch serve both.
 
 Numerics: bf16 follows transformers' bf16 eager attention, so bf16 outputs stay those of transformers' bf16
 model: scores are rounded to bf16 (the matmul's output), scaled and rounded again, softmax runs in float32, the
@@ -112,6 +114,32 @@ void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const i
 #define IDENTITY(x) (x)
 PAGED_DECODE(paged_decode_bf16, uint16_t, bf, ROUND_SCORE_BF16, round_bf, to_bf)
 PAGED_DECODE(paged_decode_f32, float, IDENTITY, ROUND_SCORE_F32, IDENTITY, IDENTITY)
+
+/* The softmax of blocked bf16 prefill attention (cpu_blocked_attention.py), in place over rows r0..r1-1 of bf16
+   scores [R, E] as a bf16 matmul left them: row r keeps its first limits[g * b + i] columns (g = r / rows_per_group,
+   i = r % b: the query row of its block), each scaled and rounded to bf16, softmax in float32, probabilities
+   rounded to bf16, the rest of the row zeroed. transformers' bf16 eager rounding points, as the decode above.
+   work: E floats. Callers split [0, R) between threads (ctypes releases the GIL). */
+void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int32_t *restrict limits,
+                       long rows_per_group, int b, float scale, float *restrict work) {
+    for (long r = r0; r < r1; r++) {
+        int lim = limits[(r / rows_per_group) * b + (int)(r % b)];
+        if (lim > E) lim = E;
+        if (lim < 1) lim = 1;
+        uint16_t *row = s + r * (long)E;
+        float mx = -FLT_MAX;
+        for (int t = 0; t < lim; t++) {
+            const float x = round_bf(bf(row[t]) * scale);
+            work[t] = x;
+            mx = x > mx ? x : mx;
+        }
+        float sum = 0.f;
+        for (int t = 0; t < lim; t++) { const float e = expf(work[t] - mx); work[t] = e; sum += e; }
+        const float inv = 1.f / sum;
+        for (int t = 0; t < lim; t++) row[t] = to_bf(work[t] * inv);
+        for (int t = lim; t < E; t++) row[t] = 0;
+    }
+}
 """
 # Vectorized dot products need reassociated float sums, and the softmax's expf vectorizes (glibc's libmvec) only
 # under -ffast-math: every value here is finite (the running max starts at -FLT_MAX), and its roundings are the
@@ -188,6 +216,9 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [
             ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.softmax_rows_bf16.restype = None
+    lib.softmax_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
 
 
 def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
@@ -249,16 +280,18 @@ def supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads:
 
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                 page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+                 page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float,
+                 max_len: int | None = None) -> torch.Tensor:
     """q [R, H, D] (one query per request) over each request's kv_lens[r] keys in the pool layer
-    ``k_slots``/``v_slots`` [slots, Hkv, D] of q's dtype, pages from ``page_table`` [R, P] int32 -> [R, H, D]."""
+    ``k_slots``/``v_slots`` [slots, Hkv, D] of q's dtype, pages from ``page_table`` [R, P] int32 -> [R, H, D].
+    ``max_len``: kv_lens' maximum when the caller knows it (the step's metadata: no reduction per layer)."""
     R, H, D = q.shape
     Hkv = k_slots.shape[1]
     q = q.contiguous()
     table = page_table.contiguous()
     lens = kv_lens.contiguous()
     out = torch.empty_like(q)
-    max_len = max(1, int(lens.max()))
+    max_len = max(1, int(lens.max()) if max_len is None else max_len)
     work = torch.empty(H * max_len + 2 * H * D + H, dtype=torch.float32)
     fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
     fn(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), R, H,

@@ -112,16 +112,18 @@ class Int8WeightOnlyLinear(nn.Module):
         return cls.from_quantized(q, scale.reshape(-1), linear.bias, dtype=w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape[:-1] + (self.out_features,)
-        if x.numel() == 0:
-            return x.new_empty(shape)
-        dtype = x.dtype
-        if dtype != self.scales.dtype:  # the kernel crashes on activations in another dtype than its scales
-            x = x.to(self.scales.dtype)
-        y = torch._weight_int8pack_mm(_flat(x, self.in_features), self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(shape).to(dtype)
+        # Few eager ops: a decode step calls this ~100-170 times for one row each (Qwen2.5-0.5B).
+        scales, bias, dtype = self.scales, self.bias, x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty(x.shape[:-1] + (self.out_features,))
+        if dtype != scales.dtype:  # the kernel crashes on activations in another dtype than its scales
+            x2 = x2.to(scales.dtype)
+        y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, scales)
+        if bias is not None:
+            y.add_(bias)
+        y = y.view(x.shape[:-1] + (self.out_features,))
+        return y if y.dtype == dtype else y.to(dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] the layer multiplies by (tests, debugging)."""
@@ -130,6 +132,19 @@ class Int8WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"int8 weight-only, activations {str(self.scales.dtype).removeprefix('torch.')}"
+
+
+def int4_tinygemm_recipe(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's int4wo tinygemm recipe on w [N, K] (K a multiple of ``group_size``): q [N, K] in 0..15 (float),
+    scale and zero [N, K / group] in w's dtype, with w ~ (q - 8) * scale + zero."""
+    n, k = w.shape
+    g = w.reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = torch.clamp((hi - lo) / 15.0, min=INT4_EPS)
+    zero = lo + scale * 8.0
+    low = (zero - scale * 8.0)[..., None]
+    q = torch.clamp(torch.round((g - low) / scale[..., None]), 0, 15).reshape(n, k)
+    return q, scale, zero
 
 
 class Int4WeightOnlyLinear(nn.Module):
@@ -209,16 +224,10 @@ class Int4WeightOnlyLinear(nn.Module):
         """Quantize ``linear`` with torchao's int4wo tinygemm recipe (asymmetric per group, eps 1e-6, scale and zero
         in the linear's dtype); activations stay in that dtype."""
         w = linear.weight.detach()
-        n, k = w.shape
-        why = cls.shape_supported(n, k, group_size)
+        why = cls.shape_supported(*w.shape, group_size)
         if why:
             raise ValueError(f"torch._weight_int4pack_mm_for_cpu cannot take this layer: {why}")
-        g = w.reshape(n, k // group_size, group_size)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = torch.clamp((hi - lo) / 15.0, min=INT4_EPS)
-        zero = lo + scale * 8.0
-        low = (zero - scale * 8.0)[..., None]
-        q = torch.clamp(torch.round((g - low) / scale[..., None]), 0, 15).reshape(n, k)
+        q, scale, zero = int4_tinygemm_recipe(w, group_size)
         return cls._from_tinygemm(q, scale, zero, group_size, linear.bias, w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,8 +261,9 @@ QUANT_LINEARS = (Int8WeightOnlyLinear, Int4WeightOnlyLinear)
 
 
 def quantize_linears(model: nn.Module, bits: int, group_size: int | None = None) -> tuple[int, list[str]]:
-    """Swap every CPU ``nn.Linear`` of ``model`` (lm_head included; a tied lm_head gets its own quantized copy,
-    the embedding stays in the model dtype) for an int8 (``bits`` 8) or int4 (``bits`` 4, ``group_size``)
+    """Swap every CPU ``nn.Linear`` of ``model`` (lm_head included: a tied one gets a quantized table of its own,
+    which cpu_quant_embedding.quantize_embedding then makes the embedding's table too, so it is held once) for an
+    int8 (``bits`` 8) or int4 (``bits`` 4, ``group_size``)
     weight-only layer; returns (how many, the layers kept dense with the reason: shapes the kernel cannot take)."""
     swaps, kept = [], []
     for name, m in model.named_modules():

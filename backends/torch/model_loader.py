@@ -10,8 +10,10 @@ import torch
 from tierlm.backends.dtypes import serving_dtype
 from tierlm.backends.torch import compressed_tensors, paged_attention
 from tierlm.backends.torch.cpu_linear import pack_linears
-from tierlm.backends.torch.weight_quant import check_device, quantize_model
-from tierlm.backends.weight_format import WeightQuant, check_backend_kind, check_checkpoint
+from tierlm.backends.torch.fused_projections import fuse_projections
+from tierlm.backends.torch.mxfp4_experts import packed_model_class
+from tierlm.backends.torch.weight_quant import check_device, native_cpu, quantize_model
+from tierlm.backends.weight_format import WeightQuant, check_backend_kind, check_checkpoint, mxfp4_experts_mode
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
     method = check_checkpoint(config.to_dict(), "torch", quant)
     if method == "compressed-tensors":
         compressed_tensors.check_installed()
+    model_class = AutoModelForCausalLM
+    if method == "mxfp4":
+        mode, why = mxfp4_experts_mode(device.type, os.environ)
+        if mode == "packed":  # the config loses its quantization_config: quantization_kwargs returns {} below
+            config, model_class = packed_model_class(config)
+        log.info("MXFP4 experts: %s (%s)", mode, why)
     # Loaded with "eager" (every architecture has it; gpt-oss has no sdpa path), then switched to the paged hook.
-    model = AutoModelForCausalLM.from_pretrained(
+    model = model_class.from_pretrained(
         model_dir, config=config, dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code,
         **quantization_kwargs(config, dtype, device),
     )
@@ -49,6 +57,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
         compressed_tensors.convert_model(model, dtype)  # on the device: the CPU kernels prepack there
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu" and (quant is None or native_cpu(quant, device)):
+        # q/k/v and gate/up as one linear each, same products; packed below where bf16, or quantized below by the
+        # CPU weight-only formats (per output row / group of a row: the same values as the unfused layers)
+        fuse_projections(model)
     if quant is not None:
         quantize_model(model, quant)
     elif device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
@@ -59,11 +71,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
 def quantization_kwargs(config, dtype: torch.dtype, device: torch.device) -> dict:
     """from_pretrained arguments for quantized checkpoints the torch backend can serve.
 
-    MXFP4 (gpt-oss expert weights as ``*_blocks``/``*_scales``): transformers' MXFP4 kernels need triton and the
-    ``kernels`` package (fetched from the Hub), and its quantizer otherwise insists on accelerate. With
-    ``Mxfp4Config(dequantize=True)`` it decodes the blocks to ``dtype`` while loading, in plain torch, offline and
-    on any device; the experts then run as ordinary ``GptOssExperts`` (memory: 2 or 4 bytes per weight instead
-    of ~0.53).
+    MXFP4 (gpt-oss expert weights as ``*_blocks``/``*_scales``) when the experts are to be dequantized
+    (weight_format.mxfp4_experts_mode; packed: mxfp4_experts.py, and the config has no quantization_config by
+    then): transformers' MXFP4 kernels need triton and the ``kernels`` package (fetched from the Hub), and its
+    quantizer otherwise insists on accelerate. With ``Mxfp4Config(dequantize=True)`` it decodes the blocks to
+    ``dtype`` while loading, in plain torch, offline and on any device; the experts then run as ordinary
+    ``GptOssExperts`` (memory: 2 or 4 bytes per weight instead of ~0.53).
 
     compressed-tensors (llm-compressor): loaded still compressed, then swapped layer by layer
     (compressed_tensors.py).

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierlm.backends.torch import compiled_decode, cpu_paged_decode
+from tierlm.backends.torch import compiled_decode, cpu_blocked_attention, cpu_paged_decode
 
 ATTN_IMPLEMENTATION = "tierlm_paged"
 # --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
@@ -62,6 +62,8 @@ class _Group:
     window_masks: dict  # sliding window -> mask, built on first use
     page_rows: torch.Tensor  # [G, P] int32: each request's pages (cpu_paged_decode reads the pool through them)
     kv_lens: torch.Tensor  # [G] int32
+    row_limits: np.ndarray  # [G, Q] int32: keys each query row sees (the mask's per-row length; padded rows: 1)
+    max_kv_len: int  # kv_lens' maximum
 
 
 class StepMeta:
@@ -135,7 +137,8 @@ class StepMeta:
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         return _Group(t(rows), rows, t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
                       t(q_pos), t(kv_pages.reshape(-1).astype(np.int64)), t(kv_pos), t(mask[:, None]), {},
-                      t(page_table[sel][:, :P].astype(np.int32)), t(kl.astype(np.int32)))
+                      t(page_table[sel][:, :P].astype(np.int32)), t(kl.astype(np.int32)),
+                      np.where(row_valid, q_pos + 1, 1).astype(np.int32), int(kl.max()))
 
     @staticmethod
     def window_mask(g: _Group, window: int) -> torch.Tensor:
@@ -179,6 +182,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if meta.single_fresh_prefill and sliding_window is None and s_aux is None:
         # K/V as the pool holds them (fp8 / bf16 pages round them): a later hit on these pages reads the same.
         key, value = pool.as_stored(key), pool.as_stored(value)
+        if cpu_blocked_attention.usable(lib := cpu_paged_decode.load(), q, key):
+            out = cpu_blocked_attention.blocked_attention(lib, q[None], key, value,
+                                                          cpu_blocked_attention.causal_limits(q.shape[1]), scaling)
+            return out.transpose(1, 2), None
         out = F.scaled_dot_product_attention(q[None], key, value, is_causal=True, scale=scaling,
                                              enable_gqa=q.shape[0] != key.shape[1])
         return out.transpose(1, 2), None
@@ -197,7 +204,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 (lib := cpu_paged_decode.load()) is not None:
             # bf16/float32 decode reading the pages in place (no gathers, no copies), transformers' numerics
             og = cpu_paged_decode.paged_decode(lib, qg[:, :, 0], pool.k[layer], pool.v[layer], g.page_rows,
-                                               g.kv_lens, pool.page_size, scaling)[:, :, None]  # [G, H, 1, D]
+                                               g.kv_lens, pool.page_size, scaling, g.max_kv_len)[:, :, None]
         else:
             kg = pool.dequantize(k_pages.index_select(0, g.kv_pages), q.dtype)
             vg = pool.dequantize(v_pages.index_select(0, g.kv_pages), q.dtype)
@@ -206,6 +213,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
             if g.Q == 1 and s_aux is None and q.dtype in _EAGER_DECODE_DTYPES and q.device.type == "cpu":
                 og = attend_decode_eager(qg, kg, vg, mask, scaling)
+            elif s_aux is None and sliding_window is None and \
+                    cpu_blocked_attention.usable(lib := cpu_paged_decode.load(), qg, kg):
+                og = cpu_blocked_attention.blocked_attention(lib, qg, kg, vg, g.row_limits, scaling)
             else:
                 og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)

@@ -3,12 +3,14 @@ weight-only int8/int4 formats on CPU, which run torch's own weight-only kernels 
 quantized with torchao's recipes.
 
 What runs where (torchao 0.18, checked on torch 2.13):
-- int8wo: CPU: ``torch._weight_int8pack_mm`` (cpu_quant_linear.Int8WeightOnlyLinear); torchao's own CPU path
+- int8wo: CPU: ``torch._weight_int8pack_mm`` (cpu_quant_linear.Int8WeightOnlyLinear), and the input embedding
+  int8 too (cpu_quant_embedding.py; a tied lm_head and the embedding share one table); torchao's own CPU path
   converts the int8 weight to the activation dtype inside every matmul (4-5x slower than float32 decode; it still
-  serves with TIERLM_CPU_QUANT_LINEAR=0, for comparison). Other devices: torchao.
+  serves with TIERLM_CPU_QUANT_LINEAR=0, for comparison, embedding in the model dtype). Other devices: torchao.
 - int8dq (SGLang's w8a8_int8): any device; activations quantized per token, int8 x int8 matmul (torch._int_mm).
-- int4wo-<group>: CPU: ``torch._weight_int4pack_mm_for_cpu`` (cpu_quant_linear.Int4WeightOnlyLinear); CUDA:
-  torchao's int4 weight-only kernels.
+- int4wo-<group>: CPU: ``torch._weight_int4pack_mm_for_cpu`` (cpu_quant_linear.Int4WeightOnlyLinear), the input
+  embedding int4 in the same groups (read from the packed table: one table when tied); CUDA: torchao's int4
+  weight-only kernels.
 - fp8wo, fp8dq-per_row (SGLang's fp8): CUDA with compute capability 8.9+ (torchao's float8 matmuls).
 """
 from __future__ import annotations
@@ -18,23 +20,18 @@ import os
 
 import torch
 
+from tierlm.backends.torch.cpu_quant_embedding import quantize_embedding, tied_lm_head
 from tierlm.backends.torch.cpu_quant_linear import quantize_linears
-from tierlm.backends.weight_format import WeightFormatError, WeightQuant, device_refusal
+from tierlm.backends.weight_format import NATIVE_ENV, WeightFormatError, WeightQuant, cpu_weight_only, device_refusal
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'tierlm[quant]' (torchao)"
-# TIERLM_CPU_QUANT_LINEAR=0: int8wo on CPU through torchao's own path instead (benchmarks compare the two).
-NATIVE_ENV = "TIERLM_CPU_QUANT_LINEAR"
 
 
 def native_cpu(quant: WeightQuant, device: torch.device) -> bool:
     """Whether ``quant`` runs torch's CPU weight-only kernels (cpu_quant_linear.py) rather than torchao's."""
-    if device.type != "cpu" or quant.kind != "torchao":
-        return False
-    if quant.name.startswith("int4wo"):
-        return True  # torchao has no CPU int4 weight-only path outside its prototypes
-    return quant.name == "int8wo" and os.environ.get(NATIVE_ENV, "1") != "0"
+    return cpu_weight_only(quant, device.type, os.environ)
 
 
 def check_device(quant: WeightQuant, device: torch.device) -> None:
@@ -90,10 +87,15 @@ def quantize_model(model: torch.nn.Module, quant: WeightQuant) -> None:
 
 
 def _quantize_native(model: torch.nn.Module, quant: WeightQuant, dtype: torch.dtype) -> None:
+    tied = tied_lm_head(model)  # read before the swap gives lm_head a weight of its own
     swapped, kept = quantize_linears(model, quant.bits, quant.group_size)
     if not swapped:
         raise WeightFormatError(f"{quant.flag}: no linear layer of this model fits torch's CPU weight-only kernel "
                                 f"({'; '.join(kept[:3])}); use --torchao-config int8dq or no quantization")
+    # The embedding too (llama.cpp's token_embd), over the lm_head's own table when they are tied.
+    dense_embedding = quantize_embedding(model, quant.bits, quant.group_size, tied)
+    if dense_embedding:
+        log.warning("%s: the input embedding stays %s (%s)", quant.flag, dtype, dense_embedding)
     if kept:
         log.warning("%s: %d linear layers stay %s (the kernel cannot take their shape: %s)", quant.flag, len(kept),
                     dtype, "; ".join(kept[:3]) + ("; ..." if len(kept) > 3 else ""))

@@ -330,8 +330,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any], row
                "L3 read MiB/s: page bytes read over the time spent inside the L3 reads (open, read into host "
                "memory, checksum) during that request",
                f"{shared_l3.CASE}: not measured ({other_why})" if other_why else
-               f"{shared_l3.CASE}: server B (empty L1/L2) on one mooncake_master with server A, which computed "
-               "the prefixes and lends the store its memory; pages cross loopback TCP"])
+               shared_l3.layout_note()])
     stage_table = Table(
         "Where each row's TTFT goes (server-side stage timers, median of the repeats)",
         [Column("case", "case"), Column("ttft_s", "TTFT ms", "ms"),

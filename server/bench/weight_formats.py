@@ -108,8 +108,9 @@ def run_weight_formats(ns: argparse.Namespace, ctx: BenchContext) -> Report:
         row["agreement"] = same / max(1, sum(len(y) for y in outputs[ref]))
         row["identical"] = f"{sum(x == y for x, y in zip(outputs[i], outputs[ref]))}/{len(agree_prompts)}"
     notes = [f"parameters {params / 1e6:.1f} M (safetensors headers); nominal = parameters x bytes per parameter "
-             "of the format (4, 2, 1, 0.5; scales excluded); weights = /server_info weight_bytes (resident, scales "
-             "and any unquantized embedding included)",
+             "of the format (4, 2, 1, 0.5; scales excluded); weights = /server_info weight_bytes (resident, scales, "
+             "zero points, norms and any embedding left unquantized included; on CPU int8wo / int4wo quantize the "
+             "embedding too, one table shared with a tied lm_head)",
              f"decode tok/s: 1 stream, {P}-token prompts, {N} new tokens; median (min-max) of {ns.repeats} "
              "rounds, each round running every server once in turn",
              f"agreement: {ns.agreement_prompts} random prompts x {N} greedy tokens, share of tokens equal at "

@@ -29,7 +29,17 @@ brings the tier back and forgets which pages it had stored (a restarted master h
 write them again).
 All calls run on storage_io.py's threads, never on the scheduler's: ``known()`` answers from memory.
 
-Zero-copy (mooncake_memory.py): the host (L2) pool the runtime hands over (``register_host_memory``) is
+Same host (mooncake_shm.py): with ``client_server_address`` ("host:port" of a ``mooncake_client``, Mooncake's
+standalone real client that owns the segment; SGLang's key, $MOONCAKE_CLIENT) on this host, the server attaches to
+it as a dummy client: pages move through shared memory, copied in memory instead of sent over loopback TCP.
+The decision is made at each connect and logged: a real client on another host, ``standalone_storage`` false, or
+a real client that refuses (not running) leaves the TCP client to ``master_server_address`` (the fallback; with
+no master address the tier stays offline and retries). ``transport`` in stats() says which runs ("shm" or "tcp"),
+``shm_reads`` / ``shm_writes`` count the pages that took it. A dummy client never re-attaches to a mooncake_client
+that restarted, so after a few failed health probes (which store and remove a probe object: a dummy's is_exist
+answers 0 when nothing works) a fresh one is tried and takes over once its probe passes.
+
+Zero-copy (mooncake_memory.py, TCP client): the host (L2) pool the runtime hands over (``register_host_memory``) is
 registered with the client once it connects, with a small header area; reads then land each value straight in
 a header slot and the rows of the host page reserved for it (``batch_get_into_multi_buffers``), verified in
 place, and backups are written from the host page (``batch_put_from_multi_buffers``). Where the client refuses
@@ -52,6 +62,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tierlm.runtime.cache.storage import page_header
 from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key, copy_into
 from tierlm.runtime.cache.storage.mooncake_memory import RegisteredMemory
+from tierlm.runtime.cache.storage.mooncake_shm import SHM, ShmStaging, same_host
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
 from tierlm.runtime.errors import StartupError
@@ -68,11 +79,14 @@ DEFAULT_PROTOCOL = "tcp"
 DEFAULT_DEVICE_NAME = ""
 DEFAULT_CONNECT_WAIT_S = 5.0
 DEFAULT_RETRY_INTERVAL_S = 5.0
+TCP = "tcp"
 RPC_FAIL = -900  # Mooncake's error code of a call whose RPC to the master failed
 # A value whose size differs from the buffers (a damaged or foreign value; also a transfer that failed): that key
 # is read again as bytes, so the header rules decide, as on the copying path.
 SIZE_MISMATCH = (-600, -800)  # BUFFER_OVERFLOW, TRANSFER_FAIL
 CLOSE_WAIT_S = 2.0
+REATTACH_AFTER_PROBES = 3  # failed health probes of a dummy client before a fresh one is tried
+STAGING_WAIT_S = 30.0  # close: a call still copying through a staging area (an abandoned one) before the client goes
 MAX_READ_BATCH_PAGES = 32
 # Reads into registered memory do not pass through the client's transfer buffer, so one round trip may take more
 # pages (fewer metadata RPCs: ~20 % faster for 128 pages on loopback TCP here than 4 batches of 32).
@@ -80,10 +94,10 @@ MAX_ZERO_COPY_BATCH_PAGES = 128
 MAX_KNOWN_KEYS = 1 << 20  # keys remembered as stored (for known(), which must not touch the network)
 KEY_PREFIX = "tierlm"
 CONFIG_KEYS = ("master_server_address", "local_hostname", "metadata_server", "global_segment_size",
-               "local_buffer_size", "protocol", "device_name")
+               "local_buffer_size", "protocol", "device_name", "client_server_address", "standalone_storage")
 TIERLM_KEYS = ("connect_wait_s", "retry_interval_s", "io_timeout")  # tierlm's own, extra-config only
-SGLANG_IGNORED_KEYS = ("master_metrics_port", "check_server", "extra_backend_tag", "standalone_storage",
-                       "client_server_address", "enable_ssd_offload", "ssd_offload_path")
+SGLANG_IGNORED_KEYS = ("master_metrics_port", "check_server", "extra_backend_tag", "enable_ssd_offload",
+                       "ssd_offload_path")
 _ENV = {  # config key -> environment variable (SGLang's names)
     "master_server_address": "MOONCAKE_MASTER",
     "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
@@ -92,6 +106,8 @@ _ENV = {  # config key -> environment variable (SGLang's names)
     "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
     "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
     "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+    "client_server_address": "MOONCAKE_CLIENT",
+    "standalone_storage": "MOONCAKE_STANDALONE_STORAGE",
 }
 
 
@@ -112,6 +128,18 @@ def parse_size(value: Any, name: str) -> int:
     return n
 
 
+def parse_flag(value: Any, name: str) -> bool | None:
+    """None (unset), or a bool from a JSON bool or "true"/"false"/"1"/"0" (an environment variable)."""
+    if value is None or isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise StartupError(f"mooncake {name} must be true or false, got {value!r}")
+
+
 @dataclass(frozen=True)
 class MooncakeConfig:
     master_server_address: str
@@ -121,13 +149,17 @@ class MooncakeConfig:
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
     protocol: str = DEFAULT_PROTOCOL
     device_name: str = DEFAULT_DEVICE_NAME
+    client_server_address: str = ""  # a mooncake_client ("host:port"): on this host, pages move through shm
+    standalone_storage: bool | None = None  # SGLang's switch for it: False keeps the TCP client
     source: str = "extra-config"  # where it came from, for the log
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any], source: str) -> "MooncakeConfig":
-        master = cfg.get("master_server_address")
-        if not master or not isinstance(master, str):
-            raise StartupError(f"mooncake: {source} has no master_server_address (\"host:port\" of mooncake_master)")
+        master = cfg.get("master_server_address") or ""
+        client = cfg.get("client_server_address") or ""
+        if not isinstance(master, str) or not isinstance(client, str) or not (master or client):
+            raise StartupError(f"mooncake: {source} has no master_server_address (\"host:port\" of mooncake_master) "
+                               "nor client_server_address (\"host:port\" of a mooncake_client on this host)")
         protocol = str(cfg.get("protocol") or DEFAULT_PROTOCOL)
         if protocol not in ("tcp", "rdma"):
             raise StartupError(f"mooncake protocol must be tcp or rdma, got {protocol!r} ({source})")
@@ -140,6 +172,8 @@ class MooncakeConfig:
             local_buffer_size=parse_size(cfg.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE), "local_buffer_size"),
             protocol=protocol,
             device_name=str(cfg.get("device_name") or DEFAULT_DEVICE_NAME),
+            client_server_address=client,
+            standalone_storage=parse_flag(cfg.get("standalone_storage"), "standalone_storage"),
             source=source,
         )
 
@@ -150,7 +184,7 @@ class MooncakeConfig:
         then the MOONCAKE_* environment variables."""
         extra = dict(extra_config or {})
         env = os.environ if env is None else env
-        if extra.get("master_server_address") is not None:
+        if extra.get("master_server_address") is not None or extra.get("client_server_address") is not None:
             return cls.from_mapping(extra, "--hicache-storage-backend-extra-config")
         path = env.get(CONFIG_PATH_ENV, "").strip()
         if path:
@@ -162,7 +196,7 @@ class MooncakeConfig:
             if not isinstance(cfg, dict):
                 raise StartupError(f"mooncake: {path} (${CONFIG_PATH_ENV}) must hold a JSON object")
             return cls.from_mapping(cfg, f"${CONFIG_PATH_ENV} ({path})")
-        if not env.get("MOONCAKE_MASTER"):
+        if not env.get("MOONCAKE_MASTER") and not env.get("MOONCAKE_CLIENT"):
             raise StartupError(
                 "--hicache-storage-backend mooncake needs the address of mooncake_master: "
                 "--hicache-storage-backend-extra-config '{\"master_server_address\": \"host:50051\"}', "
@@ -175,6 +209,15 @@ class MooncakeConfig:
     def describe(self) -> str:
         d = asdict(self)
         return ", ".join(f"{k}={d[k]!r}" for k in CONFIG_KEYS)
+
+    def shm_wanted(self) -> bool | str:
+        """True when pages should move through a mooncake_client on this host (mooncake_shm.py), else why not."""
+        if not self.client_server_address:
+            return "no client_server_address (a mooncake_client on this host)"
+        if self.standalone_storage is False:
+            return "standalone_storage is false"
+        local = same_host(self.client_server_address)
+        return True if local is True else f"mooncake_client {self.client_server_address} is not on this host ({local})"
 
 
 def import_store_class() -> type:
@@ -213,15 +256,20 @@ class MooncakeKVStorage(KVStorage):
         self.retry_interval_s = float(retry_interval_s)
         self._ns_raw = namespace.id_bytes
         self._prefix = f"{KEY_PREFIX}_{self._ns_raw.hex()}_"
-        self.location = f"mooncake://{config.master_server_address}/{namespace.folder_name}"
+        self.location = f"mooncake://{config.master_server_address or config.client_server_address}/" \
+                        f"{namespace.folder_name}"
         self._store_class = store_class or import_store_class()
         self._store: Any = None  # the connected client; None while offline
         self._lock = threading.Lock()
         self._known: OrderedDict[str, None] = OrderedDict()
         self._max_known = max_known
         self._counts = dict(reads=0, writes=0, bytes_read=0, bytes_written=0, misses=0, errors=0, evictions=0,
-                            zero_copy_reads=0, zero_copy_writes=0)
+                            zero_copy_reads=0, zero_copy_writes=0, shm_reads=0, shm_writes=0)
         self._memory = RegisteredMemory(MAX_ZERO_COPY_BATCH_PAGES)  # the host pool and header slots (zero-copy)
+        self._staging = ShmStaging(self.value_bytes, MAX_ZERO_COPY_BATCH_PAGES)  # the same-host path's areas
+        self._shm_wanted = config.shm_wanted()  # True, or why pages move over TCP
+        self._transport: str | None = None  # SHM or TCP once connected
+        self._shm_refused: str | None = None  # why the last shm attempt failed (the TCP fallback then runs)
         self._read_ns = 0
         self._checksum_ns = 0  # parts of _read_ns: verifying pages, copying them into the caller's buffers
         self._copy_ns = 0
@@ -232,6 +280,9 @@ class MooncakeKVStorage(KVStorage):
         self._stop = threading.Event()
         self._connected = threading.Event()
         self._thread = threading.Thread(target=self._connect_loop, name="tierlm-mooncake-connect", daemon=True)
+        if self._shm_wanted is not True and config.client_server_address:
+            logger.info("L3 Mooncake: pages move over %s to master %s, not through shared memory: %s", config.protocol,
+                        config.master_server_address, self._shm_wanted)
         self._thread.start()
         if not self._connected.wait(connect_wait_s):
             logger.warning(
@@ -245,48 +296,130 @@ class MooncakeKVStorage(KVStorage):
         while not self._stop.is_set():
             attempt += 1
             t0 = time.monotonic()
-            # A Mooncake client retries an unreachable master for ~90 s inside setup(), and may hold the GIL
-            # meanwhile (seen with 0.3.13): setup() is only called once the master's port accepts connections.
-            reachable = _port_open(c.master_server_address)
-            if reachable is not True:
-                self._offline(f"Mooncake master {c.master_server_address} unreachable ({reachable})", attempt)
-                continue
-            store = self._store_class()
-            try:
-                rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
-                                 c.protocol, c.device_name, c.master_server_address)
-            except Exception as e:  # noqa: BLE001 - the client raises RuntimeError and friends
-                rc = f"{type(e).__name__}: {e}"
-            if rc == 0:
+            store, transport, why = None, SHM, ""
+            if self._shm_wanted is True:
+                store, why = self._setup_shm()
+                if store is None and c.master_server_address and why != self._shm_refused:
+                    logger.warning("L3 Mooncake: the same-host shared-memory path is refused (%s); pages move over "
+                                   "%s to master %s instead (start mooncake_client, then restart this server to use "
+                                   "it)", why, c.protocol, c.master_server_address)
+                self._shm_refused = why or None
+            if store is None and c.master_server_address:
+                store, why = self._setup_tcp()
+                transport = TCP
+            if store is not None:
                 with self._lock:
                     if self._closed:
                         _close_quietly(store)
                         return
-                    self._store = store
+                    self._store, self._transport = store, transport
                     self._degraded = None
-                # after self._store is set, so a region register_host_memory adds meanwhile is registered by one
-                # of the two; calls made before this copy (read_path says so)
-                self._memory.register(store)
+                if transport == SHM:
+                    self._staging.attach(store)
+                else:  # after self._store is set, so a region register_host_memory adds meanwhile is registered by
+                    self._memory.register(store)  # one of the two; calls made before this copy (read_path says so)
                 self._connected.set()
-                logger.info("L3 Mooncake store online: connected to master %s in %.2f s (attempt %d); pages move %s",
-                            c.master_server_address, time.monotonic() - t0, attempt, self.read_path)
+                logger.info("L3 Mooncake store online: connected to %s in %.2f s (attempt %d); pages move %s",
+                            f"mooncake_client {c.client_server_address} (same host)" if transport == SHM
+                            else f"master {c.master_server_address}", time.monotonic() - t0, attempt,
+                            self.read_path)
                 self._watch(store)
                 return
-            self._offline(f"cannot connect to Mooncake master {c.master_server_address} (setup returned {rc})",
-                          attempt)
+            self._offline(why, attempt)
+
+    def _setup_shm(self) -> tuple[Any, str]:
+        """A dummy client of the mooncake_client on this host, or (None, why not)."""
+        address = self.config.client_server_address
+        reachable = _port_open(address)
+        if reachable is not True:
+            return None, f"mooncake_client {address} unreachable ({reachable})"
+        store = self._store_class()
+        try:
+            rc = store.setup_dummy(self._staging.max_slots * self._staging.slot_pages * self.value_bytes,
+                                   self.config.local_buffer_size, address)
+        except Exception as e:  # noqa: BLE001 - the client raises RuntimeError and friends
+            rc = f"{type(e).__name__}: {e}"
+        return (store, "") if rc == 0 else (None, f"mooncake_client {address} refused a dummy client "
+                                                  f"(setup_dummy returned {rc})")
+
+    def _setup_tcp(self) -> tuple[Any, str]:
+        """A client of the master (lending global_segment_size bytes), or (None, why not)."""
+        c = self.config
+        # A Mooncake client retries an unreachable master for ~90 s inside setup(), and may hold the GIL
+        # meanwhile (seen with 0.3.13): setup() is only called once the master's port accepts connections.
+        reachable = _port_open(c.master_server_address)
+        if reachable is not True:
+            return None, f"Mooncake master {c.master_server_address} unreachable ({reachable})"
+        store = self._store_class()
+        try:
+            rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
+                             c.protocol, c.device_name, c.master_server_address)
+        except Exception as e:  # noqa: BLE001 - the client raises RuntimeError and friends
+            rc = f"{type(e).__name__}: {e}"
+        return (store, "") if rc == 0 else (
+            None, f"cannot connect to Mooncake master {c.master_server_address} (setup returned {rc})")
 
     def _watch(self, store: Any) -> None:
         """While degraded, probe the master once per retry_interval_s on this thread, so the tier comes back when
         the master does even if no request happens to touch L3 (a server whose traffic all hits L1/L2)."""
         probe = self._prefix + "probe"
+        failed_probes = 0
         while not self._stop.wait(self.retry_interval_s):
-            if self._retry_at is None or self._client() is None:
-                continue  # healthy, or a call is due to try the store anyway
-            rc = self._call(lambda: store.is_exist(probe), "is_exist (health probe)")
+            if self._retry_at is None:
+                failed_probes = 0
+                continue  # healthy
+            # Over TCP a data call that wins the retry slot probes as well as this thread; on the shm path this
+            # thread probes every interval whatever the traffic does, so failures add up to a re-attach even
+            # while failing backups keep taking the slot (and shm reads that fail count as misses, not failures).
+            if self._transport != SHM and self._client() is None:
+                continue
+            rc = self._probe(store, probe)
             if rc is not None and rc >= 0:
                 self._ok()
-            elif rc is not None:
-                self._failed(f"is_exist (health probe) returned {rc}")
+                failed_probes = 0
+                continue
+            if rc is not None:
+                self._failed(f"the health probe returned {rc}")
+            failed_probes += 1
+            if self._transport == SHM and failed_probes >= REATTACH_AFTER_PROBES:
+                store = self._reattach(store, probe)
+
+    def _probe(self, store: Any, probe: str) -> int | None:
+        """The health probe's code (>= 0: the store answers), None if the client raised. Over TCP an is_exist; a
+        dummy client stores and removes a probe object, as its is_exist answers 0 when the mooncake_client behind
+        it restarted (or the master is down) and nothing can be read or written."""
+        if self._transport != SHM:
+            return self._call(lambda: store.is_exist(probe), "is_exist (health probe)")
+        rc = self._call(lambda: store.upsert(probe, b"1"), "upsert (health probe)")
+        if rc == 0:
+            self._call(lambda: store.remove(probe, True), "remove (health probe)")
+        return rc
+
+    def _reattach(self, old: Any, probe: str) -> Any:
+        """A dummy client never re-attaches to a mooncake_client that restarted: while the old one fails, a fresh
+        one is tried, and takes over once its probe passes. The client to use from now on."""
+        new, _ = self._setup_shm()
+        rc = None if new is None else self._probe(new, probe)
+        if new is None or rc != 0:
+            if new is not None:
+                _close_quietly(new)  # the real client answers but the store behind it does not: keep waiting
+            return old
+        with self._lock:
+            if self._closed:
+                _close_quietly(new)
+                return old
+            self._store = new
+        self._staging.attach(new)
+        self._ok()
+        logger.info("L3 Mooncake: attached again to mooncake_client %s (it restarted)",
+                    self.config.client_server_address)
+
+        def retire() -> None:  # a call may still hold one of its staging areas
+            if self._staging.wait_idle(STAGING_WAIT_S, old):
+                _close_quietly(old)
+
+        threading.Thread(target=retire, name="tierlm-mooncake-retire", daemon=True).start()
+        return new
 
     def _offline(self, why: str, attempt: int) -> None:
         """A connection attempt failed: say why (a warning the first time) and wait before the next one."""
@@ -305,16 +438,23 @@ class MooncakeKVStorage(KVStorage):
         it connects."""
         self._memory.add(buf)
         store = self._store
-        if store is not None:
+        if store is not None and self._transport == TCP:  # a dummy client registers only its own shared memory
             self._memory.register(store)
         logger.info("L3 Mooncake reads and writes: %s", self.read_path)
 
     @property
     def read_path(self) -> str:
+        """"shm (...)", "zero-copy" or "copy (why)": how pages move between the store and the host pool."""
+        if self._transport == SHM:
+            refused = self._staging.refused
+            return (f"copy (shm client; {refused})" if refused else
+                    f"shm (mooncake_client {self.config.client_server_address} on this host, staged in shared memory)")
         return self._memory.path(self._store)
 
     @property
     def read_batch_pages(self) -> int:  # type: ignore[override]  # depends on the path that runs
+        if self._transport == SHM:
+            return self._staging.slot_pages
         return MAX_ZERO_COPY_BATCH_PAGES if self._memory.ready(self._store) else self.copy_batch_pages
 
     def object_key(self, key: str) -> str:
@@ -383,7 +523,11 @@ class MooncakeKVStorage(KVStorage):
         store = self._batch_client(keys, probe)
         if store is None:
             return [False] * len(keys)
-        if self._memory.ready(store):
+        if self._transport == SHM:
+            got = self._get_staged(store, keys, outs, absent_is_miss=not probe)
+            if got is not None:
+                return got
+        elif self._memory.ready(store):
             got = self._get_registered(store, keys, outs, absent_is_miss=not probe)
             if got is not None:
                 return got
@@ -430,22 +574,70 @@ class MooncakeKVStorage(KVStorage):
             if any(rc == self.value_bytes for rc in rcs):
                 self._ok()
             share = (time.perf_counter_ns() - t0) // max(1, len(keys))  # one round trip, shared by its pages
-            got: list[bool] = []
-            for i, (key, rc) in enumerate(zip(keys, rcs)):
-                if rc == self.value_bytes:
-                    header = memoryview(headers)[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
-                    ok = self._verified(key, header, views[i], rc, share, zero_copy=True)
-                elif rc in SIZE_MISMATCH:  # read it as bytes: a damaged value is then removed and counted
-                    page = self._read(key, absent_is_miss)
-                    ok = page is not None
-                    if ok:
-                        copy_into(page, outs[i])
-                else:  # absent (-704 OBJECT_NOT_FOUND), or the master unreachable: a miss, as get_batch's b""
-                    self._accept(key, b"", absent_is_miss, 0)
-                    ok = False
-                if not ok:
-                    break
-                got.append(True)
+
+            def in_place(i: int, key: str, size: int) -> bool:
+                header = memoryview(headers)[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
+                return self._verified(key, header, views[i], size, share, path="zero_copy_reads")
+
+            return self._landed(keys, rcs, outs, absent_is_miss, in_place)
+
+    def _get_staged(self, store: Any, keys: Sequence[str], outs: Sequence[Sequence[Any]], absent_is_miss: bool
+                    ) -> list[bool] | None:
+        """The same-host read: one call lands each whole value in a staging area of the dummy client's shared memory
+        (copied there by the mooncake_client that holds it), verified there, then copied once into ``outs``. None
+        (nothing read) when no staging area is free or the batch is larger than one: the caller copies instead."""
+        vb = self.value_bytes
+        if len(keys) > self._staging.slot_pages:
+            return None
+        with self._staging.slot(store) as area:
+            if area is None:
+                return None
+            staged, base = area
+            t0 = time.perf_counter_ns()
+            rcs = self._call(lambda: store.batch_get_into_multi_buffers(
+                [self.object_key(k) for k in keys], [[base + i * vb] for i in range(len(keys))],
+                [[vb]] * len(keys)), "batch_get_into_multi_buffers")
+            if rcs is None:
+                self._count(misses=len(keys) if absent_is_miss else 0)
+                return [False] * len(keys)
+            if any(rc == vb for rc in rcs):
+                self._ok()
+            share = (time.perf_counter_ns() - t0) // max(1, len(keys))  # one call, shared by its pages
+
+            def staged_copy(i: int, key: str, size: int) -> bool:
+                value = memoryview(staged)[i * vb:(i + 1) * vb]
+                if not self._verified(key, value[:HEADER_SIZE], [value[HEADER_SIZE:]], size, share, path="shm_reads"):
+                    return False
+                t1 = time.perf_counter_ns()
+                copy_into(value[HEADER_SIZE:], outs[i])
+                copy_ns = time.perf_counter_ns() - t1
+                with self._lock:
+                    self._copy_ns += copy_ns
+                    self._read_ns += copy_ns
+                return True
+
+            return self._landed(keys, rcs, outs, absent_is_miss, staged_copy)
+
+    def _landed(self, keys: Sequence[str], rcs: Sequence[int], outs: Sequence[Sequence[Any]], absent_is_miss: bool,
+                accept: Callable[[int, str, int], bool]) -> list[bool]:
+        """The pages of a batch read into memory, from each key's result code: a whole value is checked (and copied
+        where it must be) by ``accept(i, key, size)``; a value of another size is read again as bytes, so a damaged
+        one is removed and counted; anything else is a miss. Stops at the first page not read."""
+        got: list[bool] = []
+        for i, (key, rc) in enumerate(zip(keys, rcs)):
+            if rc == self.value_bytes:
+                ok = accept(i, key, rc)
+            elif rc in SIZE_MISMATCH:  # read it as bytes: a damaged value is then removed and counted
+                page = self._read(key, absent_is_miss)
+                ok = page is not None
+                if ok:
+                    copy_into(page, outs[i])
+            else:  # absent (-704 OBJECT_NOT_FOUND), or the master unreachable: a miss, as get_batch's b""
+                self._accept(key, b"", absent_is_miss, 0)
+                ok = False
+            if not ok:
+                break
+            got.append(True)
         return got + [False] * (len(keys) - len(got))
 
     def _get_batch(self, store: Any, keys: Sequence[str], absent_is_miss: bool, as_bytes: bool = True
@@ -505,10 +697,10 @@ class MooncakeKVStorage(KVStorage):
         return bytes(payload) if as_bytes else payload
 
     def _verified(self, key: str, header: memoryview, views: Sequence[memoryview], size: int, read_ns: int,
-                  zero_copy: bool = False) -> bool:
+                  path: str | None = None) -> bool:
         """Whether the ``size``-byte value read for ``key`` (``header``, then ``views``) is its intact page: counted
-        as a read, else removed from the store and counted as an error and a miss. ``read_ns``: its transfer's
-        time (the checksum's is added here)."""
+        as a read (and in the ``path`` counter), else removed from the store and counted as an error and a miss.
+        ``read_ns``: its transfer's time (the checksum's is added here)."""
         t0 = time.perf_counter_ns()
         problem = page_header.verify(header, size, size, key=key, ns_raw=self._ns_raw,
                                      ns_label=self.namespace.folder_name, page_bytes=self.page_bytes, views=views)
@@ -519,7 +711,8 @@ class MooncakeKVStorage(KVStorage):
         with self._lock:
             self._remember_locked(key)
             self._counts["reads"] += 1
-            self._counts["zero_copy_reads"] += int(zero_copy)
+            if path is not None:
+                self._counts[path] += 1
             self._counts["bytes_read"] += self.page_bytes
             self._read_ns += read_ns + checked - t0
             self._checksum_ns += checked - t0
@@ -570,8 +763,22 @@ class MooncakeKVStorage(KVStorage):
         return True
 
     def _put(self, store: Any, obj: str, header: bytes, views: Sequence[memoryview]) -> int | None:
-        """Store header + ``views`` as ``obj``: from registered memory when the views are in it (the host pool),
-        else through put_parts (which copies them into the client's buffer). The client's code, None if it raised."""
+        """Store header + ``views`` as ``obj``: from registered memory when the views are in it (the host pool), from
+        a staging area on the same-host path, else through put_parts (which copies them into the client's buffer).
+        The client's code, None if it raised."""
+        if self._transport == SHM:
+            with self._staging.slot(store) as area:
+                if area is not None:
+                    staged = memoryview(area[0])
+                    staged[:HEADER_SIZE] = memoryview(header)
+                    pos = HEADER_SIZE
+                    for v in views:
+                        staged[pos:pos + v.nbytes] = v.cast("B")
+                        pos += v.nbytes
+                    rc = self._call(lambda: store.put_from(obj, area[1], pos), "put")
+                    if rc == 0:
+                        self._count(shm_writes=1)
+                    return rc
         ptrs = self._memory.addresses(views) if self._memory.ready(store) else None
         if ptrs is not None:
             with self._memory.header_slot() as slot:
@@ -618,7 +825,8 @@ class MooncakeKVStorage(KVStorage):
             out["copy_seconds"] = self._copy_ns / 1e9
         out["max_bytes"] = None  # the store's size is the sum of the segments its clients lend
         out["backend"] = self.name  # tiers.storage in /server_info
-        out["read_path"] = self.read_path  # "zero-copy", or "copy (why)"
+        out["read_path"] = self.read_path  # "shm (...)", "zero-copy", or "copy (why)"
+        out["transport"] = self._transport  # "shm" (a mooncake_client on this host) or "tcp"
         out["master"] = self.config.master_server_address
         out["connected"] = self.online
         return out
@@ -638,6 +846,10 @@ class MooncakeKVStorage(KVStorage):
         if store is not None:  # unmounting from a dead master takes the client ~10 s: shutdown waits 2 s at most
             def close_after_probe() -> None:
                 self._thread.join()  # a health probe in flight finishes (or fails) before the client goes away
+                if not self._staging.wait_idle(STAGING_WAIT_S):  # the client frees the staging areas' memory
+                    logger.warning("L3 Mooncake: a call still uses a shared-memory staging area; its client is left "
+                                   "open")
+                    return
                 _close_quietly(store)
 
             t = threading.Thread(target=close_after_probe, name="tierlm-mooncake-close", daemon=True)

@@ -3,6 +3,7 @@
 the TIERLM_CPU_ISA cap; and Facts carrying the CPU through a recording."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,8 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
     # the linear kernel named is the one the CPU decision allows
     assert ("oneDNN-prepacked" in kernels["linear"]) == (cpu["onednn_bf16_prepack"] and
                                                          "refuses" not in kernels["linear"])
+    layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
+    assert f"q/k/v fused in {layers} layers, gate/up in {layers}" in kernels["linear"]  # fused_projections.py
+    from tierlm.backends.torch import cpu_paged_decode
+
+    assert ("blocked bf16 GEMMs" in kernels["prefill_attention"]) == (cpu_paged_decode.load() is not None)

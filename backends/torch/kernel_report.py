@@ -11,6 +11,7 @@ from torch import nn
 from tierlm.backends.torch import cpu_paged_decode, paged_attention
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.backends.torch.cpu_quant_linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
 
 
 def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -37,6 +38,10 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
         linear = f"torch F.linear {name} ({packing_available()[1]})"
     else:
         linear = f"torch F.linear {name} (oneDNN/MKL GEMM)"
+    fused_qkv = sum(isinstance(m, FusedQKVAttention) for m in model.modules())
+    fused_mlp = sum(isinstance(m, FusedGateUpMLP) for m in model.modules())
+    if fused_qkv or fused_mlp:  # fused_projections.py: fewer, wider linears per layer
+        linear += f"; q/k/v fused in {fused_qkv} layers, gate/up in {fused_mlp}"
     if attention_backend == paged_attention.TRITON:
         return {"linear": linear, "prefill_attention": "Triton paged extend over the pool",
                 "decode_attention": "Triton paged decode over the pool"}
@@ -48,5 +53,9 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
             decode = f"C paged kernel over the pool in place, built for {build['level']}"
         else:
             decode += f" ({build['why']})"
-    return {"linear": linear, "prefill_attention": "torch SDPA (fused causal; gathered pages after a prefix hit)",
-            "decode_attention": decode}
+    prefill = "torch SDPA (fused causal; gathered pages after a prefix hit)"
+    if device == "cpu" and dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and \
+            cpu_paged_decode.load() is not None:
+        prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
+                   f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
+    return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

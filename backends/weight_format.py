@@ -9,6 +9,7 @@ weight format are never read under another.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -50,6 +51,7 @@ NATIVE_ENV = "TIERLM_CPU_QUANT_LINEAR"
 # backends/torch/cpu_quant_embedding.py): other numerics than torchao's int8wo/int4wo (embedding in the model
 # dtype, as on CUDA and as tierlm held it before), so another L3 namespace.
 EMBEDDING_SUFFIX = "+embedding"
+INPUT_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight")  # the input embedding's tensor, by family
 FP8_MATMUL_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 matmuls (Ada, Hopper, Blackwell)
 
 
@@ -263,29 +265,26 @@ def quantized_bytes(tensors: list[tuple[str, tuple[int, ...]]], float_bytes: int
     total = 0
     for name, shape in tensors:
         embed = "embed" in name or "wte" in name
-        input_embed = name.endswith(("embed_tokens.weight", "wte.weight"))
+        input_embed = name.endswith(INPUT_EMBEDDING_NAMES)
         quantized = len(shape) == 2 and name.endswith(".weight") and \
             (quant.kind == "mlx" or not embed or (shared_table and input_embed))
         if quant.kind == "mlx" and quantized and shape[-1] % quant.group_size:
             quantized = False
-        total += _quantized_tensor_bytes(shape, float_bytes, quant) if quantized else _numel(shape) * float_bytes
+        total += _quantized_tensor_bytes(shape, float_bytes, quant) if quantized else math.prod(shape) * float_bytes
     if quant.kind == "torchao" and not shared_table and not any("lm_head" in name for name, _ in tensors):
-        tied = next((shape for name, shape in tensors
-                     if name.endswith(("embed_tokens.weight", "wte.weight")) and len(shape) == 2), None)
+        tied = input_embedding_shape(tensors)
         if tied is not None:
             total += _quantized_tensor_bytes(tied, float_bytes, quant)
     return total
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return numel
+def input_embedding_shape(tensors: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The [vocab, hidden] shape of the input embedding among a checkpoint's (name, shape) tensors, or None."""
+    return next((shape for name, shape in tensors if name.endswith(INPUT_EMBEDDING_NAMES) and len(shape) == 2), None)
 
 
 def _quantized_tensor_bytes(shape: tuple[int, ...], float_bytes: int, quant: WeightQuant) -> int:
-    numel = _numel(shape)
+    numel = math.prod(shape)
     if quant.kind == "mlx":  # packed values + a scale and a bias per group, in the float dtype
         return numel * quant.bits // 8 + numel // quant.group_size * 2 * float_bytes
     if quant.group_size:  # int4: packed values + a scale and a zero point per group, in the float dtype

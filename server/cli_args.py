@@ -214,8 +214,9 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                         help="quantize weights at load: w8a8_int8, fp8 (torch, through torchao); q4, q8, "
                              "q4-g<group>, q8-g<group> (mlx.nn.quantize; group 32, 64 or 128, default 64)")
     compat.add_argument("--torchao-config", default=None,
-                        help="torch backend: quantize weights at load with torchao: int8wo, int8dq, int4wo-<group> "
-                             "(CUDA), fp8wo, fp8dq-per_row (CUDA sm_89+) (docs/models.md, weight formats)")
+                        help="torch backend: quantize weights at load (torchao's recipes): int8wo, int8dq, "
+                             "int4wo-<group> (CPU: torch's weight-only kernels, embedding included), fp8wo, "
+                             "fp8dq-per_row (CUDA sm_89+) (docs/models.md, weight formats)")
     compat.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype,
                         help="dtype of the KV pages in every tier: auto (the model's), bf16/bfloat16, fp8_e4m3, "
                              "fp8_e5m2 (8-bit: half the bytes of bf16, dequantized when attention reads them)")

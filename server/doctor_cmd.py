@@ -22,8 +22,9 @@ from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
 from tierlm.backends.weight_format import (FP8_MATMUL_CAPABILITY, WeightFormatError, check_backend_kind,
-                                           checkpoint_method, device_refusal, mxfp4_experts_mode, parse_weight_quant,
-                                           quantized_bytes, safetensors_shapes, weight_format_label)
+                                           checkpoint_method, device_refusal, input_embedding_shape,
+                                           mxfp4_experts_mode, parse_weight_quant, quantized_bytes,
+                                           safetensors_shapes, weight_format_label)
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
 from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler, this_cpu
@@ -89,14 +90,15 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
     # (and so the KV tiers) at their quantized bytes.
     quant = parse_weight_quant(args.quantization, args.torchao_config)
     env = os.environ if env is None else env
-    if checkpoint_method(folder.config) == "mxfp4" and backend == "torch":
+    method = checkpoint_method(folder.config)
+    if method == "mxfp4" and backend == "torch":
         # gpt-oss experts: packed (4.25 bits per weight) or dequantized while loading, as serve will hold them
         # (the mlx backend keeps them packed; folder_facts counts the stored bytes, which are the packed ones).
         mode, why = mxfp4_experts_mode(device, env)
         size["mxfp4_experts"] = {"mode": mode, "why": why}
         if mode == "dequantized":
             size["weight_bytes"] = weight_bytes(folder, size["dtype"], mxfp4_dequantized=True)
-    elif checkpoint_method(folder.config) == "compressed-tensors" and backend == "torch" and \
+    elif method == "compressed-tensors" and backend == "torch" and \
             not (device == "cuda" and compute_capability is not None and compute_capability >= FP8_MATMUL_CAPABILITY):
         # fp8 weights are dequantized to the model dtype where there is no fp8 matmul (compressed_tensors.py: the
         # CPU, CUDA before Ada); a CUDA device of unknown capability counts as one without
@@ -125,8 +127,7 @@ def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, device: str, env: d
         tied = not any("lm_head" in name for name, _ in shapes)
     if not tied:
         return 0
-    table = next((shape for name, shape in shapes
-                  if name.endswith(("embed_tokens.weight", "wte.weight")) and len(shape) == 2), None)
+    table = input_embedding_shape(shapes)
     return table[0] * table[1] * DTYPE_BYTES["bfloat16"] if table else 0
 
 

@@ -245,7 +245,8 @@ def _linear_calls(model: nn.Module) -> int:
 def fuse_projections(model: nn.Module) -> FusionReport:
     """Give the covered attention / MLP / RMSNorm modules of ``model`` their fused forms (module docstring);
     returns what changed. Call after the weights are in their serving dtype and on their device, before
-    cpu_linear.pack_linears (which then packs the fused weights), never on quantized models."""
+    cpu_linear.pack_linears or the CPU weight-only quantization (which then pack or quantize the fused weights);
+    layers that are already quantized keep transformers' forward."""
     report = FusionReport(linears_before=_linear_calls(model))
     if os.environ.get(ENV, "1") == "0":
         report.left_unfused["*"] = f"{ENV}=0"

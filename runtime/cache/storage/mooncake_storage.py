@@ -535,14 +535,31 @@ class MooncakeKVStorage(KVStorage):
         for page, out in zip(self._get_batch(store, keys, absent_is_miss=not probe, as_bytes=False), outs):
             if page is None:
                 break
-            t0 = time.perf_counter_ns()
-            copy_into(page, out)
-            copy_ns = time.perf_counter_ns() - t0
-            with self._lock:
-                self._copy_ns += copy_ns
-                self._read_ns += copy_ns
+            self._timed_copy(page, out)
             got.append(True)
         return got + [False] * (len(keys) - len(got))
+
+    def _timed_copy(self, value: Any, out: Sequence[Any]) -> None:
+        """copy_into, its time counted as copy time and as read time (the read is not done until it lands)."""
+        t0 = time.perf_counter_ns()
+        copy_into(value, out)
+        copy_ns = time.perf_counter_ns() - t0
+        with self._lock:
+            self._copy_ns += copy_ns
+            self._read_ns += copy_ns
+
+    def _multi_buffer_read(self, store: Any, keys: Sequence[str], addresses: list[list[int]],
+                           sizes: list[list[int]], absent_is_miss: bool) -> tuple[list[int] | None, int]:
+        """One batch_get_into_multi_buffers round trip: (each key's result code, or None when the call raised and
+        the batch counts as missed; the round trip's time shared by its pages, in ns)."""
+        t0 = time.perf_counter_ns()
+        rcs = self._call(lambda: store.batch_get_into_multi_buffers(
+            [self.object_key(k) for k in keys], addresses, sizes), "batch_get_into_multi_buffers")
+        if rcs is None:
+            self._count(misses=len(keys) if absent_is_miss else 0)
+        elif any(rc == self.value_bytes for rc in rcs):
+            self._ok()
+        return rcs, (time.perf_counter_ns() - t0) // max(1, len(keys))
 
     def _get_registered(self, store: Any, keys: Sequence[str], outs: Sequence[Sequence[Any]], absent_is_miss: bool
                         ) -> list[bool] | None:
@@ -563,17 +580,11 @@ class MooncakeKVStorage(KVStorage):
             if slot is None:
                 return None
             headers, base = slot
-            t0 = time.perf_counter_ns()
-            rcs = self._call(lambda: store.batch_get_into_multi_buffers(
-                [self.object_key(k) for k in keys],
-                [[base + i * HEADER_SIZE, *p] for i, p in enumerate(ptrs)],
-                [[HEADER_SIZE, *(b.nbytes for b in v)] for v in views]), "batch_get_into_multi_buffers")
+            addresses = [[base + i * HEADER_SIZE, *p] for i, p in enumerate(ptrs)]  # header slot, then the page
+            rcs, share = self._multi_buffer_read(store, keys, addresses,
+                                                 [[HEADER_SIZE, *(b.nbytes for b in v)] for v in views], absent_is_miss)
             if rcs is None:
-                self._count(misses=len(keys) if absent_is_miss else 0)
                 return [False] * len(keys)
-            if any(rc == self.value_bytes for rc in rcs):
-                self._ok()
-            share = (time.perf_counter_ns() - t0) // max(1, len(keys))  # one round trip, shared by its pages
 
             def in_place(i: int, key: str, size: int) -> bool:
                 header = memoryview(headers)[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
@@ -593,27 +604,16 @@ class MooncakeKVStorage(KVStorage):
             if area is None:
                 return None
             staged, base = area
-            t0 = time.perf_counter_ns()
-            rcs = self._call(lambda: store.batch_get_into_multi_buffers(
-                [self.object_key(k) for k in keys], [[base + i * vb] for i in range(len(keys))],
-                [[vb]] * len(keys)), "batch_get_into_multi_buffers")
+            rcs, share = self._multi_buffer_read(store, keys, [[base + i * vb] for i in range(len(keys))],
+                                                 [[vb]] * len(keys), absent_is_miss)
             if rcs is None:
-                self._count(misses=len(keys) if absent_is_miss else 0)
                 return [False] * len(keys)
-            if any(rc == vb for rc in rcs):
-                self._ok()
-            share = (time.perf_counter_ns() - t0) // max(1, len(keys))  # one call, shared by its pages
 
             def staged_copy(i: int, key: str, size: int) -> bool:
                 value = memoryview(staged)[i * vb:(i + 1) * vb]
                 if not self._verified(key, value[:HEADER_SIZE], [value[HEADER_SIZE:]], size, share, path="shm_reads"):
                     return False
-                t1 = time.perf_counter_ns()
-                copy_into(value[HEADER_SIZE:], outs[i])
-                copy_ns = time.perf_counter_ns() - t1
-                with self._lock:
-                    self._copy_ns += copy_ns
-                    self._read_ns += copy_ns
+                self._timed_copy(value[HEADER_SIZE:], outs[i])
                 return True
 
             return self._landed(keys, rcs, outs, absent_is_miss, staged_copy)

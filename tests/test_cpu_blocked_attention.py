@@ -142,3 +142,18 @@ def test_softmax_split_between_threads_gives_the_same_bits(monkeypatch):
         torch.set_num_threads(threads)
     assert calls and calls[0] == 2  # two helper threads next to the caller
     assert torch.equal(one, split)
+
+
+def test_kernel_report_names_the_blocked_path_for_bf16_models_whatever_the_kv_dtype():
+    """fp8 KV pages are dequantized to bf16 before attention, so a bf16 model with fp8 pages takes the blocked path
+    too, and /server_info says so; a float32 model keeps SDPA."""
+    from tierlm.backends.torch import paged_attention as pa_mod
+    from tierlm.backends.torch.kernel_report import kernel_report
+
+    def prefill(dtype, kv_dtype):
+        return kernel_report(torch.nn.Linear(2, 2), "cpu", dtype, kv_dtype, pa_mod.TORCH_NATIVE, 8, 4,
+                             64)["prefill_attention"]
+
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        assert ("blocked bf16 GEMMs" in prefill(torch.bfloat16, kv)) == (lib is not None)
+    assert "SDPA" in prefill(torch.float32, torch.float32) and "blocked" not in prefill(torch.float32, torch.float32)

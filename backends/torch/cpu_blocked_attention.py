@@ -59,9 +59,15 @@ def softmax_rows(lib: ctypes.CDLL, scores: torch.Tensor, limits: np.ndarray, row
         f.result()
 
 
+def runs_on(device: str, dtype: torch.dtype) -> bool:
+    """Whether a model in ``dtype`` on ``device`` takes this path (with the C library loaded; fp8 KV pages are
+    dequantized to bf16 before attention, so they take it too)."""
+    return device == "cpu" and dtype == torch.bfloat16
+
+
 def usable(lib: ctypes.CDLL | None, q: torch.Tensor, k: torch.Tensor) -> bool:
     """bf16 queries and K/V on CPU with the C library loaded (TIERLM_CPU_PAGED_DECODE=0 turns both off)."""
-    return lib is not None and q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+    return lib is not None and runs_on(q.device.type, q.dtype) and k.dtype == torch.bfloat16
 
 
 def causal_limits(T: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.backends.torch import cpu_paged_decode, paged_attention
+from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_decode, paged_attention
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.backends.torch.cpu_quant_linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
@@ -54,8 +54,7 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
         else:
             decode += f" ({build['why']})"
     prefill = "torch SDPA (fused causal; gathered pages after a prefix hit)"
-    if device == "cpu" and dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and \
-            cpu_paged_decode.load() is not None:
+    if cpu_blocked_attention.runs_on(device, dtype) and cpu_paged_decode.load() is not None:
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

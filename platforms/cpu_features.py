@@ -149,12 +149,28 @@ class CpuFeatures:
                 "physical_cores": self.physical_cores or None, "cap": self.cap, "cap_dropped": list(self.dropped)}
 
 
-def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str | None) -> dict[str, str]:
+def int8_weights(weight_format: str) -> bool:
+    """Whether a weight format's linears are int8 weight-only layers (--torchao-config int8wo, compressed-tensors
+    w8a8-int8 / w8a16 checkpoints): the layers backends/torch/cpu_int8_gemv.py serves."""
+    if weight_format.startswith("checkpoint:compressed-tensors-"):
+        return "int8" in weight_format or "w8a16" in weight_format
+    return weight_format.startswith("torchao:int8wo")
+
+
+def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str | None,
+                    weight_format: str = "none") -> dict[str, str]:
     """Which kernel each layer type of the torch backend will run on this CPU, before any model loads (for
     `tierlm doctor`; a running server reports what it set up, backends/torch/kernel_report.py). The rules are the
-    backend's: prepacked bf16 linears where oneDNN's reorder runs, the C decode kernel for bf16 or float32 pages
-    of the model's own dtype where a C compiler exists."""
-    if dtype == "bfloat16":
+    backend's: prepacked bf16 linears where oneDNN's reorder runs, int8 weights through the C streaming kernel on
+    x86 with AVX2 or AVX-512, the C decode kernel for bf16 or float32 pages of the model's own dtype where a C
+    compiler exists."""
+    if int8_weights(weight_format):
+        if cpu.arch == "x86_64" and cpu.has("avx2", "fma") and compiler is not None:
+            linear = (f"int8 weight-only: C streaming kernel for decode rows, built with {compiler} for {cpu.level}"
+                      + ("; prefill through oneDNN on the weight widened to bf16" if dtype == "bfloat16" else ""))
+        else:
+            linear = "int8 weight-only: torch _weight_int8pack_mm (the C kernel needs x86 AVX2 and a C compiler)"
+    elif dtype == "bfloat16":
         prepack, why = cpu.onednn_bf16_prepack
         linear = why if prepack else why.replace("torch's plain bf16 linear", "torch F.linear bfloat16")
     else:
@@ -279,6 +295,6 @@ def this_cpu() -> CpuFeatures:
     return cpu
 
 
-__all__ = ["CpuFeatures", "CpuIsaError", "ISA_ENV", "apply_cap", "cpu_kernel_plan", "detect_cpu", "detect_cpu_or_error",
+__all__ = ["CpuFeatures", "CpuIsaError", "ISA_ENV", "apply_cap", "cpu_kernel_plan", "int8_weights", "detect_cpu", "detect_cpu_or_error",
            "find_c_compiler", "known_flags", "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu",
            "torch_env_for_cap"]

@@ -141,3 +141,20 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
     from tierlm.backends.torch import cpu_paged_decode
 
     assert ("blocked bf16 GEMMs" in kernels["prefill_attention"]) == (cpu_paged_decode.load() is not None)
+
+
+@pytest.mark.parametrize("name, arch, streams", [("amd-epyc-zen3-avx2.txt", "x86_64", True),
+                                                 ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", True),
+                                                 ("nvidia-grace-neoverse-v2.txt", "aarch64", False)])
+def test_doctor_plans_int8_weights_on_the_streaming_kernel_where_x86_vector_code_runs(name, arch, streams):
+    from tierlm.platforms.cpu_features import cpu_kernel_plan, int8_weights
+
+    cpu = recorded(name, arch)
+    for fmt in ("torchao:int8wo+embedding", "checkpoint:compressed-tensors-w8a8-int8"):
+        assert int8_weights(fmt)
+        plan = cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt)["linear"]
+        assert ("C streaming kernel" in plan) == streams and ("_weight_int8pack_mm" in plan) != streams, plan
+    assert "_weight_int8pack_mm" in cpu_kernel_plan(cpu, "float32", "float32", None, "torchao:int8wo")["linear"]
+    for fmt in ("none", "torchao:int8dq", "torchao:int4wo-128+embedding", "checkpoint:compressed-tensors-w4a16-g128"):
+        assert not int8_weights(fmt)
+        assert "int8" not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt)["linear"]

@@ -273,3 +273,22 @@ def test_a_long_lookup_in_slices_gives_the_rows_of_a_short_one(tiny_qwen2, value
     whole = emb(ids)
     monkeypatch.setattr(cpu_quant_embedding, "LOOKUP_CHUNK", 7)
     assert torch.equal(emb(ids), whole) and whole.shape == (3, 50, emb.embedding_dim)
+
+
+def test_int8_bf16_prefill_goes_through_the_widened_weight_in_slices(monkeypatch):
+    from tierlm.backends.torch import cpu_quant_linear
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (70, 96), generator=g, dtype=torch.int8)
+    scales = (torch.rand(70, generator=g) / 50 + 1e-3).to(torch.bfloat16)
+    b = torch.randn(70, generator=g).to(torch.bfloat16)
+    layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=torch.bfloat16)
+    x = torch.randn(cpu_quant_linear.DENSE_PREFILL_ROWS + 3, 96, generator=g).to(torch.bfloat16)
+    calls = []
+    real = cpu_quant_linear._dense_prefill
+    monkeypatch.setattr(cpu_quant_linear, "_dense_prefill", lambda *a: calls.append(1) or real(*a))
+    whole = layer(x)
+    assert calls, "prefill rows must take the widened-weight path"
+    _bf16_close(whole, x.float() @ layer.dequantized().t() + b.float())
+    monkeypatch.setattr(cpu_quant_linear, "DENSE_SLICE_WEIGHTS", 96 * 16)  # 16 output rows per slice, a short last
+    assert torch.equal(layer(x), whole)

@@ -44,6 +44,14 @@ SPECS: dict[str, dict[str, Any]] = {
         hidden_act="silu", use_sliding_window=False, sliding_window=None, max_window_layers=21,
         bos_token_id=151643, eos_token_id=151645, initializer_range=0.02,
     ),
+    # The next size up (issue #30's second shape for weight formats): 1.54 B parameters, 6.2 GB as float32 on disk.
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=1536, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        hidden_act="silu", use_sliding_window=False, sliding_window=None, max_window_layers=21,
+        bos_token_id=151643, eos_token_id=151645, initializer_range=0.02,
+    ),
     "llama-small": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=512, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,

@@ -13,11 +13,11 @@ rounds at the same points, so prefill, extend and decode of one request agree in
 from __future__ import annotations
 
 import ctypes
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from tierlm.backends.torch.cpu_threads import helper_threads
 
 # Query rows per block: 64 measured fastest for llama-small and the Qwen2.5-0.5B shape at 2016 tokens (one core;
 # 32: +4 %, 128: +20 %): the block's scores (H x 64 x E bf16) stay in the L2 cache between the three passes.
@@ -26,20 +26,6 @@ BLOCK_ROWS = 64
 
 # Below this many scores per thread a block's softmax stays on the calling thread (a hand-off costs ~30 us).
 MIN_SCORES_PER_THREAD = 1 << 17
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _helpers(n: int) -> ThreadPoolExecutor:
-    """Threads that run slices of the softmax while the caller runs one: as many as torch's intra-op threads, so
-    the C softmax scales with the matmuls around it (ctypes releases the GIL during the call)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < n:
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="tierlm-softmax")
-        return _pool
-
 
 def softmax_rows(lib: ctypes.CDLL, scores: torch.Tensor, limits: np.ndarray, rows_per_group: int, b: int,
                  scale: float, work: torch.Tensor) -> None:
@@ -52,7 +38,7 @@ def softmax_rows(lib: ctypes.CDLL, scores: torch.Tensor, limits: np.ndarray, row
         lib.softmax_rows_bf16(scores.data_ptr(), 0, R, *args, work.data_ptr())
         return
     cuts = [R * t // n for t in range(n + 1)]
-    futures = [_helpers(n - 1).submit(lib.softmax_rows_bf16, scores.data_ptr(), cuts[t], cuts[t + 1], *args,
+    futures = [helper_threads(n - 1).submit(lib.softmax_rows_bf16, scores.data_ptr(), cuts[t], cuts[t + 1], *args,
                                       work[t].data_ptr()) for t in range(1, n)]
     lib.softmax_rows_bf16(scores.data_ptr(), cuts[0], cuts[1], *args, work[0].data_ptr())
     for f in futures:

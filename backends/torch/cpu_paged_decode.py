@@ -12,28 +12,22 @@ model: scores are rounded to bf16 (the matmul's output), scaled and rounded agai
 probabilities are rounded to bf16, and the weighted sum of V accumulates in float32 and is rounded once. float32
 computes what torch's float32 SDPA computes (no roundings; only the summation order differs).
 
-The source below is compiled once per CPU instruction level (platforms/cpu_features.py: the level's explicit
-target flags, never -march=native) with the system C compiler (``cc``/``gcc``/``clang``) into the user cache
-folder and loaded with ctypes. The file name carries the level and a hash of the source, the compiler's identity
-and the flags, so a cache folder shared between machines never hands one CPU a kernel built for another. Without
-a compiler, or if neither the level's build nor a plain baseline build works, the torch path is used (logged
-once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off; ``TIERLM_CPU_ISA`` caps the level it is built for.
+The source below is compiled once per CPU instruction level by c_kernel_build.py (cached per level, compiler and
+CPU model). Without a compiler, or if neither the level's build nor a plain baseline build works, the torch path
+is used (logged once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off; ``TIERLM_CPU_ISA`` caps the level it is built for.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tierlm.backends.torch import c_kernel_build
+from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
 from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
 
 log = logging.getLogger(__name__)
@@ -152,63 +146,22 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-@dataclass(frozen=True)
-class KernelBuild:
-    """What ``load`` built or found: the library, the level its instructions belong to, and why."""
-    lib: ctypes.CDLL | None
-    level: str | None  # the CPU level the code was compiled for; "baseline" for the plain fallback build
-    why: str
-
-
 _build: KernelBuild = KernelBuild(None, None, "not loaded yet")
+_NAME = "paged_decode"
+_FALLBACK = "decode attention uses torch"
 
 
 def _compiler() -> str | None:
     return find_c_compiler(os.environ)
 
 
-def _compiler_identity(cc: str) -> str:
-    """The resolved compiler and its version line: a different compiler is a different build."""
-    path = shutil.which(cc) or cc
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
-        version = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else ""
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    return f"{os.path.realpath(path)} {version}"
-
-
 def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("tierlm")) / "kernels"
+    return default_cache_dir()
 
 
 def library_name(level: str, cc_identity: str, target_flags: tuple[str, ...]) -> str:
     """The cached file's name: the level, then a hash of everything the machine code depends on."""
-    key = "\0".join((_SOURCE, cc_identity, " ".join(CFLAGS), " ".join(target_flags), os.uname().machine, level))
-    return f"paged_decode_{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def _build_library(cc: str, cc_identity: str, level: str, target_flags: tuple[str, ...]) -> Path:
-    lib_path = _cache_dir() / library_name(level, cc_identity, target_flags)
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.o"
-            src.write_text(_SOURCE)
-            built = Path(tmp) / lib_path.name
-            subprocess.run([cc, *CFLAGS, *target_flags, "-c", "-o", str(obj), str(src)], check=True,
-                           capture_output=True, timeout=120)
-            # Linked without -ffast-math: gcc < 13 would otherwise add crtfastmath.o, whose constructor turns on
-            # flush-to-zero for the whole process (torch's float32 included) when the library loads.
-            vector_math = ["-lmvec"] if b"_ZGV" in obj.read_bytes() else []  # glibc's vector expf
-            subprocess.run([cc, "-shared", "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(built, lib_path)  # atomic: a concurrent server never loads half a file
-    return lib_path
+    return c_kernel_build.library_name(_NAME, _SOURCE, CFLAGS, level, cc_identity, target_flags)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -240,32 +193,14 @@ def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
 
 def _load(cpu: CpuFeatures) -> KernelBuild:
     if os.environ.get("TIERLM_CPU_PAGED_DECODE", "1") == "0":
-        return KernelBuild(None, None, "off (TIERLM_CPU_PAGED_DECODE=0); decode attention uses torch")
+        return KernelBuild(None, None, f"off (TIERLM_CPU_PAGED_DECODE=0); {_FALLBACK}")
     cc = _compiler()
     if cc is None:
-        return KernelBuild(None, None, "no C compiler (cc/gcc/clang); decode attention uses torch")
-    # the CPU model too: -mtune=native tunes for it, so another model of the same level builds its own
-    identity = f"{_compiler_identity(cc)}\0{cpu.model_name}"
-    errors: list[str] = []
+        return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {_FALLBACK}")
     # One thread: a token-major loop reads each K/V row once for all heads; splitting it into (request, KV head)
     # items for OpenMP read every row Hkv times and ran 1.5-2x slower on one thread (measured here), so the
     # kernel stays serial until a split that keeps rows whole is measured where it pays (many cores).
-    # -mtune=native only schedules instructions for this CPU (the level's flags decide which ones may run): the
-    # generic tuning of x86-64-v4 kept 256-bit vectors and ran ~10% slower here.
-    attempts = ((cpu.level, (*cpu.compile_flags, "-mtune=native")), ("baseline", ()))
-    for level, flags in attempts:
-        try:
-            path = _build_library(cc, identity, level, flags)
-            lib = ctypes.CDLL(str(path))
-            _bind(lib)
-            note = f" after {len(errors)} failed build(s)" if errors else ""
-            return KernelBuild(lib, level, f"built with {cc} for {level} ({' '.join(flags) or 'no target flags'})"
-                                           f"{note}: {path}")
-        except (OSError, subprocess.SubprocessError, AttributeError) as e:
-            detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
-            errors.append(f"{level} {' '.join(flags)}: {e} {detail}".strip())
-    return KernelBuild(None, None, "could not build or load it (" + "; ".join(errors) + "); decode attention "
-                                   "uses torch")
+    return c_kernel_build.build_for_cpu(_NAME, _SOURCE, CFLAGS, _bind, cpu, cc, _cache_dir(), _FALLBACK)
 
 
 def describe() -> dict[str, str | None]:

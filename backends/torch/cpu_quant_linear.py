@@ -9,6 +9,10 @@ both are vectorized for bfloat16 activations only (float32 and float16 run a sca
 per GEMV than bfloat16 on AVX-512: still faster than torchao's dequantize-per-call for int8, and the only int4
 path on a CPU), so bfloat16 (``--dtype auto`` where the CPU has it) is the fast dtype for these formats.
 
+For int8, decode rows go through tierlm's own streaming kernel instead (cpu_int8_gemv.py: 1.9-2.3x faster per
+matrix) and bf16 prefill through oneDNN's bf16 GEMM on the weight widened in slices (``_dense_prefill``), since
+torch's int8 kernel is bound by float32 multiply-adds there.
+
 The quantization itself repeats torchao's recipes step for step, so the weights equal what ``quantize_`` would
 hold (tests/test_cpu_quant_linear.py checks them against torchao): int8wo symmetric per output row
 (scale = max|w| / 127.5, q = round(w / scale) in -128..127); int4wo asymmetric per group (tinygemm:
@@ -24,6 +28,8 @@ import logging
 
 import torch
 from torch import nn
+
+from tierlm.backends.torch import cpu_int8_gemv
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +64,46 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _WEIGHT_ALIGNMENT == 0 else t.clone()
 
 
+# bf16 prefill: from this many rows on, the int8 weight is widened to bf16 (exact: every int8 value is a bf16) in
+# slices of at most DENSE_SLICE_WEIGHTS and multiplied by oneDNN's bf16 GEMM, the scales applied to the output.
+# torch's int8 kernel runs prefill on float32 multiply-adds: 3.1-3.7x slower than that at 512 rows of the
+# Qwen2.5-0.5B shape (4864 x 896: 47 vs 13 ms, one thread); at 16 rows it is still the faster one.
+DENSE_PREFILL_ROWS = 32
+DENSE_SLICE_WEIGHTS = 1 << 24  # 32 MiB of bf16 scratch, reused: an lm_head over every prompt token fits in slices
+
+_dense_scratch: torch.Tensor | None = None
+
+
+def _dense_prefill(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ (qweight * scales[:, None]).T + bias as (x @ bf16(qweight).T) * scales + bias, a slice of
+    output columns at a time through one reused scratch buffer."""
+    global _dense_scratch
+    n, k = qweight.shape
+    step = max(1, min(n, DENSE_SLICE_WEIGHTS // k))
+    if _dense_scratch is None or _dense_scratch.numel() < step * k:
+        _dense_scratch = torch.empty(step * k, dtype=torch.bfloat16)
+    if step == n:
+        w = _dense_scratch[:n * k].view(n, k)
+        w.copy_(qweight)
+        y = torch.nn.functional.linear(x, w)
+    else:
+        y = torch.empty((x.shape[0], n), dtype=x.dtype)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = _dense_scratch[:(n1 - n0) * k].view(n1 - n0, k)
+            w.copy_(qweight[n0:n1])
+            y[:, n0:n1] = torch.nn.functional.linear(x, w)
+    y.mul_(scales)
+    if bias is not None:
+        y.add_(bias)
+    return y
+
+
 class Int8WeightOnlyLinear(nn.Module):
     """``nn.Linear`` with an int8 weight and one scale per output channel: y = x @ (q * scale[:, None]).T + bias,
-    computed by ``torch._weight_int8pack_mm`` without a dense copy of the weight."""
+    without a dense copy of the weight: decode rows through cpu_int8_gemv.py where it runs, bf16 prefill through
+    oneDNN's GEMM on slices widened to bf16 (``_dense_prefill``), the rest through ``torch._weight_int8pack_mm``."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -117,11 +160,17 @@ class Int8WeightOnlyLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape[:-1] + (self.out_features,))
-        if dtype != scales.dtype:  # the kernel crashes on activations in another dtype than its scales
+        if dtype != scales.dtype:  # the kernels take activations in their scales' dtype only
             x2 = x2.to(scales.dtype)
-        y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, scales)
-        if bias is not None:
-            y.add_(bias)
+        rows = x2.shape[0]
+        if cpu_int8_gemv.takes(rows, scales.dtype):  # decode rows: tierlm's streaming kernel, bias included
+            y = cpu_int8_gemv.int8_linear(x2.contiguous(), self.qweight, scales, bias)
+        elif rows >= DENSE_PREFILL_ROWS and scales.dtype == torch.bfloat16:
+            y = _dense_prefill(x2, self.qweight, scales, bias)
+        else:
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, scales)
+            if bias is not None:
+                y.add_(bias)
         y = y.view(x.shape[:-1] + (self.out_features,))
         return y if y.dtype == dtype else y.to(dtype)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import torch
@@ -57,3 +59,17 @@ def configure_cpu_threads(env: Mapping[str, str] | None = None) -> int:
         torch.set_num_threads(n)
     log.info("CPU threads: %d (%s)", torch.get_num_threads(), why)
     return torch.get_num_threads()
+
+
+_helper_pool: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def helper_threads(n: int) -> ThreadPoolExecutor:
+    """At least ``n`` Python threads that run slices of a C kernel (ctypes releases the GIL during the call) while
+    the caller runs one slice itself: how the C kernels scale with torch's intra-op threads (one pool for all)."""
+    global _helper_pool
+    with _helper_lock:
+        if _helper_pool is None or _helper_pool._max_workers < n:
+            _helper_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="tierlm-cpu-kernel")
+        return _helper_pool

@@ -1,14 +1,14 @@
 """Which kernel each layer type of a loaded torch model runs, and why: /server_info's ``kernels``.
 
 Read from what was actually set up (packed linears counted in the model, the decode kernel as built), so the report
-cannot drift from the decisions in cpu_linear.py and cpu_paged_decode.py.
+cannot drift from the decisions in cpu_linear.py, cpu_int8_gemv.py and cpu_paged_decode.py.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_decode, paged_attention
+from tierlm.backends.torch import cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode, paged_attention
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.backends.torch.cpu_quant_linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
@@ -24,7 +24,12 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
                  if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)]
     int8 = sum(isinstance(m, Int8WeightOnlyLinear) for m in model.modules())
     int4 = sum(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())
-    if int8 or int4:
+    if int8 and cpu_int8_gemv.load() is not None:
+        prefill = "" if dtype == torch.float32 else f", torch _weight_int8pack_mm past {cpu_int8_gemv.MAX_ROWS} rows"
+        linear = (f"C int8 weight-only streaming kernel (cpu_int8_gemv.py, built for "
+                  f"{cpu_int8_gemv.describe()['level']}{prefill}; {int8} layers, activations {name}") + \
+            (f"; {plain} plain)" if plain else ")")
+    elif int8 or int4:
         op = "_weight_int8pack_mm (int8" if int8 else "_weight_int4pack_mm_for_cpu (int4"
         linear = f"torch {op} weight-only, {int8 + int4} layers, activations {name}" + \
             (f"; {plain} plain)" if plain else ")")

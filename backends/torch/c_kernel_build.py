@@ -1,0 +1,99 @@
+"""Building tierlm's small C kernels for this CPU (cpu_paged_decode.py, cpu_int8_gemv.py): compiled once per CPU
+instruction level with the system C compiler into the user cache folder, loaded with ctypes.
+
+Each source is compiled for the level's explicit target flags (platforms/cpu_features.py; never -march=native)
+plus -mtune=native, which only schedules instructions for this CPU model: x86-64-v4's generic tuning kept 256-bit
+vectors and ran ~10 % slower here. The file name carries the kernel's name, the level and a hash of the source,
+the compiler's identity, the CPU model and the flags, so a cache folder shared between machines never hands one CPU
+a kernel built for another. A build for the level that fails (an old compiler without the level's flags) is
+retried once as a plain baseline build; if that fails too the caller keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tierlm.platforms.cpu_features import CpuFeatures
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """What a load built or found: the library, the level its instructions belong to, and why."""
+    lib: ctypes.CDLL | None
+    level: str | None  # the CPU level the code was compiled for; "baseline" for the plain fallback build
+    why: str
+
+
+def compiler_identity(cc: str) -> str:
+    """The resolved compiler and its version line: a different compiler is a different build."""
+    path = shutil.which(cc) or cc
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else ""
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{os.path.realpath(path)} {version}"
+
+
+def default_cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("tierlm")) / "kernels"
+
+
+def library_name(name: str, source: str, cflags: tuple[str, ...], level: str, cc_identity: str,
+                 target_flags: tuple[str, ...]) -> str:
+    """The cached file's name: the kernel, the level, then a hash of everything the machine code depends on."""
+    key = "\0".join((source, cc_identity, " ".join(cflags), " ".join(target_flags), os.uname().machine, level))
+    return f"{name}_{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def build_library(name: str, source: str, cflags: tuple[str, ...], cc: str, cc_identity: str, level: str,
+                  target_flags: tuple[str, ...], cache_dir: Path) -> Path:
+    """The compiled library's path, compiling it first when the cache does not hold it."""
+    lib_path = cache_dir / library_name(name, source, cflags, level, cc_identity, target_flags)
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, obj = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.o"
+            src.write_text(source)
+            built = Path(tmp) / lib_path.name
+            subprocess.run([cc, *cflags, *target_flags, "-c", "-o", str(obj), str(src)], check=True,
+                           capture_output=True, timeout=120)
+            # Linked without -ffast-math: gcc < 13 would otherwise add crtfastmath.o, whose constructor turns on
+            # flush-to-zero for the whole process (torch's float32 included) when the library loads.
+            vector_math = ["-lmvec"] if b"_ZGV" in obj.read_bytes() else []  # glibc's vector expf
+            subprocess.run([cc, "-shared", "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(built, lib_path)  # atomic: a concurrent server never loads half a file
+    return lib_path
+
+
+def build_for_cpu(name: str, source: str, cflags: tuple[str, ...], bind: Callable[[ctypes.CDLL], None],
+                  cpu: CpuFeatures, cc: str, cache_dir: Path, fallback: str) -> KernelBuild:
+    """Build (or find) and load ``source`` for ``cpu``'s level, else a baseline build; ``bind`` sets the
+    functions' ctypes signatures (an AttributeError there counts as a failed build). ``fallback`` ends the reason
+    when nothing loads (what runs instead)."""
+    # the CPU model too: -mtune=native tunes for it, so another model of the same level builds its own
+    identity = f"{compiler_identity(cc)}\0{cpu.model_name}"
+    errors: list[str] = []
+    attempts = ((cpu.level, (*cpu.compile_flags, "-mtune=native")), ("baseline", ()))
+    for level, flags in attempts:
+        try:
+            path = build_library(name, source, cflags, cc, identity, level, flags, cache_dir)
+            lib = ctypes.CDLL(str(path))
+            bind(lib)
+            note = f" after {len(errors)} failed build(s)" if errors else ""
+            return KernelBuild(lib, level, f"built with {cc} for {level} ({' '.join(flags) or 'no target flags'})"
+                                           f"{note}: {path}")
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
+            errors.append(f"{level} {' '.join(flags)}: {e} {detail}".strip())
+    return KernelBuild(None, None, "could not build or load it (" + "; ".join(errors) + f"); {fallback}")

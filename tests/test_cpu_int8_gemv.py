@@ -1,0 +1,158 @@
+"""The int8 weight-only decode kernel (backends/torch/cpu_int8_gemv.py): its product equals the dequantized one
+for every row count, tile remainder and dtype, on each x86 code path this CPU can run (AVX-512, AVX2) and in the
+plain-C tail; threads split it without changing a value; Int8WeightOnlyLinear sends decode rows to it and the
+rest to torch's kernel; where it cannot run (switched off, ARM, a build without vector code) torch's kernel serves."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tierlm.backends.torch import c_kernel_build, cpu_int8_gemv
+from tierlm.backends.torch.cpu_quant_linear import Int8WeightOnlyLinear
+from tierlm.platforms import cpu_features
+from tierlm.platforms.cpu_features import CpuFeatures, apply_cap, this_cpu
+
+needs_kernel = pytest.mark.skipif(cpu_int8_gemv.load() is None, reason=f"the int8 kernel does not run here: "
+                                  f"{cpu_int8_gemv.describe()['why']}")
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) / 50 + 1e-3).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = x.double() @ (q.double() * scales.double()[:, None]).t()
+    if b is not None:
+        ref = ref + b.double()
+    return x, q, scales, b, ref
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, torch_kernel: bool = False) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    if dtype == torch.float32:  # float32 products and sums: only the summation order differs
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    elif torch_kernel:  # torch's bf16 kernel rounds along the way (measured up to ~2^-7 of the row's size)
+        assert err.max() <= 4 * 2.0 ** -8 * ref.abs().max(), err.max().item()
+    else:  # this kernel: one rounding to bf16 of the float32 result, element by element
+        assert (err <= 2.0 ** -8 * ref.abs() + 1e-3).all(), err.max().item()
+
+
+# N = 37 and K = 80 leave a partial weight tile (37 % 4) and a tail past the last full vector (80 % 16, 80 % 8 = 0,
+# 72 % 16 = 8); rows 5 and 8 take two passes over each tile.
+SHAPES = [(37, 80), (64, 72), (96, 896)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_the_dequantized_product(dtype, m, n, k, bias):
+    x, q, scales, b, ref = _case(m, n, k, dtype, bias)
+    _check(cpu_int8_gemv.int8_linear(x, q, scales, b), ref, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_threads_split_the_output_without_changing_a_value(dtype, monkeypatch):
+    x, q, scales, b, _ = _case(3, 101, 160, dtype, True)
+    one = cpu_int8_gemv.int8_linear(x, q, scales, b)
+    monkeypatch.setattr(cpu_int8_gemv, "MIN_WEIGHTS_PER_THREAD", 1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_int8_gemv.int8_linear(x, q, scales, b), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fresh_build(monkeypatch, tmp_path, cpu: CpuFeatures) -> c_kernel_build.KernelBuild:
+    monkeypatch.setattr(cpu_int8_gemv, "default_cache_dir", lambda: tmp_path)
+    return cpu_int8_gemv._load(cpu)
+
+
+def _call(lib: ctypes.CDLL, x, q, scales, b) -> torch.Tensor:
+    """One call of a loaded build, single-threaded (what int8_linear does with one thread)."""
+    m, k = x.shape
+    y = torch.empty((m, q.shape[0]), dtype=x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    xf = torch.empty((m, k), dtype=torch.float32) if bf16 else x
+    fn = lib.int8_linear_bf16 if bf16 else lib.int8_linear_f32
+    fn(x.data_ptr(), xf.data_ptr(), int(bf16), m, k, q.data_ptr(), scales.data_ptr(),
+       0 if b is None else b.data_ptr(), y.data_ptr(), q.shape[0], 0, q.shape[0])
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
+def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path):
+    cpu = this_cpu()
+    levels = cpu_features.level_names(cpu.arch)
+    if levels.index(cpu.level) < levels.index(level):
+        pytest.skip(f"this CPU's level is {cpu.level}: it cannot run the {level} code")
+    build = _fresh_build(monkeypatch, tmp_path, apply_cap(cpu, level))
+    assert build.lib is not None and build.level == level, build.why
+    assert build.lib.int8_gemv_simd_bits() == bits
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, (n, k) in zip((1, 5, 8), SHAPES):
+            x, q, scales, b, ref = _case(m, n, k, dtype, True)
+            _check(_call(build.lib, x, q, scales, b), ref, dtype)
+
+
+def test_the_plain_c_build_computes_the_product_but_is_left_to_torch(monkeypatch, tmp_path):
+    cc = cpu_features.find_c_compiler({})
+    if cc is None:
+        pytest.skip("no C compiler here")
+    path = c_kernel_build.build_library("int8_gemv", cpu_int8_gemv._SOURCE, cpu_int8_gemv.CFLAGS, cc,
+                                        c_kernel_build.compiler_identity(cc), "baseline", (), tmp_path)
+    lib = ctypes.CDLL(str(path))
+    cpu_int8_gemv._bind(lib)
+    if lib.int8_gemv_simd_bits() == 0:  # a compiler whose default target has AVX2 compiles the vector code
+        for dtype in (torch.bfloat16, torch.float32):
+            x, q, scales, b, ref = _case(5, 37, 80, dtype, True)
+            _check(_call(lib, x, q, scales, b), ref, dtype)
+    # a level whose flags the compiler refuses falls back to a baseline build, which torch's kernel outruns
+    cpu = CpuFeatures(arch="x86_64", flags=this_cpu().flags if this_cpu().arch == "x86_64" else frozenset())
+    monkeypatch.setitem(cpu_features.COMPILE_FLAGS, cpu.level, ("-mno-such-target-flag",))
+    build = _fresh_build(monkeypatch, tmp_path, cpu)
+    assert (build.lib is None and "no AVX2/AVX-512 code" in build.why) or build.lib.int8_gemv_simd_bits() > 0
+
+
+def test_where_it_cannot_run_torch_kernel_serves(monkeypatch, tmp_path):
+    arm = CpuFeatures(arch="aarch64", flags=frozenset({"fp", "asimd", "bf16"}))
+    build = _fresh_build(monkeypatch, tmp_path, arm)
+    assert build.lib is None and "aarch64" in build.why and "_weight_int8pack_mm" in build.why
+    monkeypatch.setenv("TIERLM_CPU_INT8_GEMV", "0")
+    assert "off (TIERLM_CPU_INT8_GEMV=0)" in _fresh_build(monkeypatch, tmp_path, this_cpu()).why
+    monkeypatch.setattr(cpu_int8_gemv, "_tried", False)
+    monkeypatch.setattr(cpu_int8_gemv, "_lib", None)
+    monkeypatch.setattr(cpu_int8_gemv, "_build", cpu_int8_gemv._build)
+    assert not cpu_int8_gemv.takes(1, torch.bfloat16)
+    # the layer still computes its product, through torch's kernel
+    x, q, scales, b, ref = _case(2, 40, 64, torch.bfloat16, True)
+    layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=torch.bfloat16)
+    _check(layer(x), ref, torch.bfloat16, torch_kernel=True)
+
+
+@needs_kernel
+def test_the_layer_sends_decode_rows_to_the_kernel_and_bf16_prefill_to_torch(monkeypatch):
+    calls: list[tuple[int, torch.dtype]] = []
+    real = cpu_int8_gemv.int8_linear
+
+    def spy(x, *args):
+        calls.append((x.shape[0], x.dtype))
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_int8_gemv, "int8_linear", spy)
+    for dtype, rows, expect in ((torch.bfloat16, 1, True), (torch.bfloat16, 8, True), (torch.bfloat16, 9, False),
+                                (torch.float32, 1, True), (torch.float32, 40, True)):
+        calls.clear()
+        x, q, scales, b, ref = _case(rows, 40, 64, dtype, True)
+        layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=dtype)
+        _check(layer(x), ref, dtype, torch_kernel=not expect)
+        assert (calls == [(rows, dtype)]) == expect, (dtype, rows, calls)

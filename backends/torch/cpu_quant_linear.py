@@ -6,12 +6,13 @@ per call: 4-5x slower than float32 decode). torch ships weight-only kernels that
 ``torch._weight_int8pack_mm`` (int8 [N, K] + one scale per output row) and ``torch._weight_int4pack_mm_for_cpu``
 (tinygemm's 4-bit layout + a scale and a zero point per group of K). Both take activations in the model dtype;
 both are vectorized for bfloat16 activations only (float32 and float16 run a scalar loop, measured 10-70x slower
-per GEMV than bfloat16 on AVX-512: still faster than torchao's dequantize-per-call for int8, and the only int4
-path on a CPU), so bfloat16 (``--dtype auto`` where the CPU has it) is the fast dtype for these formats.
+per GEMV than bfloat16 on AVX-512: still faster than torchao's dequantize-per-call, and the only int4 path on a
+CPU), so bfloat16 (``--dtype auto`` where the CPU has it) is the fast dtype for int4.
 
-For int8, decode rows go through tierlm's own streaming kernel instead (cpu_int8_gemv.py: 1.9-2.3x faster per
-matrix) and bf16 prefill through oneDNN's bf16 GEMM on the weight widened in slices (``_dense_prefill``), since
-torch's int8 kernel is bound by float32 multiply-adds there.
+For int8, decode rows go through tierlm's own streaming kernel instead where it runs (cpu_int8_gemv.py, x86 AVX2 or
+AVX-512: 1.9-2.3x faster per matrix; float32 activations at every row count), and bf16 prefill through oneDNN's
+bf16 GEMM on the weight widened in slices (``_dense_prefill``): torch's int8 kernel is bound by float32
+multiply-adds there.
 
 The quantization itself repeats torchao's recipes step for step, so the weights equal what ``quantize_`` would
 hold (tests/test_cpu_quant_linear.py checks them against torchao): int8wo symmetric per output row

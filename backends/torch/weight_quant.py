@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from tierlm.backends.torch import cpu_int8_gemv
 from tierlm.backends.torch.cpu_quant_embedding import quantize_embedding, tied_lm_head
 from tierlm.backends.torch.cpu_quant_linear import quantize_linears
 from tierlm.backends.weight_format import NATIVE_ENV, WeightFormatError, WeightQuant, cpu_weight_only, device_refusal
@@ -99,11 +100,12 @@ def _quantize_native(model: torch.nn.Module, quant: WeightQuant, dtype: torch.dt
     if kept:
         log.warning("%s: %d linear layers stay %s (the kernel cannot take their shape: %s)", quant.flag, len(kept),
                     dtype, "; ".join(kept[:3]) + ("; ..." if len(kept) > 3 else ""))
-    if dtype != torch.bfloat16:
+    own_kernel = quant.bits == 8 and cpu_int8_gemv.takes(1, dtype)  # float32 and bf16 alike
+    if dtype != torch.bfloat16 and not own_kernel:
         log.warning("%s on CPU with %s activations: torch's weight-only kernels are vectorized for bfloat16 only; "
                     "--dtype bfloat16 decodes several times faster", quant.flag, dtype)
-    log.info("weights quantized to %s: %d linear layers run torch's CPU weight-only kernel (%s)", quant.name,
-             swapped, quant.flag)
+    kernel = "tierlm's int8 streaming kernel for decode rows" if own_kernel else "torch's CPU weight-only kernel"
+    log.info("weights quantized to %s: %d linear layers run %s (%s)", quant.name, swapped, kernel, quant.flag)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

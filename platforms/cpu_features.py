@@ -150,26 +150,37 @@ class CpuFeatures:
 
 
 def int8_weights(weight_format: str) -> bool:
-    """Whether a weight format's linears are int8 weight-only layers (--torchao-config int8wo, compressed-tensors
-    w8a8-int8 / w8a16 checkpoints): the layers backends/torch/cpu_int8_gemv.py serves."""
+    """Whether a weight format's linears are tierlm's int8 weight-only layers, the ones backends/torch/cpu_int8_gemv.py
+    serves: --torchao-config int8wo on tierlm's CPU path (its label carries "+embedding"; plain "torchao:int8wo" is
+    torchao's own path) and compressed-tensors int8 per-channel symmetric checkpoints (w8a8-int8, w8a16-channel;
+    grouped or asymmetric int8 loads dequantized)."""
     if weight_format.startswith("checkpoint:compressed-tensors-"):
-        return "int8" in weight_format or "w8a16" in weight_format
-    return weight_format.startswith("torchao:int8wo")
+        scheme = weight_format.removeprefix("checkpoint:compressed-tensors-")
+        return "-asym" not in scheme and (scheme == "w8a8-int8" or scheme.startswith(("w8a16-channel",
+                                                                                         "w8int-channel-")))
+    return weight_format == "torchao:int8wo+embedding"
 
 
 def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str | None,
-                    weight_format: str = "none") -> dict[str, str]:
+                    weight_format: str = "none", env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Which kernel each layer type of the torch backend will run on this CPU, before any model loads (for
     `tierlm doctor`; a running server reports what it set up, backends/torch/kernel_report.py). The rules are the
     backend's: prepacked bf16 linears where oneDNN's reorder runs, int8 weights through the C streaming kernel on
-    x86 with AVX2 or AVX-512, the C decode kernel for bf16 or float32 pages of the model's own dtype where a C
-    compiler exists."""
+    x86 with AVX2 or AVX-512 (TIERLM_CPU_INT8_GEMV=0 rules it out), the C decode kernel for bf16 or float32 pages
+    of the model's own dtype where a C compiler exists."""
     if int8_weights(weight_format):
-        if cpu.arch == "x86_64" and cpu.has("avx2", "fma") and compiler is not None:
-            linear = (f"int8 weight-only: C streaming kernel for decode rows, built with {compiler} for {cpu.level}"
-                      + ("; prefill through oneDNN on the weight widened to bf16" if dtype == "bfloat16" else ""))
+        prefill = "; bf16 prefill through oneDNN on the weight widened to bf16" if dtype == "bfloat16" else ""
+        if (env or {}).get("TIERLM_CPU_INT8_GEMV", "1") == "0":
+            why = "TIERLM_CPU_INT8_GEMV=0"
+        elif dtype not in ("bfloat16", "float32"):
+            why = f"the C kernel takes bfloat16 or float32 activations, not {dtype}"
+        elif cpu.arch != "x86_64" or not cpu.has("avx2", "fma") or compiler is None:
+            why = "the C kernel needs x86 AVX2 and a C compiler"
         else:
-            linear = "int8 weight-only: torch _weight_int8pack_mm (the C kernel needs x86 AVX2 and a C compiler)"
+            why = ""
+        linear = (f"int8 weight-only: torch _weight_int8pack_mm ({why}){prefill}" if why else
+                  f"int8 weight-only: C streaming kernel for decode rows, built with {compiler} for {cpu.level}"
+                  f"{prefill}")
     elif dtype == "bfloat16":
         prepack, why = cpu.onednn_bf16_prepack
         linear = why if prepack else why.replace("torch's plain bf16 linear", "torch F.linear bfloat16")

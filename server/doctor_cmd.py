@@ -190,7 +190,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     sizes = report["model"]
     if decision.backend == "torch" and decision.device == "cpu" and sizes:
         report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"],
-                                                find_c_compiler(env), sizes.get("weight_format") or "none")
+                                                find_c_compiler(env), sizes.get("weight_format") or "none", env)
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.

@@ -131,8 +131,8 @@ def test_softmax_split_between_threads_gives_the_same_bits(monkeypatch):
     limits = np.stack([np.arange(61, 151), np.clip(np.arange(90) + 20, 1, 150)]).astype(np.int32)
     one = cba.blocked_attention(lib, q, k, v, limits, 0.125)
     calls = []
-    real = cba._helpers
-    monkeypatch.setattr(cba, "_helpers", lambda n: calls.append(n) or real(n))
+    real = cba.helper_threads
+    monkeypatch.setattr(cba, "helper_threads", lambda n: calls.append(n) or real(n))
     monkeypatch.setattr(cba, "MIN_SCORES_PER_THREAD", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)

@@ -150,11 +150,19 @@ def test_doctor_plans_int8_weights_on_the_streaming_kernel_where_x86_vector_code
     from tierlm.platforms.cpu_features import cpu_kernel_plan, int8_weights
 
     cpu = recorded(name, arch)
-    for fmt in ("torchao:int8wo+embedding", "checkpoint:compressed-tensors-w8a8-int8"):
+    for fmt in ("torchao:int8wo+embedding", "checkpoint:compressed-tensors-w8a8-int8",
+                "checkpoint:compressed-tensors-w8a16-channel"):
         assert int8_weights(fmt)
         plan = cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt)["linear"]
         assert ("C streaming kernel" in plan) == streams and ("_weight_int8pack_mm" in plan) != streams, plan
-    assert "_weight_int8pack_mm" in cpu_kernel_plan(cpu, "float32", "float32", None, "torchao:int8wo")["linear"]
-    for fmt in ("none", "torchao:int8dq", "torchao:int4wo-128+embedding", "checkpoint:compressed-tensors-w4a16-g128"):
+    fmt = "torchao:int8wo+embedding"
+    assert "_weight_int8pack_mm" in cpu_kernel_plan(cpu, "float32", "float32", None, fmt)["linear"]  # no compiler
+    assert "TIERLM_CPU_INT8_GEMV=0" in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt,
+                                                       {"TIERLM_CPU_INT8_GEMV": "0"})["linear"]
+    assert "not float16" in cpu_kernel_plan(cpu, "float16", "float16", "cc", fmt)["linear"]
+    # torchao's own int8wo path (TIERLM_CPU_QUANT_LINEAR=0 drops "+embedding"), and int8 loaded dequantized
+    for fmt in ("none", "torchao:int8wo", "torchao:int8dq", "torchao:int4wo-128+embedding",
+                "checkpoint:compressed-tensors-w4a16-g128", "checkpoint:compressed-tensors-w8a16-g128",
+                "checkpoint:compressed-tensors-w8a16-channel-asym"):
         assert not int8_weights(fmt)
         assert "int8" not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt)["linear"]

@@ -41,14 +41,14 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, torch_kerne
         assert (err <= 2.0 ** -8 * ref.abs() + 1e-3).all(), err.max().item()
 
 
-# N = 37 and K = 80 leave a partial weight tile (37 % 4) and a tail past the last full vector (80 % 16, 80 % 8 = 0,
-# 72 % 16 = 8); rows 5 and 8 take two passes over each tile.
-SHAPES = [(37, 80), (64, 72), (96, 896)]
+# Partial weight tiles (N % 4 = 1, 2, 3) and columns past the last full vector: K % 16 (AVX-512) = 8, 11, 7 and
+# K % 8 (AVX2) = 3, 7; rows 5, 6 and 8 take two passes over each tile (the second with 1, 2 or 4 rows).
+SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_the_dequantized_product(dtype, m, n, k, bias):
@@ -99,7 +99,7 @@ def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeyp
     assert build.lib is not None and build.level == level, build.why
     assert build.lib.int8_gemv_simd_bits() == bits
     for dtype in (torch.bfloat16, torch.float32):
-        for m, (n, k) in zip((1, 5, 8), SHAPES):
+        for m, (n, k) in zip((1, 2, 6, 8), SHAPES):
             x, q, scales, b, ref = _case(m, n, k, dtype, True)
             _check(_call(build.lib, x, q, scales, b), ref, dtype)
 
@@ -112,15 +112,19 @@ def test_the_plain_c_build_computes_the_product_but_is_left_to_torch(monkeypatch
                                         c_kernel_build.compiler_identity(cc), "baseline", (), tmp_path)
     lib = ctypes.CDLL(str(path))
     cpu_int8_gemv._bind(lib)
-    if lib.int8_gemv_simd_bits() == 0:  # a compiler whose default target has AVX2 compiles the vector code
-        for dtype in (torch.bfloat16, torch.float32):
-            x, q, scales, b, ref = _case(5, 37, 80, dtype, True)
+    vector = lib.int8_gemv_simd_bits() > 0  # a compiler whose default target has AVX2 compiles the vector code
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, (n, k) in zip((5, 2), SHAPES[1:3]):
+            x, q, scales, b, ref = _case(m, n, k, dtype, True)
             _check(_call(lib, x, q, scales, b), ref, dtype)
     # a level whose flags the compiler refuses falls back to a baseline build, which torch's kernel outruns
     cpu = CpuFeatures(arch="x86_64", flags=this_cpu().flags if this_cpu().arch == "x86_64" else frozenset())
     monkeypatch.setitem(cpu_features.COMPILE_FLAGS, cpu.level, ("-mno-such-target-flag",))
     build = _fresh_build(monkeypatch, tmp_path, cpu)
-    assert (build.lib is None and "no AVX2/AVX-512 code" in build.why) or build.lib.int8_gemv_simd_bits() > 0
+    if vector:
+        assert build.lib is not None and build.level == "baseline"
+    else:
+        assert build.lib is None and "baseline build has no AVX2/AVX-512 code" in build.why, build.why
 
 
 def test_where_it_cannot_run_torch_kernel_serves(monkeypatch, tmp_path):
@@ -140,7 +144,7 @@ def test_where_it_cannot_run_torch_kernel_serves(monkeypatch, tmp_path):
 
 
 @needs_kernel
-def test_the_layer_sends_decode_rows_to_the_kernel_and_bf16_prefill_to_torch(monkeypatch):
+def test_the_layer_sends_decode_rows_to_the_kernel_and_other_bf16_rows_elsewhere(monkeypatch):
     calls: list[tuple[int, torch.dtype]] = []
     real = cpu_int8_gemv.int8_linear
 
@@ -150,9 +154,36 @@ def test_the_layer_sends_decode_rows_to_the_kernel_and_bf16_prefill_to_torch(mon
 
     monkeypatch.setattr(cpu_int8_gemv, "int8_linear", spy)
     for dtype, rows, expect in ((torch.bfloat16, 1, True), (torch.bfloat16, 8, True), (torch.bfloat16, 9, False),
-                                (torch.float32, 1, True), (torch.float32, 40, True)):
+                                (torch.bfloat16, 40, False), (torch.float32, 1, True), (torch.float32, 40, True)):
         calls.clear()
         x, q, scales, b, ref = _case(rows, 40, 64, dtype, True)
         layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=dtype)
         _check(layer(x), ref, dtype, torch_kernel=not expect)
         assert (calls == [(rows, dtype)]) == expect, (dtype, rows, calls)
+
+
+@needs_kernel
+def test_prefill_and_decode_of_the_same_rows_agree_within_bf16_rounding():
+    """A prompt's rows through bf16 prefill (the widened weight through oneDNN) and the same rows one at a time
+    through the decode kernel: a cache hit replays either, so they must not drift apart."""
+    x, q, scales, b, ref = _case(40, 70, 96, torch.bfloat16, True, seed=5)
+    layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=torch.bfloat16)
+    prefill = layer(x)
+    decode = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    _check(decode, ref, torch.bfloat16)
+    _check(prefill, ref, torch.bfloat16, torch_kernel=True)
+    assert ((prefill.double() - decode.double()).abs() <= 2.0 ** -7 * ref.abs() + 1e-2).all()
+
+
+@needs_kernel
+def test_torch_compile_keeps_the_layer_in_one_graph():
+    """--enable-torch-compile: the kernel is one custom op (compiled_decode.py), not a graph break per layer."""
+    import torch._dynamo
+
+    layers = torch.nn.Sequential(*[Int8WeightOnlyLinear.from_quantized(*_case(1, 64, 64, torch.float32, True)[1:4],
+                                                                       dtype=torch.float32) for _ in range(3)])
+    x = torch.randn(1, 64)
+    explained = torch._dynamo.explain(layers)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(layers, backend="eager")
+    torch.testing.assert_close(compiled(x), layers(x), rtol=0, atol=0)

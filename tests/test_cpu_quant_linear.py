@@ -223,7 +223,10 @@ def test_backend_greedy_equals_transformers_on_the_dequantized_weights(tiny_llam
     assert backend.info.weight_format == f"torchao:{value}+embedding"
     kinds = {type(m) for m in backend.model.modules()}
     assert (Int8WeightOnlyLinear if value == "int8wo" else Int4WeightOnlyLinear) in kinds
-    assert "weight-only" in backend.kernels()["linear"]
+    linear = backend.kernels()["linear"]
+    assert "weight-only" in linear
+    from tierlm.backends.torch import cpu_int8_gemv
+    assert ("streaming kernel for all rows" in linear) == (value == "int8wo" and cpu_int8_gemv.load() is not None)
     prompts = [[1, 17, 42, 99, 7, 250, 31], [1, 5, 6, 200, 201, 202, 12, 13, 14]]
     got = run_greedy(backend, prompts, 12)
     assert got == [_dequantized_reference(model_dir, backend, p, 12) for p in prompts]
@@ -292,3 +295,5 @@ def test_int8_bf16_prefill_goes_through_the_widened_weight_in_slices(monkeypatch
     _bf16_close(whole, x.float() @ layer.dequantized().t() + b.float())
     monkeypatch.setattr(cpu_quant_linear, "DENSE_SLICE_WEIGHTS", 96 * 16)  # 16 output rows per slice, a short last
     assert torch.equal(layer(x), whole)
+    no_bias = Int8WeightOnlyLinear.from_quantized(q, scales, None, dtype=torch.bfloat16)
+    _bf16_close(no_bias(x), x.float() @ layer.dequantized().t())

@@ -12,10 +12,11 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import cpu_paged_decode, paged_attention
+from tierlm.backends.torch import cpu_int8_gemv, cpu_paged_decode, paged_attention
 from tierlm.backends.torch.compiled_decode import CompiledDecode
 from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
 from tierlm.backends.torch.cpu_linear import packed_bytes
+from tierlm.backends.torch.cpu_quant_linear import Int8WeightOnlyLinear
 from tierlm.backends.torch.cpu_threads import configure_cpu_threads
 from tierlm.backends.torch.decode_graphs import DecodeGraphs
 from tierlm.backends.torch.grammar_mask import apply_token_bitmask
@@ -80,6 +81,8 @@ class TorchBackend(ModelBackend):
         if self.device == "cpu" and cpu_paged_decode.supported(self.dtype, self.kv_torch_dtype, num_heads,
                                                                self.info.num_kv_heads, head_dim):
             cpu_paged_decode.load()  # built (or found) now, not inside the first request's decode step
+        if self.device == "cpu" and any(isinstance(m, Int8WeightOnlyLinear) for m in self.model.modules()):
+            cpu_int8_gemv.load()  # int8wo and int8 checkpoints alike: built before the first request too
         self.pool: TorchKVPool | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.compiled: CompiledDecode | None = None  # --enable-torch-compile (compiled_decode.py)

@@ -61,6 +61,20 @@ def _(x, packed_weight, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("tierlm::int8_weight_only", mutates_args=())
+def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_quant_linear.Int8WeightOnlyLinear's product: its C kernel (ctypes, data pointers) cannot be traced."""
+    from tierlm.backends.torch.cpu_quant_linear import int8_weight_only_product
+
+    return int8_weight_only_product(x, qweight, scales, bias)
+
+
+@_int8_weight_only_op.register_fake
+def _(x, qweight, scales, bias):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
 class _Layer:
     """What paged_attention reads of transformers' attention module."""
 
@@ -79,6 +93,11 @@ def attention_op(module, query, key, value, scaling, sliding_window, s_aux) -> t
 def packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                      out_features: int) -> torch.Tensor:
     return torch.ops.tierlm.packed_linear(x, packed_weight, bias, out_features)
+
+
+def int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.tierlm.int8_weight_only(x, qweight, scales, bias)
 
 
 def _cache_dir() -> None:

@@ -39,7 +39,7 @@ def softmax_rows(lib: ctypes.CDLL, scores: torch.Tensor, limits: np.ndarray, row
         return
     cuts = [R * t // n for t in range(n + 1)]
     futures = [helper_threads(n - 1).submit(lib.softmax_rows_bf16, scores.data_ptr(), cuts[t], cuts[t + 1], *args,
-                                      work[t].data_ptr()) for t in range(1, n)]
+                                            work[t].data_ptr()) for t in range(1, n)]
     lib.softmax_rows_bf16(scores.data_ptr(), cuts[0], cuts[1], *args, work[0].data_ptr())
     for f in futures:
         f.result()

@@ -10,13 +10,13 @@ torch's int8 kernel per matrix of the Qwen2.5-0.5B shape (one thread, weights fr
 float32 activations alike (torch's kernel is vectorized for bf16 only: float32 ran a scalar loop).
 
 Numerics: float32 products and sums (the activations widened exactly), times the row's scale, plus the bias, one
-rounding to the output dtype; torch's kernel computes the same values up to the order of the sum.
+rounding to the output dtype (torch's bf16 kernel rounds its product before it adds the bias, then again).
 
 bf16 activations use it for at most ``MAX_ROWS`` rows: past that the float32 multiply-adds, not the bytes, set the
 pace, and bf16 prefill is faster through oneDNN on the widened weight (cpu_quant_linear.py); float32 activations
 use it for any count (it outran MKL's float32 GEMM on the widened weight at every count tried, up to 512 rows).
 Built by c_kernel_build.py; where the build has neither AVX-512 nor AVX2 code (an ARM CPU, an old x86) torch's
-kernel runs. ``TIERLM_CPU_INT8_GEMV=0turns it off.
+kernel runs. ``TIERLM_CPU_INT8_GEMV=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ MAX_ROWS = 8
 MIN_WEIGHTS_PER_THREAD = 1 << 20
 
 _NAME = "int8_gemv"
-_FALLBACK = "int8 weight-only matmuls use torch's _weight_int8pack_mm"
+_FALLBACK = "int8 weight-only decode rows use torch's _weight_int8pack_mm"
 _lock = threading.Lock()
 _tried = False
 _build: KernelBuild = KernelBuild(None, None, "not loaded yet")
@@ -195,10 +195,13 @@ def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _tried:
-            _build = _load(cpu or this_cpu())
+            _tried = True  # first, so that a failure below is met once, not on every matmul
+            try:
+                _build = _load(cpu or this_cpu())
+            except Exception as e:  # noqa: BLE001 - the torch kernel serves; the reason is logged
+                _build = KernelBuild(None, None, f"could not set it up ({type(e).__name__}: {e}); {_FALLBACK}")
             _lib = _build.lib
-            _tried = True
-            log.info("CPU int8 weight-only decode kernel: %s", _build.why)
+            (log.info if _lib is not None else log.warning)("CPU int8 weight-only decode kernel: %s", _build.why)
         return _lib
 
 

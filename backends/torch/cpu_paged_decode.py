@@ -14,7 +14,8 @@ computes what torch's float32 SDPA computes (no roundings; only the summation or
 
 The source below is compiled once per CPU instruction level by c_kernel_build.py (cached per level, compiler and
 CPU model). Without a compiler, or if neither the level's build nor a plain baseline build works, the torch path
-is used (logged once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off; ``TIERLM_CPU_ISA`` caps the level it is built for.
+is used (logged once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off; ``TIERLM_CPU_ISA`` caps the level it
+is built for.
 """
 from __future__ import annotations
 

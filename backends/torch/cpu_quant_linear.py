@@ -1,5 +1,5 @@
-"""Weight-only int8 and int4 linear layers on CPU with torch's own kernels (``--torchao-config int8wo`` and
-``int4wo-<group>`` there; weight_quant.py swaps them in).
+"""Weight-only int8 and int4 linear layers on CPU (``--torchao-config int8wo`` and ``int4wo-<group>`` there;
+weight_quant.py swaps them in), on torch's kernels and, for int8, tierlm's own (below).
 
 torchao's CPU weight-only path converts the int8 weight to the activation dtype inside every matmul (a dense copy
 per call: 4-5x slower than float32 decode). torch ships weight-only kernels that read the packed weight directly:
@@ -26,6 +26,7 @@ vocabulary of 32001, are padded with zero rows that the output drops).
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
-    return None if bias is None else _frozen(bias.detach().to(dtype))
+    return None if bias is None else _frozen(bias.detach().to(dtype).contiguous())  # the C kernel reads it flat
 
 
 def _flat(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -72,33 +73,45 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 DENSE_PREFILL_ROWS = 32
 DENSE_SLICE_WEIGHTS = 1 << 24  # 32 MiB of bf16 scratch, reused: an lm_head over every prompt token fits in slices
 
-_dense_scratch: torch.Tensor | None = None
+# One scratch per thread (two engines in one process never share one), grown to the largest slice; not counted in
+# weight_bytes: it is working memory, like activations.
+_scratch = threading.local()
 
 
 def _dense_prefill(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16 @ (qweight * scales[:, None]).T + bias as (x @ bf16(qweight).T) * scales + bias, a slice of
-    output columns at a time through one reused scratch buffer."""
-    global _dense_scratch
+    """x [M, K] bf16 @ (qweight * scales[:, None]).T + bias as (x @ bf16(qweight).T) * scales + bias (the scale and
+    bias in one rounding), a slice of output columns at a time through this thread's reused scratch buffer."""
     n, k = qweight.shape
     step = max(1, min(n, DENSE_SLICE_WEIGHTS // k))
-    if _dense_scratch is None or _dense_scratch.numel() < step * k:
-        _dense_scratch = torch.empty(step * k, dtype=torch.bfloat16)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < step * k:
+        buf = _scratch.buf = torch.empty(step * k, dtype=torch.bfloat16)
     if step == n:
-        w = _dense_scratch[:n * k].view(n, k)
+        w = buf[:n * k].view(n, k)
         w.copy_(qweight)
         y = torch.nn.functional.linear(x, w)
     else:
         y = torch.empty((x.shape[0], n), dtype=x.dtype)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
-            w = _dense_scratch[:(n1 - n0) * k].view(n1 - n0, k)
+            w = buf[:(n1 - n0) * k].view(n1 - n0, k)
             w.copy_(qweight[n0:n1])
             y[:, n0:n1] = torch.nn.functional.linear(x, w)
-    y.mul_(scales)
-    if bias is not None:
-        y.add_(bias)
-    return y
+    return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
+
+
+def int8_weight_only_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] contiguous in the scales' dtype -> [M, N]: decode rows through tierlm's streaming kernel, bf16
+    prefill through oneDNN on the widened weight, the rest through torch's kernel."""
+    rows = x.shape[0]
+    if cpu_int8_gemv.takes(rows, scales.dtype):  # bias included
+        return cpu_int8_gemv.int8_linear(x, qweight, scales, bias)
+    if rows >= DENSE_PREFILL_ROWS and scales.dtype == torch.bfloat16:
+        return _dense_prefill(x, qweight, scales, bias)
+    y = torch._weight_int8pack_mm(x, qweight, scales)
+    return y if bias is None else y.add_(bias)
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -163,15 +176,12 @@ class Int8WeightOnlyLinear(nn.Module):
             return x.new_empty(x.shape[:-1] + (self.out_features,))
         if dtype != scales.dtype:  # the kernels take activations in their scales' dtype only
             x2 = x2.to(scales.dtype)
-        rows = x2.shape[0]
-        if cpu_int8_gemv.takes(rows, scales.dtype):  # decode rows: tierlm's streaming kernel, bias included
-            y = cpu_int8_gemv.int8_linear(x2.contiguous(), self.qweight, scales, bias)
-        elif rows >= DENSE_PREFILL_ROWS and scales.dtype == torch.bfloat16:
-            y = _dense_prefill(x2, self.qweight, scales, bias)
+        if torch.compiler.is_compiling():  # --enable-torch-compile: one opaque op, not a graph break per layer
+            from tierlm.backends.torch.compiled_decode import int8_weight_only_op
+
+            y = int8_weight_only_op(x2.contiguous(), self.qweight, scales, bias)
         else:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, scales)
-            if bias is not None:
-                y.add_(bias)
+            y = int8_weight_only_product(x2.contiguous(), self.qweight, scales, bias)
         y = y.view(x.shape[:-1] + (self.out_features,))
         return y if y.dtype == dtype else y.to(dtype)
 

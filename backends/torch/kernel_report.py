@@ -10,8 +10,25 @@ from torch import nn
 
 from tierlm.backends.torch import cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode, paged_attention
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
-from tierlm.backends.torch.cpu_quant_linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
+
+
+def _weight_only(int8: int, int4: int, plain: int, dtype: torch.dtype, name: str) -> str:
+    """The int8 / int4 weight-only layers' kernels, as cpu_quant_linear.py picks them per call."""
+    parts = []
+    if int8:
+        prefill = f"; from {DENSE_PREFILL_ROWS} rows oneDNN on the weight widened to bf16" \
+            if dtype == torch.bfloat16 else ""
+        if cpu_int8_gemv.takes(1, dtype):
+            rows = f"up to {cpu_int8_gemv.MAX_ROWS} rows" if dtype == torch.bfloat16 else "all rows"
+            parts.append(f"int8: C weight-only streaming kernel for {rows} (cpu_int8_gemv.py, built for "
+                         f"{cpu_int8_gemv.describe()['level']}), else torch _weight_int8pack_mm{prefill}")
+        else:
+            parts.append(f"int8: torch _weight_int8pack_mm weight-only{prefill}")
+    if int4:
+        parts.append("int4: torch _weight_int4pack_mm_for_cpu weight-only")
+    return f"{'; '.join(parts)} ({int8 + int4} layers, activations {name}" + (f"; {plain} plain)" if plain else ")")
 
 
 def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -24,15 +41,8 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
                  if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)]
     int8 = sum(isinstance(m, Int8WeightOnlyLinear) for m in model.modules())
     int4 = sum(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())
-    if int8 and cpu_int8_gemv.load() is not None:
-        prefill = "" if dtype == torch.float32 else f", torch _weight_int8pack_mm past {cpu_int8_gemv.MAX_ROWS} rows"
-        linear = (f"C int8 weight-only streaming kernel (cpu_int8_gemv.py, built for "
-                  f"{cpu_int8_gemv.describe()['level']}{prefill}; {int8} layers, activations {name}") + \
-            (f"; {plain} plain)" if plain else ")")
-    elif int8 or int4:
-        op = "_weight_int8pack_mm (int8" if int8 else "_weight_int4pack_mm_for_cpu (int4"
-        linear = f"torch {op} weight-only, {int8 + int4} layers, activations {name}" + \
-            (f"; {plain} plain)" if plain else ")")
+    if int8 or int4:
+        linear = _weight_only(int8, int4, plain, dtype, name)
     elif quantized:
         linear = f"torchao {', '.join(sorted(set(quantized)))} ({len(quantized)} layers, activations {name})"
     elif device != "cpu":

@@ -3,10 +3,12 @@ weight-only int8/int4 formats on CPU, which run torch's own weight-only kernels 
 quantized with torchao's recipes.
 
 What runs where (torchao 0.18, checked on torch 2.13):
-- int8wo: CPU: ``torch._weight_int8pack_mm`` (cpu_quant_linear.Int8WeightOnlyLinear), and the input embedding
-  int8 too (cpu_quant_embedding.py; a tied lm_head and the embedding share one table); torchao's own CPU path
-  converts the int8 weight to the activation dtype inside every matmul (4-5x slower than float32 decode; it still
-  serves with TIERLM_CPU_QUANT_LINEAR=0, for comparison, embedding in the model dtype). Other devices: torchao.
+- int8wo: CPU: cpu_quant_linear.Int8WeightOnlyLinear (decode rows through tierlm's C kernel, cpu_int8_gemv.py,
+  on x86; bf16 prefill through oneDNN on the widened weight; else ``torch._weight_int8pack_mm``), and the input
+  embedding int8 too (cpu_quant_embedding.py; a tied lm_head and the embedding share one table); torchao's own
+  CPU path converts the int8 weight to the activation dtype inside every matmul (4-5x slower than float32 decode;
+  it still serves with TIERLM_CPU_QUANT_LINEAR=0, for comparison, embedding in the model dtype). Other devices:
+  torchao.
 - int8dq (SGLang's w8a8_int8): any device; activations quantized per token, int8 x int8 matmul (torch._int_mm).
 - int4wo-<group>: CPU: ``torch._weight_int4pack_mm_for_cpu`` (cpu_quant_linear.Int4WeightOnlyLinear), the input
   embedding int4 in the same groups (read from the packed table: one table when tied); CUDA: torchao's int4

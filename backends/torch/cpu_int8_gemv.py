@@ -34,20 +34,10 @@ from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = c_kernel_build.BF16_C + r"""
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-static inline float bf(uint16_t b) { uint32_t x = (uint32_t)b << 16; float f; memcpy(&f, &x, 4); return f; }
-static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
-    uint32_t x; memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);  /* NaN stays NaN */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
 
 /* The vector width of the code below: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
 int int8_gemv_simd_bits(void) {
@@ -146,9 +136,7 @@ void NAME(const T *restrict x, float *restrict xf, int convert, long M, long K, 
 INT8_LINEAR(int8_linear_bf16, uint16_t, bf, to_bf)
 INT8_LINEAR(int8_linear_f32, float, IDENTITY, IDENTITY)
 """
-# The same flags as the decode attention kernel (cpu_paged_decode.py): the plain-C tail and baseline build need
-# reassociated sums to vectorize; the roundings are the explicit to_bf calls.
-CFLAGS = ("-O3", "-fPIC", "-fno-semantic-interposition", "-ffast-math")
+CFLAGS = c_kernel_build.CFLAGS  # -ffast-math: the plain-C tail and the baseline build vectorize their sums
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # bf16 activation rows the kernel takes (decode batches); past 8 it ran no faster than torch's kernel (bound by the
 # float32 multiply-adds).

@@ -33,19 +33,9 @@ from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = c_kernel_build.BF16_C + r"""
 #include <math.h>
 #include <float.h>
-
-static inline float bf(uint16_t b) { uint32_t x = (uint32_t)b << 16; float f; memcpy(&f, &x, 4); return f; }
-static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
-    uint32_t x; memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);  /* NaN stays NaN */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
 static inline float round_bf(float f) { return bf(to_bf(f)); }
 
 /* q [R, H, D]; k, v: one layer of the pool, [slots, Hkv, D]; table [R, table_stride] int32 pages; kv_lens [R];
@@ -136,12 +126,9 @@ void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int3
     }
 }
 """
-# Vectorized dot products need reassociated float sums, and the softmax's expf vectorizes (glibc's libmvec) only
-# under -ffast-math: every value here is finite (the running max starts at -FLT_MAX), and its roundings are the
-# explicit to_bf calls. -fno-semantic-interposition: with plain -fPIC gcc kept the per-item function behind the
-# PLT-interposable ABI and the call ran 2.5x slower. Measured at 3.9k keys, 8 heads, float32 (AVX-512, one thread):
-# 6.1 ms (-fPIC alone) -> 2.0 ms.
-CFLAGS = ("-O3", "-fPIC", "-fno-semantic-interposition", "-ffast-math")
+# c_kernel_build's flags: the softmax's expf also vectorizes (glibc's libmvec) only under -ffast-math, and every
+# value here is finite (the running max starts at -FLT_MAX).
+CFLAGS = c_kernel_build.CFLAGS
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()

@@ -13,9 +13,24 @@ from tierlm.backends.torch import cpu_blocked_attention as cba
 from tierlm.backends.torch import cpu_paged_decode
 from tierlm.backends.torch import paged_attention as pa
 from tierlm.backends.torch.kv_pool import TorchKVPool
+from tierlm.platforms.cpu_features import PREFILL_ATTENTION_ENV
 
 lib = cpu_paged_decode.load()
 needs_kernel = pytest.mark.skipif(lib is None, reason="no C compiler here: the C library is not built (SDPA path)")
+
+
+def choose(monkeypatch, kernel: str) -> None:
+    """TIERLM_CPU_PREFILL_ATTENTION for this test (the choice is made once per process, so it is made again)."""
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, kernel)
+    cba.choice.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _blocked_unless_a_test_chooses(monkeypatch):
+    """The blocked path whatever the CPU (AMX CPUs choose torch's SDPA by default); the process's choice after."""
+    choose(monkeypatch, "blocked")
+    yield
+    cba.choice.cache_clear()
 
 
 def eager_reference(q, k, v, limits, scale):
@@ -70,7 +85,7 @@ def _step(q_lens, cached, use_lib, monkeypatch, H=8, Hkv=4, D=64, page_size=16):
         monkeypatch.setattr(cpu_paged_decode, "load", lambda: None)
     out = run_step(pa.StepMeta(q_lens, kv_lens, positions, table, page_size, torch.device("cpu")), pool, q, k, v,
                    D ** -0.5, monkeypatch)
-    assert len(calls) == (1 if use_lib else 0)
+    assert len(calls) == (1 if use_lib and cba.choice()[0] == "blocked" else 0)
     return out[0], q[0], pool, table, kv_lens, positions
 
 
@@ -99,15 +114,28 @@ def test_without_the_c_library_sdpa_serves_the_same_attention_within_bf16_roundi
 
 
 @needs_kernel
-def test_bf16_greedy_with_chunked_prefill_equals_transformers_bf16(tiny_llama, monkeypatch):
+def test_the_sdpa_choice_serves_prefill_and_extend_without_the_blocked_path(monkeypatch):
+    """TIERLM_CPU_PREFILL_ATTENTION=sdpa (the default on AMX CPUs): the same step through torch's SDPA, within bf16
+    rounding of the blocked path's eager numerics."""
+    blocked = _step([20, 5, 70], [33, 200, 0], True, monkeypatch)[0].float()
+    choose(monkeypatch, "sdpa")
+    assert not cba.usable(lib, torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16))
+    sdpa = _step([20, 5, 70], [33, 200, 0], True, monkeypatch)[0].float()  # the C library loaded, not called
+    assert (blocked - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel", ["blocked", "sdpa"])
+def test_bf16_greedy_with_chunked_prefill_equals_transformers_bf16(tiny_llama, monkeypatch, kernel):
     """Prompts prefilled in 8-token chunks (the first chunk a fresh prefill, the rest extends over the pages the
     earlier chunks wrote, two requests in one step): greedy output is transformers' bf16 eager output, and the
-    prefill rows went through the blocked path."""
+    prefill rows went through the blocked path, or none of them where torch's SDPA is chosen."""
     from backend_driver import run_greedy
     from test_cpu_linear import _tiny
 
     from tierlm.backends.torch.backend import TorchBackend
 
+    choose(monkeypatch, kernel)
     calls = []
     real = cba.blocked_attention
     monkeypatch.setattr(cba, "blocked_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
@@ -119,7 +147,10 @@ def test_bf16_greedy_with_chunked_prefill_equals_transformers_bf16(tiny_llama, m
     for ids, out in zip(prompts, ours):
         with torch.inference_mode():
             assert out == hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
-    assert max(calls) == 2  # an extend step of both requests took the blocked path
+    if kernel == "blocked":
+        assert max(calls) == 2  # an extend step of both requests took the blocked path
+    else:
+        assert not calls
 
 
 @needs_kernel
@@ -157,3 +188,37 @@ def test_kernel_report_names_the_blocked_path_for_bf16_models_whatever_the_kv_dt
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         assert ("blocked bf16 GEMMs" in prefill(torch.bfloat16, kv)) == (lib is not None)
     assert "SDPA" in prefill(torch.float32, torch.float32) and "blocked" not in prefill(torch.float32, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_bf16"])
+def test_the_row_softmax_of_each_x86_build_is_transformers_bf16_softmax(level, tmp_path):
+    """The softmax's AVX-512 code (with and without AVX512-BF16's rounding instruction) and the plain loop the AVX2
+    build vectorizes: transformers' bf16 eager softmax (scale, round, float32 softmax, round) but for rare one-ulp
+    roundings, the masked tail zeroed, rows whose vector tail is partial (E = 37, limits 1..E) included."""
+    import ctypes
+
+    from tierlm.backends.torch import c_kernel_build
+    from tierlm.platforms.cpu_features import COMPILE_FLAGS, find_c_compiler, level_names, this_cpu
+
+    cpu = this_cpu()
+    if cpu.arch != "x86_64" or level_names(cpu.arch).index(cpu.level) < level_names(cpu.arch).index(level):
+        pytest.skip(f"this CPU ({cpu.arch}, level {cpu.level}) cannot run code built for {level}")
+    cc = find_c_compiler({})
+    path = c_kernel_build.build_library("softmax_test", cpu_paged_decode._SOURCE, cpu_paged_decode.CFLAGS, cc,
+                                        c_kernel_build.compiler_identity(cc), level, COMPILE_FLAGS[level], tmp_path)
+    built = ctypes.CDLL(str(path))
+    cpu_paged_decode._bind(built)
+    g = torch.Generator().manual_seed(7)
+    for E, b, H, spread in ((37, 5, 3, 4.0), (2000, 64, 2, 30.0), (1, 1, 1, 1.0)):
+        R = H * b
+        scores = (torch.randn(R, E, generator=g) * spread).bfloat16()
+        limits = np.clip(np.arange(b) + E - b + 1 - (np.arange(b) % 3), 1, E).astype(np.int32)
+        out = scores.clone()
+        work = torch.empty(E)
+        built.softmax_rows_bf16(out.data_ptr(), 0, R, E, limits.ctypes.data, R, b, 0.125, work.data_ptr())
+        seen = torch.arange(E)[None, :] < torch.from_numpy(np.tile(limits, H)).long()[:, None]
+        ref = (scores * 0.125).float().masked_fill(~seen, float("-inf")).softmax(-1).bfloat16()
+        assert torch.all(out[~seen] == 0)
+        ulps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+        assert ulps.max().item() <= 1 and (ulps > 0).float().mean().item() < 1e-3, (E, level)

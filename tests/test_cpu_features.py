@@ -140,7 +140,12 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
     assert f"q/k/v fused in {layers} layers, gate/up in {layers}" in kernels["linear"]  # fused_projections.py
     from tierlm.backends.torch import cpu_paged_decode
 
-    assert ("blocked bf16 GEMMs" in kernels["prefill_attention"]) == (cpu_paged_decode.load() is not None)
+    from tierlm.backends.torch import cpu_blocked_attention
+
+    blocked = cpu_paged_decode.load() is not None and cpu_blocked_attention.choice()[0] == "blocked"
+    assert ("blocked bf16 GEMMs" in kernels["prefill_attention"]) == blocked
+    assert ("AMX tiles" in kernels["prefill_attention"]) == (cpu_blocked_attention.choice()[0] == "sdpa" and
+                                                             "amx_bf16" in this_cpu().flags)
 
 
 @pytest.mark.parametrize("name, arch, streams", [("amd-epyc-zen3-avx2.txt", "x86_64", True),
@@ -166,3 +171,38 @@ def test_doctor_plans_int8_weights_on_the_streaming_kernel_where_x86_vector_code
                 "checkpoint:compressed-tensors-w8a16-channel-asym"):
         assert not int8_weights(fmt)
         assert "int8" not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt)["linear"]
+
+
+@pytest.mark.parametrize("name, arch, cap, expected", [
+    ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", None, "sdpa"),  # torch's flash kernel runs on AMX tiles
+    ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", "avx512_bf16", "blocked"),  # the cap rules AMX out
+    ("intel-xeon-skylake-avx512.txt", "x86_64", None, "blocked"),
+    ("amd-epyc-zen3-avx2.txt", "x86_64", None, "blocked"),
+    ("nvidia-grace-neoverse-v2.txt", "aarch64", None, "blocked"),
+])
+def test_bf16_prefill_attention_is_torch_sdpa_on_amx_and_the_blocked_path_elsewhere(name, arch, cap, expected):
+    from tierlm.platforms.cpu_features import bf16_prefill_attention, cpu_kernel_plan
+
+    cpu = apply_cap(recorded(name, arch), cap)
+    assert bf16_prefill_attention(cpu, {})[0] == expected
+    plan = cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc")["prefill_attention"]
+    assert plan.startswith("torch SDPA" if expected == "sdpa" else "blocked bf16 GEMMs"), plan
+    assert cpu_kernel_plan(cpu, "float32", "float32", "cc")["prefill_attention"] == "torch SDPA"
+    assert cpu_kernel_plan(cpu, "bfloat16", "bfloat16", None)["prefill_attention"].startswith("torch SDPA")
+    for forced in ("blocked", "sdpa"):  # the switch wins over the CPU, and the plan says why
+        env = {"TIERLM_CPU_PREFILL_ATTENTION": forced.upper()}
+        assert bf16_prefill_attention(cpu, env) == (forced, f"TIERLM_CPU_PREFILL_ATTENTION={forced}")
+        assert f"TIERLM_CPU_PREFILL_ATTENTION={forced}" in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc",
+                                                                         env=env)["prefill_attention"]
+
+
+def test_a_misspelt_prefill_attention_switch_stops_startup_with_the_choices():
+    from tierlm.platforms.cpu_features import bf16_prefill_attention
+
+    cpu = recorded("intel-xeon-sapphire-rapids-amx.txt", "x86_64")
+    with pytest.raises(ValueError, match="auto, blocked, sdpa"):
+        bf16_prefill_attention(cpu, {"TIERLM_CPU_PREFILL_ATTENTION": "flash"})
+    facts = _facts(cpu_flags=tuple(sorted(cpu.flags & known_flags("x86_64"))))
+    assert choose_backend(facts, {}).backend == "torch"
+    with pytest.raises(BackendChoiceError, match="TIERLM_CPU_PREFILL_ATTENTION='flash'"):
+        choose_backend(facts, {"TIERLM_CPU_PREFILL_ATTENTION": "flash"})

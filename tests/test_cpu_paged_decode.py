@@ -75,6 +75,26 @@ def test_kernel_equals_torch_eager_bf16_attention(heads, D, page_size, cached, m
 
 
 @needs_kernel
+@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_bf16"])
+def test_each_x86_build_of_the_bf16_kernel_equals_torch_eager_attention(level, monkeypatch, tmp_path):
+    """The AVX-512 decode (16 tokens' dot products reduced together, with and without AVX512-BF16's rounding
+    instruction) and the plain loop every other build runs (the AVX2 one here), each loaded as the kernel."""
+    cpu = this_cpu()
+    levels = cpu_features.level_names(cpu.arch)
+    if cpu.arch != "x86_64" or levels.index(cpu.level) < levels.index(level):
+        pytest.skip(f"this CPU ({cpu.arch}, level {cpu.level}) cannot run code built for {level}")
+    for heads, D, page_size, cached in [((8, 4), 64, 16, [3, 200, 17]), ((14, 2), 64, 16, [1000, 5, 31]),
+                                        ((8, 2), 128, 4, [50]), ((6, 2), 48, 8, [16, 0])]:
+        ref = _decode(heads, D, page_size, cached, False, monkeypatch)
+        assert _fresh_load(monkeypatch, tmp_path, apply_cap(cpu, level)) is not None
+        assert cpu_paged_decode.describe()["level"] == level
+        got = _decode(heads, D, page_size, cached, True, monkeypatch)  # its last step undoes the load above
+        assert got.shape == ref.shape and torch.isfinite(got).all()
+        assert (got - ref).abs().max().item() <= 0.02 * max(1.0, ref.abs().max().item()), (heads, D, level)
+        assert (got == ref).float().mean().item() > 0.9
+
+
+@needs_kernel
 @pytest.mark.parametrize("heads,D,page_size,cached", [
     ((8, 4), 64, 16, [3, 200, 17]),
     ((4, 4), 24, 1, [0, 9, 30]),

@@ -1,10 +1,14 @@
 """bf16 prefill and extend attention on CPU: blocks of query rows through two bf16 matmuls and a C row softmax.
 
-torch's CPU flash-attention kernel runs bf16 at ~30 GFLOP/s on one core (a 2016-token causal llama-small layer:
+XX (a 2016-token causal llama-small layer:
 64 ms), while oneDNN's bf16 matmuls run an order of magnitude faster. Here each block of query rows takes
 scores = q_blk @ K[:E]^T (bf16), the softmax in one C pass per row (cpu_paged_decode's ``softmax_rows_bf16``:
 scale, causal / length limit, float32 softmax, bf16 probabilities, the masked tail zeroed) and p @ V[:E], where
 E is the last key any row of the block sees, so blocks above the diagonal are never computed.
+
+Where the CPU has AMX, torch's fused SDPA kernel multiplies on its tiles and is faster (~3x at 2016 tokens):
+``choice()`` (platforms/cpu_features.bf16_prefill_attention) sends bf16 prefill there instead, within bf16 rounding
+of these numerics (SDPA's online softmax rounds at other points).
 
 Numerics are transformers' bf16 eager attention (the tests' reference): scores rounded to bf16, scaled and
 rounded again, softmax in float32, probabilities rounded to bf16, one rounding of the output; the decode kernel
@@ -13,11 +17,16 @@ rounds at the same points, so prefill, extend and decode of one request agree in
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 
 import numpy as np
 import torch
 
 from tierlm.backends.torch.cpu_threads import helper_threads
+from tierlm.platforms.cpu_features import bf16_prefill_attention, this_cpu
+
+log = logging.getLogger(__name__)
 
 # Query rows per block: 64 measured fastest for llama-small and the Qwen2.5-0.5B shape at 2016 tokens (one core;
 # 32: +4 %, 128: +20 %): the block's scores (H x 64 x E bf16) stay in the L2 cache between the three passes.
@@ -45,15 +54,24 @@ def softmax_rows(lib: ctypes.CDLL, scores: torch.Tensor, limits: np.ndarray, row
         f.result()
 
 
+@functools.lru_cache(maxsize=1)
+def choice() -> tuple[str, str]:
+    """("blocked" | "sdpa", why) for this CPU (platforms/cpu_features.bf16_prefill_attention), decided once: on
+    AMX CPUs torch's fused SDPA kernel is the faster one. Logged once."""
+    decided = bf16_prefill_attention(this_cpu())
+    log.info("bf16 prefill attention on this CPU: %s", decided[1])
+    return decided
+
+
 def runs_on(device: str, dtype: torch.dtype) -> bool:
     """Whether a model in ``dtype`` on ``device`` takes this path (with the C library loaded; fp8 KV pages are
-    dequantized to bf16 before attention, so they take it too)."""
-    return device == "cpu" and dtype == torch.bfloat16
+    dequantized to bf16 before attention, so they take it too): bf16 on a CPU where it beats torch's SDPA."""
+    return device == "cpu" and dtype == torch.bfloat16 and choice()[0] == "blocked"
 
 
 def usable(lib: ctypes.CDLL | None, q: torch.Tensor, k: torch.Tensor) -> bool:
     """bf16 queries and K/V on CPU with the C library loaded (TIERLM_CPU_PAGED_DECODE=0 turns both off)."""
-    return lib is not None and runs_on(q.device.type, q.dtype) and k.dtype == torch.bfloat16
+    return lib is not None and k.dtype == torch.bfloat16 and runs_on(q.device.type, q.dtype)
 
 
 def causal_limits(T: int) -> np.ndarray:

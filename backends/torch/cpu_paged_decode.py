@@ -12,6 +12,11 @@ model: scores are rounded to bf16 (the matmul's output), scaled and rounded agai
 probabilities are rounded to bf16, and the weighted sum of V accumulates in float32 and is rounded once. float32
 computes what torch's float32 SDPA computes (no roundings; only the summation order differs).
 
+AVX-512 builds decode bf16 with explicit vector code: 16 tokens' K rows at a time serve every query head (their dot
+products reduced together, no horizontal sum per token), the K/V rows prefetched two blocks ahead, the running sums
+in registers: 1.75x the plain loop at 3.9k keys, 2.2x for Qwen2.5-0.5B's 14/2 heads (one core, AMX Xeon). Head sizes
+that are not a multiple of 16, float32 pages and every other build run the plain loop.
+
 The source below is compiled once per CPU instruction level by c_kernel_build.py (cached per level, compiler and
 CPU model). Without a compiler, or if neither the level's build nor a plain baseline build works, the torch path
 is used (logged once). ``TIERLM_CPU_PAGED_DECODE=0`` turns the kernel off; ``TIERLM_CPU_ISA`` caps the level it
@@ -37,6 +42,173 @@ _SOURCE = c_kernel_build.BF16_C + r"""
 #include <math.h>
 #include <float.h>
 static inline float round_bf(float f) { return bf(to_bf(f)); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512 helpers of the decode and softmax kernels below: 16 floats per vector. */
+static inline __m512 exp16(__m512 x) {  /* expf, ~1 ulp: Cody-Waite reduction and a degree-6 polynomial */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  /* below: 0 (or a denormal), as expf gives */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m256i to_bf16x16(__m512 f) {  /* round to nearest even (finite values) */
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    __m512i x = _mm512_castps_si512(f);
+    x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)),
+                                             _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16));
+#endif
+}
+static inline __m512 round_bf16x16(__m512 f) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(f)), 16));
+}
+static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+static inline __m512 sum16x16(const __m512 *v) {  /* lane i: the sum of the 16 lanes of v[SUM16_SLOT[i]] */
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+/* the reduction tree above leaves token i in lane SUM16_SLOT[i] (a 4x4 transpose: its own inverse), so token i's
+   partial sums are stored at SUM16_SLOT[i] and come out in token order */
+static const int SUM16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+#define DV 8        /* at most D / 16 vectors per head row: D <= 128 */
+#define HC 4        /* query heads of one KV head per pass (their q rows or sums stay in registers) */
+#define MAX_HEADS 128
+
+/* software prefetch of the token rows PREFETCH_BLOCKS 16-token blocks ahead: the rows (all KV heads of a token)
+   are contiguous, but pages may lie anywhere and the hardware prefetcher alone left the stream at a third of DRAM
+   speed (as in cpu_int8_gemv.py) */
+#define PREFETCH_BLOCKS 2
+static inline void prefetch_rows(const uint16_t *base, const int32_t *pages, int t, int L, int page_size,
+                                 long row_elems) {
+    for (int tt = 0; tt < 16 && t + tt < L; tt++) {
+        const long slot = (long)pages[(t + tt) / page_size] * page_size + (t + tt) % page_size;
+        const char *p = (const char *)(base + slot * row_elems);
+        for (long b = 0; b < row_elems * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+}
+static inline const uint16_t *kv_row(const uint16_t *base, const int32_t *pages, int t, int page_size, int Hkv,
+                                     int D, int kh) {
+    const long slot = (long)pages[t / page_size] * page_size + t % page_size;
+    return base + (slot * Hkv + kh) * D;
+}
+
+void paged_decode_bf16_avx512(const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
+                              const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens,
+                              int R, int H, int Hkv, int D, int page_size, float scale, uint16_t *restrict out,
+                              float *restrict work, int max_len) {
+    const int n = H / Hkv, dv = D / 16;
+    float *scores = work;                       /* [H, max_len] */
+    float *qf = scores + (long)H * max_len;     /* [H, D] */
+    float *acc = qf + (long)H * D;              /* [H, D] */
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < R; r++) {
+        const int L = kv_lens[r];
+        const int32_t *pages = table + (long)r * table_stride;
+        for (int i = 0; i < H * D; i += 16) _mm512_storeu_ps(qf + i, load_bf16x16(q + (long)r * H * D + i, 0xffff));
+        __m512 vmx[MAX_HEADS];  /* each head's running max */
+        for (int h = 0; h < H; h++) vmx[h] = _mm512_set1_ps(-FLT_MAX);
+        /* scores, 16 tokens at a time: their K rows (all KV heads) come into L1 once and serve every head */
+        for (int t0 = 0; t0 < L; t0 += 16) {
+            const int tn = L - t0 < 16 ? L - t0 : 16;
+            const __mmask16 m = first(tn);
+            prefetch_rows(k, pages, t0 + 16 * PREFETCH_BLOCKS, L, page_size, (long)Hkv * D);
+            for (int kh = 0; kh < Hkv; kh++) {
+                for (int j0 = 0; j0 < n; j0 += HC) {
+                    const int hc = n - j0 < HC ? n - j0 : HC;
+                    const int h0 = kh * n + j0;
+                    __m512 part[HC][16];
+                    for (int tt = 0; tt < 16; tt++) {
+                        const int slot = SUM16_SLOT[tt];
+                        if (tt >= tn) { for (int j = 0; j < hc; j++) part[j][slot] = _mm512_setzero_ps(); continue; }
+                        const uint16_t *kr = kv_row(k, pages, t0 + tt, page_size, Hkv, D, kh);
+                        __m512 kx[DV];
+                        for (int i = 0; i < dv; i++) kx[i] = load_bf16x16(kr + 16 * i, 0xffff);
+                        for (int j = 0; j < hc; j++) {
+                            const float *qh = qf + (long)(h0 + j) * D;
+                            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), kx[0]);
+                            for (int i = 1; i < dv; i++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kx[i], s);
+                            part[j][slot] = s;
+                        }
+                    }
+                    for (int j = 0; j < hc; j++) {  /* the matmul's bf16 score, scaled and rounded again */
+                        const __m512 s = round_bf16x16(_mm512_mul_ps(round_bf16x16(sum16x16(part[j])), sc));
+                        _mm512_mask_storeu_ps(scores + (long)(h0 + j) * max_len + t0, m, s);
+                        vmx[h0 + j] = _mm512_mask_max_ps(vmx[h0 + j], m, vmx[h0 + j], s);
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < H; h++) {  /* softmax in float32, probabilities rounded to bf16 */
+            float *sh = scores + (long)h * max_len;
+            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx[h]));
+            __m512 vsum = _mm512_setzero_ps();
+            for (int t = 0; t < L; t += 16) {
+                const __mmask16 m = first(L - t);
+                const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + t), mx)));
+                _mm512_mask_storeu_ps(sh + t, m, e);
+                vsum = _mm512_add_ps(vsum, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+            for (int t = 0; t < L; t += 16) {
+                const __mmask16 m = first(L - t);
+                _mm512_mask_storeu_ps(sh + t, m, round_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sh + t), inv)));
+            }
+        }
+        /* probabilities times V, 16 tokens at a time, each head's sums in registers across the block */
+        for (int i = 0; i < H * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+        for (int t0 = 0; t0 < L; t0 += 16) {
+            const int tn = L - t0 < 16 ? L - t0 : 16;
+            prefetch_rows(v, pages, t0 + 16 * PREFETCH_BLOCKS, L, page_size, (long)Hkv * D);
+            for (int kh = 0; kh < Hkv; kh++) {
+                for (int j0 = 0; j0 < n; j0 += HC) {
+                    const int hc = n - j0 < HC ? n - j0 : HC;
+                    const int h0 = kh * n + j0;
+                    __m512 a[HC][DV];
+                    for (int j = 0; j < hc; j++)
+                        for (int i = 0; i < dv; i++) a[j][i] = _mm512_loadu_ps(acc + (long)(h0 + j) * D + 16 * i);
+                    for (int tt = 0; tt < tn; tt++) {
+                        const uint16_t *vr = kv_row(v, pages, t0 + tt, page_size, Hkv, D, kh);
+                        __m512 vx[DV];
+                        for (int i = 0; i < dv; i++) vx[i] = load_bf16x16(vr + 16 * i, 0xffff);
+                        for (int j = 0; j < hc; j++) {
+                            const __m512 p = _mm512_set1_ps(scores[(long)(h0 + j) * max_len + t0 + tt]);
+                            for (int i = 0; i < dv; i++) a[j][i] = _mm512_fmadd_ps(p, vx[i], a[j][i]);
+                        }
+                    }
+                    for (int j = 0; j < hc; j++)
+                        for (int i = 0; i < dv; i++) _mm512_storeu_ps(acc + (long)(h0 + j) * D + 16 * i, a[j][i]);
+                }
+            }
+        }
+        for (int i = 0; i < H * D; i += 16)
+            _mm256_storeu_si256((__m256i *)(out + (long)r * H * D + i), to_bf16x16(_mm512_loadu_ps(acc + i)));
+    }
+}
+#endif
 
 /* q [R, H, D]; k, v: one layer of the pool, [slots, Hkv, D]; table [R, table_stride] int32 pages; kv_lens [R];
    out [R, H, D]; work: H * max_len + 2 * H * D + H floats of scratch. Token-major passes: each K and V row (all
@@ -97,14 +269,30 @@ void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const i
 #define ROUND_SCORE_BF16(s) round_bf(round_bf(s) * scale)
 #define ROUND_SCORE_F32(s) ((s) * scale)
 #define IDENTITY(x) (x)
-PAGED_DECODE(paged_decode_bf16, uint16_t, bf, ROUND_SCORE_BF16, round_bf, to_bf)
+PAGED_DECODE(paged_decode_bf16_plain, uint16_t, bf, ROUND_SCORE_BF16, round_bf, to_bf)
 PAGED_DECODE(paged_decode_f32, float, IDENTITY, ROUND_SCORE_F32, IDENTITY, IDENTITY)
+
+/* bf16 decode: the AVX-512 kernel where the head size fits its registers, else the plain loop (same roundings) */
+void paged_decode_bf16(const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
+                       const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens, int R, int H,
+                       int Hkv, int D, int page_size, float scale, uint16_t *restrict out, float *restrict work,
+                       int max_len) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 16 * DV && H <= MAX_HEADS) {
+        paged_decode_bf16_avx512(q, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale, out, work,
+                                 max_len);
+        return;
+    }
+#endif
+    paged_decode_bf16_plain(q, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale, out, work, max_len);
+}
 
 /* The softmax of blocked bf16 prefill attention (cpu_blocked_attention.py), in place over rows r0..r1-1 of bf16
    scores [R, E] as a bf16 matmul left them: row r keeps its first limits[g * b + i] columns (g = r / rows_per_group,
    i = r % b: the query row of its block), each scaled and rounded to bf16, softmax in float32, probabilities
    rounded to bf16, the rest of the row zeroed. transformers' bf16 eager rounding points, as the decode above.
    work: E floats. Callers split [0, R) between threads (ctypes releases the GIL). */
+
 void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int32_t *restrict limits,
                        long rows_per_group, int b, float scale, float *restrict work) {
     for (long r = r0; r < r1; r++) {
@@ -112,6 +300,28 @@ void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int3
         if (lim > E) lim = E;
         if (lim < 1) lim = 1;
         uint16_t *row = s + r * (long)E;
+#if defined(__AVX512F__)  /* 16 scores per vector on the bf16 row itself: 1.0 ns per score, the loop below 1.8 */
+        /* scale > 0 and rounding is monotonic: the largest rounded scaled score is the largest score, scaled
+           and rounded, so the max pass reads the bf16 scores as they are */
+        const __m512 sc = _mm512_set1_ps(scale);
+        __m512 vmx = _mm512_set1_ps(-FLT_MAX);
+        for (int t = 0; t < lim; t += 16)
+            vmx = _mm512_mask_max_ps(vmx, first(lim - t), vmx, load_bf16x16(row + t, first(lim - t)));
+        const __m512 mx = round_bf16x16(_mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmx)), sc));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int t = 0; t < lim; t += 16) {
+            const __mmask16 m = first(lim - t);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(
+                round_bf16x16(_mm512_mul_ps(load_bf16x16(row + t, m), sc)), mx)));
+            _mm512_mask_storeu_ps(work + t, m, e);  /* work holds E floats: masked at the row's end */
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+        for (int t = 0; t < lim; t += 16) {
+            const __mmask16 m = first(lim - t);
+            _mm256_mask_storeu_epi16(row + t, m, to_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, work + t), inv)));
+        }
+#else
         float mx = -FLT_MAX;
         for (int t = 0; t < lim; t++) {
             const float x = round_bf(bf(row[t]) * scale);
@@ -122,6 +332,7 @@ void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int3
         for (int t = 0; t < lim; t++) { const float e = expf(work[t] - mx); work[t] = e; sum += e; }
         const float inv = 1.f / sum;
         for (int t = 0; t < lim; t++) row[t] = to_bf(work[t] * inv);
+#endif
         for (int t = lim; t < E; t++) row[t] = 0;
     }
 }

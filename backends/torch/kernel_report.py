@@ -72,4 +72,6 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     if cpu_blocked_attention.runs_on(device, dtype) and cpu_paged_decode.load() is not None:
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
+    elif device == "cpu" and dtype == torch.bfloat16 and cpu_blocked_attention.choice()[0] == "sdpa":
+        prefill = f"{prefill[:-1]}; {cpu_blocked_attention.choice()[1]})"
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

@@ -156,9 +156,9 @@ PREFILL_ATTENTION_CHOICES = ("auto", "blocked", "sdpa")
 def bf16_prefill_attention(cpu: CpuFeatures, env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """("blocked" | "sdpa", why): which kernel runs bf16 prefill and extend attention on this CPU. torch's fused SDPA
     (flash) kernel multiplies on AMX tiles where the CPU has them: a 2016-token causal llama-small layer took 23 ms
-    there against 74 ms through the blocked path (backends/torch/cpu_blocked_attention.py). Without AMX it runs
+    there against 74 ms through the blocked path (backends/torch/cpu_blocked_attention.py). Without AMX it ran
     bf16 at ~30 GFLOP/s, and the blocked path (oneDNN bf16 GEMMs + a C softmax) was 2.6x faster (63.6 vs 24.3 ms
-    on AVX512-BF16). TIERLM_CPU_PREFILL_ATTENTION=blocked|sdpa overrides (a TIERLM_CPU_ISA cap below amx also
+    on AVX512-BF16; AVX2 and Arm are not measured and keep the blocked path). TIERLM_CPU_PREFILL_ATTENTION=blocked|sdpa overrides (a TIERLM_CPU_ISA cap below amx also
     rules AMX out, for torch as well). Raises ValueError for another value."""
     choice = ((env if env is not None else os.environ).get(PREFILL_ATTENTION_ENV) or "auto").strip().lower()
     if choice not in PREFILL_ATTENTION_CHOICES:
@@ -168,7 +168,7 @@ def bf16_prefill_attention(cpu: CpuFeatures, env: Mapping[str, str] | None = Non
         return choice, f"{PREFILL_ATTENTION_ENV}={choice}"
     if cpu.arch == "x86_64" and cpu.has("amx_bf16", "amx_tile"):
         return "sdpa", "it multiplies on AMX tiles here: ~3x the blocked path"
-    return "blocked", "torch's fused SDPA runs bf16 ~2.6x slower without AMX"
+    return "blocked", "torch's fused SDPA ran bf16 ~2.6x slower without AMX (measured on AVX512-BF16)"
 
 
 def int8_weights(weight_format: str) -> bool:
@@ -189,7 +189,8 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
     `tierlm doctor`; a running server reports what it set up, backends/torch/kernel_report.py). The rules are the
     backend's: prepacked bf16 linears where oneDNN's reorder runs, int8 weights through the C streaming kernel on
     x86 with AVX2 or AVX-512 (TIERLM_CPU_INT8_GEMV=0 rules it out), the C decode kernel for bf16 or float32 pages
-    of the model's own dtype where a C compiler exists."""
+    of the model's own dtype where a C compiler exists (TIERLM_CPU_PAGED_DECODE=0 rules it out), bf16 prefill
+    attention as ``bf16_prefill_attention`` chooses (TIERLM_CPU_PREFILL_ATTENTION)."""
     if int8_weights(weight_format):
         prefill = "; bf16 prefill through oneDNN on the weight widened to bf16" if dtype == "bfloat16" else ""
         if (env or {}).get("TIERLM_CPU_INT8_GEMV", "1") == "0":
@@ -208,8 +209,11 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
         linear = why if prepack else why.replace("torch's plain bf16 linear", "torch F.linear bfloat16")
     else:
         linear = f"torch F.linear {dtype} (oneDNN/MKL GEMM)"
+    kernels_off = (env or {}).get("TIERLM_CPU_PAGED_DECODE", "1") == "0"  # the C library of both attentions
     if dtype not in ("bfloat16", "float32") or kv_dtype != dtype:
         decode = f"torch over gathered pages (the C kernel reads {dtype} queries over {dtype} pages only)"
+    elif kernels_off:
+        decode = "torch over gathered pages (TIERLM_CPU_PAGED_DECODE=0)"
     elif compiler is None:
         decode = "torch over gathered pages (no C compiler: cc/gcc/clang)"
     else:
@@ -218,8 +222,9 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
     if dtype == "bfloat16":  # whatever the pages: fp8 ones are dequantized to bf16 before attention
         choice, why = bf16_prefill_attention(cpu, env or {})
         prefill = f"torch SDPA ({why})" if choice == "sdpa" else \
-            f"blocked bf16 GEMMs + C row softmax ({why}), built with {compiler} for {cpu.level}" if compiler else \
-            "torch SDPA (no C compiler: cc/gcc/clang)"
+            "torch SDPA (TIERLM_CPU_PAGED_DECODE=0)" if kernels_off else \
+            "torch SDPA (no C compiler: cc/gcc/clang)" if compiler is None else \
+            f"blocked bf16 GEMMs + C row softmax ({why}), built with {compiler} for {cpu.level}"
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}
 
 

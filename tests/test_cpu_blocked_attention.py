@@ -195,7 +195,8 @@ def test_kernel_report_names_the_blocked_path_for_bf16_models_whatever_the_kv_dt
 def test_the_row_softmax_of_each_x86_build_is_transformers_bf16_softmax(level, tmp_path):
     """The softmax's AVX-512 code (with and without AVX512-BF16's rounding instruction) and the plain loop the AVX2
     build vectorizes: transformers' bf16 eager softmax (scale, round, float32 softmax, round) but for rare one-ulp
-    roundings, the masked tail zeroed, rows whose vector tail is partial (E = 37, limits 1..E) included."""
+    roundings, the masked tail zeroed; rows shorter than one vector and rows whose last vector is partial included
+    (limits 1..37 of E = 37)."""
     import ctypes
 
     from tierlm.backends.torch import c_kernel_build
@@ -210,10 +211,10 @@ def test_the_row_softmax_of_each_x86_build_is_transformers_bf16_softmax(level, t
     built = ctypes.CDLL(str(path))
     cpu_paged_decode._bind(built)
     g = torch.Generator().manual_seed(7)
-    for E, b, H, spread in ((37, 5, 3, 4.0), (2000, 64, 2, 30.0), (1, 1, 1, 1.0)):
+    for E, b, H, spread in ((37, 37, 3, 4.0), (2000, 64, 2, 30.0), (1, 1, 1, 1.0)):
         R = H * b
         scores = (torch.randn(R, E, generator=g) * spread).bfloat16()
-        limits = np.clip(np.arange(b) + E - b + 1 - (np.arange(b) % 3), 1, E).astype(np.int32)
+        limits = np.clip(np.arange(b) + E - b + 1 - (np.arange(b) % 3), 1, E).astype(np.int32)  # E=37: 1..37
         out = scores.clone()
         work = torch.empty(E)
         built.softmax_rows_bf16(out.data_ptr(), 0, R, E, limits.ctypes.data, R, b, 0.125, work.data_ptr())

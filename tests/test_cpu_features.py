@@ -144,8 +144,8 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
 
     blocked = cpu_paged_decode.load() is not None and cpu_blocked_attention.choice()[0] == "blocked"
     assert ("blocked bf16 GEMMs" in kernels["prefill_attention"]) == blocked
-    assert ("AMX tiles" in kernels["prefill_attention"]) == (cpu_blocked_attention.choice()[0] == "sdpa" and
-                                                             "amx_bf16" in this_cpu().flags)
+    sdpa = cpu_blocked_attention.choice()[0] == "sdpa"
+    assert (cpu_blocked_attention.choice()[1] in kernels["prefill_attention"]) == sdpa  # SDPA says why it runs
 
 
 @pytest.mark.parametrize("name, arch, streams", [("amd-epyc-zen3-avx2.txt", "x86_64", True),
@@ -189,6 +189,8 @@ def test_bf16_prefill_attention_is_torch_sdpa_on_amx_and_the_blocked_path_elsewh
     assert plan.startswith("torch SDPA" if expected == "sdpa" else "blocked bf16 GEMMs"), plan
     assert cpu_kernel_plan(cpu, "float32", "float32", "cc")["prefill_attention"] == "torch SDPA"
     assert cpu_kernel_plan(cpu, "bfloat16", "bfloat16", None)["prefill_attention"].startswith("torch SDPA")
+    off = cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", env={"TIERLM_CPU_PAGED_DECODE": "0"})
+    assert off["prefill_attention"].startswith("torch SDPA") and "TIERLM_CPU_PAGED_DECODE=0" in off["decode_attention"]
     for forced in ("blocked", "sdpa"):  # the switch wins over the CPU, and the plan says why
         env = {"TIERLM_CPU_PREFILL_ATTENTION": forced.upper()}
         assert bf16_prefill_attention(cpu, env) == (forced, f"TIERLM_CPU_PREFILL_ATTENTION={forced}")

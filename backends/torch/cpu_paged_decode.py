@@ -13,8 +13,9 @@ probabilities are rounded to bf16, and the weighted sum of V accumulates in floa
 computes what torch's float32 SDPA computes (no roundings; only the summation order differs).
 
 AVX-512 builds decode bf16 with explicit vector code: 16 tokens' K rows at a time serve every query head (their dot
-products reduced together, no horizontal sum per token), the K/V rows prefetched two blocks ahead, the running sums
-in registers: 1.75x the plain loop at 3.9k keys, 2.2x for Qwen2.5-0.5B's 14/2 heads (one core, AMX Xeon). Head sizes
+products reduced together, no horizontal sum per token), the running sums in registers: 1.75x the plain loop at 3.9k
+keys, 2.2x for Qwen2.5-0.5B's 14/2 heads (one core, AMX Xeon). Software prefetch of the next blocks' rows was tried
+and ran 5-35 % slower (pages are handed out in ascending order, which the hardware prefetcher follows). Head sizes
 that are not a multiple of 16, float32 pages and every other build run the plain loop.
 
 The source below is compiled once per CPU instruction level by c_kernel_build.py (cached per level, compiler and
@@ -43,7 +44,8 @@ _SOURCE = c_kernel_build.BF16_C + r"""
 #include <float.h>
 static inline float round_bf(float f) { return bf(to_bf(f)); }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  /* x86-64-v4 */
+#define TIERLM_AVX512 1
 #include <immintrin.h>
 /* AVX-512 helpers of the decode and softmax kernels below: 16 floats per vector. */
 static inline __m512 exp16(__m512 x) {  /* expf, ~1 ulp: Cody-Waite reduction and a degree-6 polynomial */
@@ -64,7 +66,8 @@ static inline __m512 exp16(__m512 x) {  /* expf, ~1 ulp: Cody-Waite reduction an
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-static inline __m256i to_bf16x16(__m512 f) {  /* round to nearest even (finite values) */
+static inline __m256i to_bf16x16(__m512 f) {  /* round to nearest even (finite values; AVX512-BF16's instruction
+                                                 also flushes subnormals to zero, which no probability here is) */
 #if defined(__AVX512BF16__)
     return (__m256i)_mm512_cvtneps_pbh(f);
 #else
@@ -98,18 +101,6 @@ static const int SUM16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
 #define HC 4        /* query heads of one KV head per pass (their q rows or sums stay in registers) */
 #define MAX_HEADS 128
 
-/* software prefetch of the token rows PREFETCH_BLOCKS 16-token blocks ahead: the rows (all KV heads of a token)
-   are contiguous, but pages may lie anywhere and the hardware prefetcher alone left the stream at a third of DRAM
-   speed (as in cpu_int8_gemv.py) */
-#define PREFETCH_BLOCKS 2
-static inline void prefetch_rows(const uint16_t *base, const int32_t *pages, int t, int L, int page_size,
-                                 long row_elems) {
-    for (int tt = 0; tt < 16 && t + tt < L; tt++) {
-        const long slot = (long)pages[(t + tt) / page_size] * page_size + (t + tt) % page_size;
-        const char *p = (const char *)(base + slot * row_elems);
-        for (long b = 0; b < row_elems * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
-}
 static inline const uint16_t *kv_row(const uint16_t *base, const int32_t *pages, int t, int page_size, int Hkv,
                                      int D, int kh) {
     const long slot = (long)pages[t / page_size] * page_size + t % page_size;
@@ -135,7 +126,6 @@ void paged_decode_bf16_avx512(const uint16_t *restrict q, const uint16_t *restri
         for (int t0 = 0; t0 < L; t0 += 16) {
             const int tn = L - t0 < 16 ? L - t0 : 16;
             const __mmask16 m = first(tn);
-            prefetch_rows(k, pages, t0 + 16 * PREFETCH_BLOCKS, L, page_size, (long)Hkv * D);
             for (int kh = 0; kh < Hkv; kh++) {
                 for (int j0 = 0; j0 < n; j0 += HC) {
                     const int hc = n - j0 < HC ? n - j0 : HC;
@@ -149,8 +139,8 @@ void paged_decode_bf16_avx512(const uint16_t *restrict q, const uint16_t *restri
                         for (int i = 0; i < dv; i++) kx[i] = load_bf16x16(kr + 16 * i, 0xffff);
                         for (int j = 0; j < hc; j++) {
                             const float *qh = qf + (long)(h0 + j) * D;
-                            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), kx[0]);
-                            for (int i = 1; i < dv; i++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kx[i], s);
+                            __m512 s = _mm512_setzero_ps();
+                            for (int i = 0; i < dv; i++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kx[i], s);
                             part[j][slot] = s;
                         }
                     }
@@ -182,7 +172,6 @@ void paged_decode_bf16_avx512(const uint16_t *restrict q, const uint16_t *restri
         for (int i = 0; i < H * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
         for (int t0 = 0; t0 < L; t0 += 16) {
             const int tn = L - t0 < 16 ? L - t0 : 16;
-            prefetch_rows(v, pages, t0 + 16 * PREFETCH_BLOCKS, L, page_size, (long)Hkv * D);
             for (int kh = 0; kh < Hkv; kh++) {
                 for (int j0 = 0; j0 < n; j0 += HC) {
                     const int hc = n - j0 < HC ? n - j0 : HC;
@@ -277,8 +266,8 @@ void paged_decode_bf16(const uint16_t *restrict q, const uint16_t *restrict k, c
                        const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens, int R, int H,
                        int Hkv, int D, int page_size, float scale, uint16_t *restrict out, float *restrict work,
                        int max_len) {
-#if defined(__AVX512F__)
-    if (D % 16 == 0 && D <= 16 * DV && H <= MAX_HEADS) {
+#if defined(TIERLM_AVX512)
+    if (D >= 16 && D % 16 == 0 && D <= 16 * DV && H <= MAX_HEADS) {
         paged_decode_bf16_avx512(q, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale, out, work,
                                  max_len);
         return;
@@ -300,7 +289,7 @@ void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int3
         if (lim > E) lim = E;
         if (lim < 1) lim = 1;
         uint16_t *row = s + r * (long)E;
-#if defined(__AVX512F__)  /* 16 scores per vector on the bf16 row itself: 1.0 ns per score, the loop below 1.8 */
+#if defined(TIERLM_AVX512)  /* 16 scores per vector on the bf16 row itself: 1.0 ns per score, the loop below 1.8 */
         /* scale > 0 and rounding is monotonic: the largest rounded scaled score is the largest score, scaled
            and rounded, so the max pass reads the bf16 scores as they are */
         const __m512 sc = _mm512_set1_ps(scale);

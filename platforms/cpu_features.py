@@ -158,8 +158,9 @@ def bf16_prefill_attention(cpu: CpuFeatures, env: Mapping[str, str] | None = Non
     (flash) kernel multiplies on AMX tiles where the CPU has them: a 2016-token causal llama-small layer took 23 ms
     there against 74 ms through the blocked path (backends/torch/cpu_blocked_attention.py). Without AMX it ran
     bf16 at ~30 GFLOP/s, and the blocked path (oneDNN bf16 GEMMs + a C softmax) was 2.6x faster (63.6 vs 24.3 ms
-    on AVX512-BF16; AVX2 and Arm are not measured and keep the blocked path). TIERLM_CPU_PREFILL_ATTENTION=blocked|sdpa overrides (a TIERLM_CPU_ISA cap below amx also
-    rules AMX out, for torch as well). Raises ValueError for another value."""
+    on AVX512-BF16; AVX2 and Arm are not measured and keep the blocked path).
+    TIERLM_CPU_PREFILL_ATTENTION=blocked|sdpa overrides (a TIERLM_CPU_ISA cap below amx also rules AMX out, for torch
+    as well). Raises ValueError for another value."""
     choice = ((env if env is not None else os.environ).get(PREFILL_ATTENTION_ENV) or "auto").strip().lower()
     if choice not in PREFILL_ATTENTION_CHOICES:
         raise ValueError(f"{PREFILL_ATTENTION_ENV}={choice!r} is not one of {', '.join(PREFILL_ATTENTION_CHOICES)}; "

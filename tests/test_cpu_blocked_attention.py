@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_cpu_paged_decode import run_step
+from test_cpu_paged_decode import run_step, skip_unless_this_cpu_runs
 
 from tierlm.backends.torch import cpu_blocked_attention as cba
 from tierlm.backends.torch import cpu_paged_decode
@@ -200,11 +200,9 @@ def test_the_row_softmax_of_each_x86_build_is_transformers_bf16_softmax(level, t
     import ctypes
 
     from tierlm.backends.torch import c_kernel_build
-    from tierlm.platforms.cpu_features import COMPILE_FLAGS, find_c_compiler, level_names, this_cpu
+    from tierlm.platforms.cpu_features import COMPILE_FLAGS, find_c_compiler
 
-    cpu = this_cpu()
-    if cpu.arch != "x86_64" or level_names(cpu.arch).index(cpu.level) < level_names(cpu.arch).index(level):
-        pytest.skip(f"this CPU ({cpu.arch}, level {cpu.level}) cannot run code built for {level}")
+    skip_unless_this_cpu_runs(level)
     cc = find_c_compiler({})
     path = c_kernel_build.build_library("softmax_test", cpu_paged_decode._SOURCE, cpu_paged_decode.CFLAGS, cc,
                                         c_kernel_build.compiler_identity(cc), level, COMPILE_FLAGS[level], tmp_path)

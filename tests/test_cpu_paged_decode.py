@@ -17,6 +17,15 @@ lib = cpu_paged_decode.load()
 needs_kernel = pytest.mark.skipif(lib is None, reason="no C compiler here: the kernel is not built (torch path)")
 
 
+def skip_unless_this_cpu_runs(level: str) -> CpuFeatures:
+    """This CPU, or a skip when it cannot execute code built for the x86 ``level``."""
+    cpu = this_cpu()
+    levels = cpu_features.level_names(cpu.arch)
+    if cpu.arch != "x86_64" or levels.index(cpu.level) < levels.index(level):
+        pytest.skip(f"this CPU ({cpu.arch}, level {cpu.level}) cannot run code built for {level}")
+    return cpu
+
+
 class _Layer:
     layer_idx = 1
 
@@ -79,10 +88,7 @@ def test_kernel_equals_torch_eager_bf16_attention(heads, D, page_size, cached, m
 def test_each_x86_build_of_the_bf16_kernel_equals_torch_eager_attention(level, monkeypatch, tmp_path):
     """The AVX-512 decode (16 tokens' dot products reduced together, with and without AVX512-BF16's rounding
     instruction) and the plain loop every other build runs (the AVX2 one here), each loaded as the kernel."""
-    cpu = this_cpu()
-    levels = cpu_features.level_names(cpu.arch)
-    if cpu.arch != "x86_64" or levels.index(cpu.level) < levels.index(level):
-        pytest.skip(f"this CPU ({cpu.arch}, level {cpu.level}) cannot run code built for {level}")
+    cpu = skip_unless_this_cpu_runs(level)
     for heads, D, page_size, cached in [((8, 4), 64, 16, [3, 200, 17]), ((14, 2), 64, 16, [1000, 5, 31]),
                                         ((8, 2), 128, 4, [50]), ((6, 2), 48, 8, [16, 0])]:
         ref = _decode(heads, D, page_size, cached, False, monkeypatch)

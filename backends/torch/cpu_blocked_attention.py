@@ -2,9 +2,10 @@
 
 torch's CPU flash-attention kernel runs bf16 at ~30 GFLOP/s on one core without AMX (measured on AVX512-BF16: a
 2016-token causal llama-small layer took 64 ms), while oneDNN's bf16 matmuls run an order of magnitude faster.
-Here each block of query rows takes scores = q_blk @ K[:E]^T (bf16), the softmax in one C pass per row (cpu_paged_decode's ``softmax_rows_bf16``:
-scale, causal / length limit, float32 softmax, bf16 probabilities, the masked tail zeroed) and p @ V[:E], where
-E is the last key any row of the block sees, so blocks above the diagonal are never computed.
+Here each block of query rows takes scores = q_blk @ K[:E]^T (bf16), the softmax in one C pass per row
+(cpu_paged_decode's ``softmax_rows_bf16``: scale, causal / length limit, float32 softmax, bf16 probabilities, the
+masked tail zeroed) and p @ V[:E], where E is the last key any row of the block sees, so blocks above the diagonal
+are never computed.
 
 Where the CPU has AMX, torch's fused SDPA kernel multiplies on its tiles and is faster (~3x at 2016 tokens):
 ``choice()`` (platforms/cpu_features.bf16_prefill_attention) sends bf16 prefill there instead, within bf16 rounding

@@ -90,7 +90,8 @@ static inline __m512 sum16x16(const __m512 *v) {  /* lane i: the sum of the 16 l
         b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
     for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
 }
 /* the reduction tree above leaves token i in lane SUM16_SLOT[i] (a 4x4 transpose: its own inverse), so token i's
@@ -281,7 +282,6 @@ void paged_decode_bf16(const uint16_t *restrict q, const uint16_t *restrict k, c
    i = r % b: the query row of its block), each scaled and rounded to bf16, softmax in float32, probabilities
    rounded to bf16, the rest of the row zeroed. transformers' bf16 eager rounding points, as the decode above.
    work: E floats. Callers split [0, R) between threads (ctypes releases the GIL). */
-
 void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int32_t *restrict limits,
                        long rows_per_group, int b, float scale, float *restrict work) {
     for (long r = r0; r < r1; r++) {

@@ -73,5 +73,5 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
     elif device == "cpu" and dtype == torch.bfloat16 and cpu_blocked_attention.choice()[0] == "sdpa":
-        prefill = f"{prefill[:-1]}; {cpu_blocked_attention.choice()[1]})"
+        prefill = f"torch SDPA (fused causal; gathered pages after a prefix hit; {cpu_blocked_attention.choice()[1]})"
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

@@ -111,7 +111,9 @@ class RequestLogMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
             elif message["type"] == "http.response.body":
-                sent_all = sent_all or not message.get("more_body", False)
+                # A stream that ends after the client is gone (its generator saw the disconnect first and
+                # returned) still sends its closing message: that is not a complete response.
+                sent_all = sent_all or (not message.get("more_body", False) and not disconnected)
                 if status >= 400 and len(error_body) < _ERROR_BODY_BYTES:  # a one-piece body is the error too
                     error_body.extend(message.get("body", b""))
             await send(message)

@@ -169,17 +169,25 @@ async def stream_choices(request: Request, engine: EngineAPI, reqs: list[Generat
                          finals: list[GenerateOutput | None]) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """What an SSE endpoint streams: (choice index, increment) as they arrive, each choice's last increment
     stored in ``finals``. A failed choice raises EngineFailure; when the client disconnects the stream ends
-    early with ``finals`` incomplete, and the unfinished requests are aborted."""
-    async with aclosing(stream_outputs(engine, reqs)) as outputs:
-        async for i, out in outputs:
-            failure = failure_of(out)
-            if failure:
-                raise EngineFailure(failure)
-            if out.finished:
-                finals[i] = out
-            yield i, out
-            if await request.is_disconnected():
-                return  # closing `outputs` aborts the unfinished requests
+    early with ``finals`` incomplete, and the unfinished requests are aborted.
+
+    One watcher task per stream notices the disconnect: asking ``request.is_disconnected()`` after every
+    increment cost more event-loop time than the rest of the stream together (an anyio cancel scope each time,
+    ~60 % of the loop's busy time at 8 streams), time the model thread then waited for the GIL."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        async with aclosing(stream_outputs(engine, reqs)) as outputs:
+            async for i, out in outputs:
+                failure = failure_of(out)
+                if failure:
+                    raise EngineFailure(failure)
+                if out.finished:
+                    finals[i] = out
+                yield i, out
+                if watcher.done():
+                    return  # closing `outputs` aborts the unfinished requests
+    finally:
+        watcher.cancel()
     if any(f is None for f in finals):
         raise EngineFailure("the engine ended a request without a final output")
 

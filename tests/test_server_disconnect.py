@@ -127,3 +127,23 @@ def test_finished_requests_are_not_aborted() -> None:
     asyncio.run(create_app(engine)(call.scope, call.receive, call.send))
     assert call.body_chunks()[-1] == b"data: [DONE]\n\n"
     assert engine.aborted == []
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_stream_does_not_poll_the_client_per_token(spec_version: str) -> None:
+    """One watcher per stream notices a disconnect: asking after every increment (Starlette's is_disconnected)
+    cost the event loop more than the rest of the stream, time the model thread waited for the GIL."""
+    engine = FakeEngine()
+    call = AsgiCall("/v1/completions", {"prompt": "abc", "max_tokens": 60, "stream": True}, spec_version)
+    receives = 0
+    receive = call.receive
+
+    async def counting_receive() -> dict[str, Any]:
+        nonlocal receives
+        receives += 1
+        return await receive()
+
+    asyncio.run(create_app(engine)(call.scope, counting_receive, call.send))
+    assert len(call.body_chunks()) > 60 and call.body_chunks()[-1] == b"data: [DONE]\n\n"
+    assert receives <= 4, receives  # the body, Starlette's listener (2.3) and this stream's one watcher
+    assert engine.aborted == []

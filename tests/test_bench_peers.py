@@ -168,3 +168,49 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
     share = rows["decode_tps"]["values"]["tierlm"] / bound
     assert targets["1-stream decode of the bandwidth bound"]["met"] == (share >= 0.6)
     assert only["targets"] == []  # without tierlm in the run there is nothing of tierlm's to judge
+
+
+def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
+    """A VM that runs fast or slow for minutes at a time must hit every server alike: round r of all servers
+    comes before round r + 1 of any."""
+    from tierlm.server.bench import peers
+    from tierlm.server.bench.openai_load import Completion
+
+    calls: list[tuple[str, str]] = []
+
+    class FakeSession:
+        def __init__(self, ep: Endpoint, max_connections: int) -> None:
+            self.ep = ep
+
+        async def __aenter__(self) -> "FakeSession":
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            pass
+
+        async def one(self, prompt: str, max_tokens: int) -> Completion:
+            calls.append((self.ep.name, prompt))
+            return Completion(sent=0.0, first=0.01, last=0.02, done=0.02 + max_tokens / 1000,
+                              prompt_tokens=len(prompt), completion_tokens=max_tokens)
+
+        async def concurrent(self, prompts, max_tokens):
+            return [await self.one(p, max_tokens) for p in prompts], 0.05
+
+    monkeypatch.setattr(peers, "Session", FakeSession)
+    R = 3
+    w = {"first": "f", "cold": [f"c{r}" for r in range(R)], "warm": [f"w{r}" for r in range(R + 1)],
+         "single": [f"s{r}" for r in range(R)], "single_first": [f"t{r}" for r in range(R)],
+         "long": [f"l{r}" for r in range(R)], "long_first": [f"m{r}" for r in range(R)],
+         "streams": [[f"x{r}a", f"x{r}b"] for r in range(R)]}
+    ns = type("NS", (), {"decode_tokens": 8, "streams": 2, "repeats": R})()
+    bar = type("Bar", (), {"update": lambda self: None, "set_description": lambda self, d: None})()
+    eps = [Endpoint("a", "http://a", "m"), Endpoint("b", "http://b", "m")]
+    results = peers.measure_all(eps, w, ns, bar)
+    cold = [(name, p) for name, p in calls if p.startswith("c")]
+    assert cold == [("a", "c0"), ("b", "c0"), ("a", "c1"), ("b", "c1"), ("a", "c2"), ("b", "c2")]
+    assert [p for name, p in calls if name == "a"][:2] == ["f", "w0"]  # off the clock, before any round
+    for name in ("a", "b"):
+        raw = results[name]["raw"]
+        assert all(len(raw[k]) == R for k in ("cold", "warm", "single", "single_first", "long", "long_first",
+                                               "streams"))
+        assert results[name]["completion_tokens"]["single"] == 8

@@ -2,8 +2,9 @@
 with ``--against NAME=URL`` (vLLM, SGLang, llama.cpp's server, another tierlm), in one table with ratios to
 tierlm measured in the same run.
 
-Per server, one after the other (tierlm is started here and stopped before the peers run; the peers are the
-user's own processes and stay up):
+In rounds (``--repeats``), each round visiting every server in turn with the same prompts, so that a machine
+that speeds up or slows down for minutes at a time affects all servers alike (tierlm is started here and stopped
+at the end; the peers are the user's own processes and stay up). Per round and server:
   cold TTFT    a ``--prompt-tokens`` prompt of random words no server has seen, 1 token, streamed;
   warm TTFT    a long prefix sent once (priming), then again with a new short suffix each time;
   1 stream     ``--decode-tokens`` tokens (EOS ignored) after a short prompt: end to end, and decode tok/s: the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import secrets
 from typing import Any
@@ -118,31 +120,54 @@ def build_workload(ns: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
             "streams": [[b.text(DECODE_PROMPT_TOKENS) for _ in range(ns.streams)] for _ in range(R)]}
 
 
-async def _measure(ep: Endpoint, w: dict[str, Any], ns: argparse.Namespace, bar) -> dict[str, Any]:
+REQUEST_KINDS = ("cold", "warm", "single_first", "single", "streams", "long_first", "long")  # raw per server
+
+
+async def _round(s: Session, w: dict[str, Any], ns: argparse.Namespace, r: int, raw: dict[str, list]) -> None:
+    """Round ``r`` of every row on one server, appended to ``raw``."""
     N = ns.decode_tokens
-    async with Session(ep, ns.streams) as s:
-        await s.one(w["first"], 4)
-        cold = [await s.one(p, 1) for p in w["cold"]]
-        bar.update()
-        await s.one(w["warm"][0], 1)
-        warm = [await s.one(p, 1) for p in w["warm"][1:]]
-        bar.update()
-        first = [await s.one(p, 1) for p in w["single_first"]]
-        single = [await s.one(p, N) for p in w["single"]]
-        bar.update()
-        runs = [await s.concurrent(prompts, N) for prompts in w["streams"]]
-        long_first = [await s.one(p, 1) for p in w["long_first"]]
-        long = [await s.one(p, N) for p in w["long"]]
-        bar.update()
-    out = summarize(cold, warm, single, runs, first)
-    out["long_decode_tps"] = decode_rate(long, long_first)
-    out["completion_tokens"]["long"] = _same([c.completion_tokens for c in long]) if long else None
-    out["prompt_tokens"]["long"] = _same([c.prompt_tokens for c in long]) if long else None
+    raw["cold"].append(await s.one(w["cold"][r], 1))
+    raw["warm"].append(await s.one(w["warm"][r + 1], 1))
+    raw["single_first"].append(await s.one(w["single_first"][r], 1))
+    raw["single"].append(await s.one(w["single"][r], N))
+    raw["streams"].append(await s.concurrent(w["streams"][r], N))
+    if w["long"]:
+        raw["long_first"].append(await s.one(w["long_first"][r], 1))
+        raw["long"].append(await s.one(w["long"][r], N))
+
+
+async def _measure_all(endpoints: list[Endpoint], w: dict[str, Any], ns: argparse.Namespace,
+                       bar) -> dict[str, dict[str, Any]]:
+    """Every round visits every server in turn: this kind of VM moves between fast and slow spells (2x apart,
+    minutes long), and servers measured one after the other would each get a different spell."""
+    raws: dict[str, dict[str, list]] = {ep.name: {kind: [] for kind in REQUEST_KINDS} for ep in endpoints}
+    sessions = [Session(ep, ns.streams) for ep in endpoints]
+    for s in sessions:
+        await s.__aenter__()
+    try:
+        for s in sessions:  # off the clock: a server's first request may compile; then the warm row's prefix
+            await s.one(w["first"], 4)
+            await s.one(w["warm"][0], 1)
+        for r in range(ns.repeats):
+            for s in sessions:
+                bar.set_description(f"peers: round {r + 1}/{ns.repeats}, {s.ep.name}")
+                await _round(s, w, ns, r, raws[s.ep.name])
+                bar.update()
+    finally:
+        for s in sessions:
+            await s.__aexit__(None, None, None)
+    return {name: _result(raw) for name, raw in raws.items()}
+
+
+def _result(raw: dict[str, list]) -> dict[str, Any]:
+    """One server's row values and its raw requests."""
+    out = summarize(raw["cold"], raw["warm"], raw["single"], raw["streams"], raw["single_first"])
+    out["long_decode_tps"] = decode_rate(raw["long"], raw["long_first"])
+    out["completion_tokens"]["long"] = _same([c.completion_tokens for c in raw["long"]]) if raw["long"] else None
+    out["prompt_tokens"]["long"] = _same([c.prompt_tokens for c in raw["long"]]) if raw["long"] else None
     return out | {"raw": {
-        "long": [c.to_dict() for c in long], "long_first": [c.to_dict() for c in long_first],
-        "cold": [c.to_dict() for c in cold], "warm": [c.to_dict() for c in warm],
-        "single": [c.to_dict() for c in single], "single_first": [c.to_dict() for c in first],
-        "streams": [{"wall_s": wall, "requests": [c.to_dict() for c in cs]} for cs, wall in runs]}}
+        **{kind: [c.to_dict() for c in raw[kind]] for kind in REQUEST_KINDS if kind != "streams"},
+        "streams": [{"wall_s": wall, "requests": [c.to_dict() for c in cs]} for cs, wall in raw["streams"]]}}
 
 
 def summarize(cold: list[Completion], warm: list[Completion], single: list[Completion],
@@ -179,12 +204,11 @@ def _same(xs: list[Any]) -> Any:
     return xs[0] if all(x == xs[0] for x in xs) else xs
 
 
-def measure(ep: Endpoint, w: dict[str, Any], ns: argparse.Namespace, bar) -> dict[str, Any]:
-    bar.set_description(f"peers: {ep.name}")
-    return asyncio.run(_measure(ep, w, ns, bar))
+def measure_all(endpoints: list[Endpoint], w: dict[str, Any], ns: argparse.Namespace,
+                bar) -> dict[str, dict[str, Any]]:
+    return asyncio.run(_measure_all(endpoints, w, ns, bar))
 
 
-# ---------------------------------------------------------------- run
 def _check(ns: argparse.Namespace) -> None:
     if not ns.against and ns.no_tierlm:
         raise SystemExit("tierlm bench peers: --no-tierlm needs at least one --against NAME=URL")
@@ -207,24 +231,22 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     except PeerError as e:
         raise SystemExit(f"tierlm bench peers: {e}") from None
     workload = build_workload(ns, ctx)
-    bar = ctx.progress_bar(total=4 * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
-    results: dict[str, dict[str, Any]] = {}
-    endpoints: list[Endpoint] = []
+    bar = ctx.progress_bar(total=ns.repeats * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
     info = None
     bar.set_description("peers: memory bandwidth")
     bandwidth = memory_bandwidth()  # before any server runs: the machine to itself
-    if not ns.no_tierlm:
-        extra = ["--max-running-requests", str(ns.streams)] if ns.streams > 32 else []
-        with BenchServer(ctx.server_args(*extra), log_dir=ctx.work_dir, name="peers-tierlm-server") as server:
+    with contextlib.ExitStack() as stack:
+        endpoints: list[Endpoint] = []
+        if not ns.no_tierlm:
+            extra = ["--max-running-requests", str(ns.streams)] if ns.streams > 32 else []
+            server = stack.enter_context(BenchServer(ctx.server_args(*extra), log_dir=ctx.work_dir,
+                                                     name="peers-tierlm-server"))
             bar.set_description("peers: starting tierlm")
             server.start()
             info = server.info()
-            own = discover(OWN, server.url)
-            results[OWN] = measure(own, workload, ns, bar)
-            endpoints.append(own)
-    for ep in peers:
-        results[ep.name] = measure(ep, workload, ns, bar)
-        endpoints.append(ep)
+            endpoints.append(discover(OWN, server.url))
+        endpoints += peers
+        results = measure_all(endpoints, workload, ns, bar)
     bar.close()
     return _report(ns, ctx, info, endpoints, results, bandwidth)
 
@@ -291,7 +313,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
              (f"long context: the same decode after a {ns.long_context_tokens}-token prompt (attention over a long "
               "cached context at every step)" if ns.long_context_tokens else "long context: not measured "
               "(--long-context-tokens 0)"),
-             f"medians of {ns.repeats}; servers measured one after the other with the same prompts; token counts "
+             f"medians of {ns.repeats} rounds, each round measuring every server in turn with the same prompts; token counts "
              "from each server's usage; one request per server before the clock starts",
              "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "
              + (f"and a peer must be started with the dtype tierlm served ({info.get('dtype')}; --dtype {ctx.dtype})"

@@ -200,7 +200,7 @@ def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
     R = 3
     w = {"first": "f", "cold": [f"c{r}" for r in range(R)], "warm": [f"w{r}" for r in range(R + 1)],
          "single": [f"s{r}" for r in range(R)], "single_first": [f"t{r}" for r in range(R)],
-         "long": [f"l{r}" for r in range(R)], "long_first": [f"m{r}" for r in range(R)],
+         "long": [f"l{r}" for r in range(R)],
          "streams": [[f"x{r}a", f"x{r}b"] for r in range(R)]}
     ns = type("NS", (), {"decode_tokens": 8, "streams": 2, "repeats": R})()
     bar = type("Bar", (), {"update": lambda self: None, "set_description": lambda self, d: None})()
@@ -209,6 +209,8 @@ def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
     cold = [(name, p) for name, p in calls if p.startswith("c")]
     assert cold == [("a", "c0"), ("b", "c0"), ("a", "c1"), ("b", "c1"), ("a", "c2"), ("b", "c2")]
     assert [p for name, p in calls if name == "a"][:2] == ["f", "w0"]  # off the clock, before any round
+    # the long prompt: primed, then its 1-token and N-token requests both hit the primed context
+    assert [p for name, p in calls if name == "b" and p.startswith("l")] == ["l0"] * 3 + ["l1"] * 3 + ["l2"] * 3
     for name in ("a", "b"):
         raw = results[name]["raw"]
         assert all(len(raw[k]) == R for k in ("cold", "warm", "single", "single_first", "long", "long_first",

@@ -216,3 +216,25 @@ def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
         assert all(len(raw[k]) == R for k in ("cold", "warm", "single", "single_first", "long", "long_first",
                                                "streams"))
         assert results[name]["completion_tokens"]["single"] == 8
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_bound_counts_the_weights_a_decode_step_reads(tmp_path, tied: bool) -> None:
+    """An untied input embedding is left out of the bytes per token (one row of it is read); a tied one is the
+    lm_head, read whole."""
+    from safetensors.numpy import save_file
+
+    from tierlm.server.bench.peers import bytes_read_per_token
+
+    vocab, hidden = 100, 16
+    tensors = {"model.embed_tokens.weight": np.zeros((vocab, hidden), np.float32),
+               "model.layers.0.mlp.down_proj.weight": np.zeros((hidden, 32), np.float32)}
+    if not tied:
+        tensors["lm_head.weight"] = np.zeros((vocab, hidden), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": vocab, "torch_dtype": "float32",
+        "tie_word_embeddings": tied}))
+    read = bytes_read_per_token(tmp_path, "bfloat16")
+    assert read == (vocab * hidden + hidden * 32) * 2  # the lm_head (or the tied embedding) and the layer

@@ -23,15 +23,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import re
 import secrets
 from typing import Any
 
 import numpy as np
 
+from tierlm.backends.dtypes import DTYPE_BYTES
 from tierlm.backends.model_source.folder_facts import model_size
+from tierlm.backends.model_source.model_folder import as_model_folder
+from tierlm.backends.weight_format import input_embedding_shape, safetensors_shapes
 from tierlm.server.bench.context import BenchContext
-from tierlm.server.bench.decode import memory_bandwidth
+from tierlm.server.bench.decode import read_bandwidth
 from tierlm.server.bench.openai_load import Completion, Endpoint, PeerError, PromptBuilder, Session, discover
 from tierlm.server.bench.report import Column, Report, Table, Target, environment
 from tierlm.server.bench.server_process import BenchServer
@@ -239,7 +243,7 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     bar = ctx.progress_bar(total=ns.repeats * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
     info = None
     bar.set_description("peers: memory bandwidth")
-    bandwidth = memory_bandwidth()  # before any server runs: the machine to itself
+    bandwidth = read_bandwidth()  # before any server runs: the machine to itself
     with contextlib.ExitStack() as stack:
         endpoints: list[Endpoint] = []
         if not ns.no_tierlm:
@@ -271,6 +275,18 @@ def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dic
             row[f"cell:{n}"] = cell
         rows.append(row)
     return rows
+
+
+def bytes_read_per_token(model_dir, dtype: str) -> int:
+    """Weight bytes one decode step of one stream reads: all of them but an untied input embedding, of which only
+    the looked-up row is read (a tied one is read whole as the lm_head)."""
+    total = model_size(model_dir, dtype).weight_bytes
+    shapes = safetensors_shapes(list(as_model_folder(model_dir).weight_files))
+    embedding = input_embedding_shape(shapes)
+    has_lm_head = any(name.endswith("lm_head.weight") for name, _ in shapes)
+    if embedding is None or not has_lm_head:
+        return total
+    return total - math.prod(embedding) * DTYPE_BYTES.get(dtype, 4)
 
 
 def goals(rows: list[dict[str, Any]], names: list[str], bound_tps: float | None) -> list[Target]:
@@ -319,18 +335,19 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
               "cached context at every step); that prompt is sent once first, so the 1-token and the N-token "
               "request on it are both prefix hits and no prefill time enters the difference" if ns.long_context_tokens else "long context: not measured "
               "(--long-context-tokens 0)"),
-             f"medians of {ns.repeats} rounds, each round measuring every server in turn with the same prompts; token counts "
-             "from each server's usage; one request per server before the clock starts",
+             f"medians of {ns.repeats} rounds, each round measuring every server in turn with the same prompts; "
+             "token counts from each server's usage; one request per server before the clock starts",
              "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "
              + (f"and a peer must be started with the dtype tierlm served ({info.get('dtype')}; --dtype {ctx.dtype})"
                 if info else "with the same dtype (tierlm's --dtype does not apply to peers)")]
     notes += _mismatch_notes(ns, names, results)
     bound = None
     if info and bandwidth:
-        wbytes = model_size(ctx.model_dir, info.get("dtype", "float32")).weight_bytes
+        wbytes = bytes_read_per_token(ctx.model_dir, info.get("dtype", "float32"))
         bound = bandwidth / wbytes
-        notes.append(f"bandwidth bound: weights {wbytes / 2**20:.1f} MiB ({info.get('dtype')}) / memory bandwidth "
-                     f"{bandwidth / 1e9:.2f} GB/s (numpy copy, read + write) = {bound:.1f} tok/s for one stream")
+        notes.append(f"bandwidth bound: weights read per token {wbytes / 2**20:.1f} MiB ({info.get('dtype')}; an untied "
+                     f"input embedding left out: one row of it is read) / read bandwidth {bandwidth / 1e9:.2f} GB/s "
+                     f"(one thread) = {bound:.1f} tok/s for one stream")
     columns = [Column("metric", "metric")] + [Column(f"cell:{n}", n) for n in names] + \
         [Column("better", f"{ref}/peer better if")]
     title = (f"{' vs '.join(names)}: {ns.prompt_tokens}-token TTFT prompts, {ns.decode_tokens}-token decodes, "

@@ -188,6 +188,8 @@ async def stream_choices(request: Request, engine: EngineAPI, reqs: list[Generat
                     return  # closing `outputs` aborts the unfinished requests
     finally:
         watcher.cancel()
+        if watcher.done() and not watcher.cancelled():
+            watcher.exception()  # defensive: a receive() that raised is retrieved, so asyncio does not log it
     if any(f is None for f in finals):
         raise EngineFailure("the engine ended a request without a final output")
 

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import re
 import secrets
 from typing import Any
@@ -131,8 +132,9 @@ REQUEST_KINDS = ("cold", "warm", "single_first", "single", "streams", "long_firs
 async def _round(s: Session, w: dict[str, Any], ns: argparse.Namespace, r: int, raw: dict[str, list]) -> None:
     """Round ``r`` of every row on one server, appended to ``raw``."""
     N = ns.decode_tokens
+    await s.one(w["warm"][0], 1)  # the shared prefix again, off the clock: the last round's long prompts may have
+    raw["warm"].append(await s.one(w["warm"][r + 1], 1))  # pushed it out of a small prefix cache
     raw["cold"].append(await s.one(w["cold"][r], 1))
-    raw["warm"].append(await s.one(w["warm"][r + 1], 1))
     raw["single_first"].append(await s.one(w["single_first"][r], 1))
     raw["single"].append(await s.one(w["single"][r], N))
     raw["streams"].append(await s.concurrent(w["streams"][r], N))
@@ -150,21 +152,15 @@ async def _measure_all(endpoints: list[Endpoint], w: dict[str, Any], ns: argpars
     """Every round visits every server in turn: this kind of VM moves between fast and slow spells (2x apart,
     minutes long), and servers measured one after the other would each get a different spell."""
     raws: dict[str, dict[str, list]] = {ep.name: {kind: [] for kind in REQUEST_KINDS} for ep in endpoints}
-    sessions = [Session(ep, ns.streams) for ep in endpoints]
-    for s in sessions:
-        await s.__aenter__()
-    try:
-        for s in sessions:  # off the clock: a server's first request may compile; then the warm row's prefix
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(Session(ep, ns.streams)) for ep in endpoints]
+        for s in sessions:  # off the clock: a server's first request may compile
             await s.one(w["first"], 4)
-            await s.one(w["warm"][0], 1)
         for r in range(ns.repeats):
             for s in sessions:
                 bar.set_description(f"peers: round {r + 1}/{ns.repeats}, {s.ep.name}")
                 await _round(s, w, ns, r, raws[s.ep.name])
                 bar.update()
-    finally:
-        for s in sessions:
-            await s.__aexit__(None, None, None)
     return {name: _result(raw) for name, raw in raws.items()}
 
 
@@ -193,7 +189,7 @@ def summarize(cold: list[Completion], warm: list[Completion], single: list[Compl
                                   "warm": _same([c.completion_tokens for c in warm]),
                                   "single": _same([c.completion_tokens for c in single]),
                                   "streams": _same([sum(c.completion_tokens for c in cs) for cs, _ in runs]),
-                                  "long": None},  # filled by _measure when the long-context row runs
+                                  "long": None},  # filled by _result when the long-context row runs
             "warm_cached_tokens": median([c.cached_tokens for c in warm]) if warm[0].cached_tokens is not None
             else None}
 
@@ -243,7 +239,7 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     bar = ctx.progress_bar(total=ns.repeats * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
     info = None
     bar.set_description("peers: memory bandwidth")
-    bandwidth = read_bandwidth()  # before any server runs: the machine to itself
+    bandwidth = read_bandwidth(threads=compute_threads())  # before any server runs: the machine to itself
     with contextlib.ExitStack() as stack:
         endpoints: list[Endpoint] = []
         if not ns.no_tierlm:
@@ -275,6 +271,17 @@ def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dic
             row[f"cell:{n}"] = cell
         rows.append(row)
     return rows
+
+
+def compute_threads() -> int:
+    """The threads tierlm's server computes with: OMP_NUM_THREADS (``--threads`` sets it), else its own default."""
+    from tierlm.backends.torch.cpu_threads import cpu_thread_count, usable_cores
+
+    n, _ = cpu_thread_count(os.environ, *usable_cores())
+    if n is not None:
+        return n
+    explicit = os.environ["OMP_NUM_THREADS"].strip()
+    return max(1, int(explicit)) if explicit.isdigit() else 1
 
 
 def bytes_read_per_token(model_dir, dtype: str) -> int:
@@ -336,7 +343,8 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
               "request on it are both prefix hits and no prefill time enters the difference" if ns.long_context_tokens else "long context: not measured "
               "(--long-context-tokens 0)"),
              f"medians of {ns.repeats} rounds, each round measuring every server in turn with the same prompts; "
-             "token counts from each server's usage; one request per server before the clock starts",
+             "token counts from each server's usage; one request per server before the clock starts, and in "
+             "every round the warm row's prefix and the long prompt sent once off the clock",
              "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "
              + (f"and a peer must be started with the dtype tierlm served ({info.get('dtype')}; --dtype {ctx.dtype})"
                 if info else "with the same dtype (tierlm's --dtype does not apply to peers)")]
@@ -347,7 +355,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
         bound = bandwidth / wbytes
         notes.append(f"bandwidth bound: weights read per token {wbytes / 2**20:.1f} MiB ({info.get('dtype')}; an untied "
                      f"input embedding left out: one row of it is read) / read bandwidth {bandwidth / 1e9:.2f} GB/s "
-                     f"(one thread) = {bound:.1f} tok/s for one stream")
+                     f"({compute_threads()} thread(s), as tierlm computes) = {bound:.1f} tok/s for one stream")
     columns = [Column("metric", "metric")] + [Column(f"cell:{n}", n) for n in names] + \
         [Column("better", f"{ref}/peer better if")]
     title = (f"{' vs '.join(names)}: {ns.prompt_tokens}-token TTFT prompts, {ns.decode_tokens}-token decodes, "
@@ -358,7 +366,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
                 "servers": {ep.name: {"url": ep.url, "model": ep.model,
                                       **{k: ep.models_entry[k] for k in ("root", "max_model_len", "owned_by")
                                          if k in ep.models_entry}} for ep in endpoints},
-                "server_extra": ctx.server_extra, "memory_bandwidth_bytes_per_s": bandwidth,
+                "server_extra": ctx.server_extra, "read_bandwidth_bytes_per_s": bandwidth,
                 "bandwidth_bound_tps": bound}
     env = environment(ctx.model_label, info, ctx.load_at_start)
     return Report("peers", ctx.command, env, settings, [Table(title, columns, rows, notes)], goals(rows, names, bound),

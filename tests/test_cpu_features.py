@@ -49,7 +49,7 @@ def test_each_recorded_machine_gets_its_decisions(name, arch, level, bf16, prepa
 
 def test_the_smt_machine_counts_cores_not_hardware_threads():
     epyc = recorded("amd-epyc-zen3-avx2.txt", "x86_64")  # 1 core, 2 hardware threads
-    from tierlm.backends.torch.cpu_threads import cpu_thread_count, usable_cores
+    from tierlm.platforms.thread_count import cpu_thread_count, usable_cores
 
     cores, counted = usable_cores(epyc, logical=2, total=2)
     assert cores == 1 and "2 hardware threads" in counted

@@ -162,7 +162,7 @@ def test_pack_linears_leaves_a_cpu_without_the_reorder_alone(tiny_models_root):
 
 
 def test_cpu_threads_leave_one_core_to_the_server_unless_omp_num_threads_says():
-    from tierlm.backends.torch.cpu_threads import cpu_thread_count
+    from tierlm.platforms.thread_count import cpu_thread_count
 
     assert cpu_thread_count({}, 2)[0] == 1 and cpu_thread_count({}, 1)[0] == 1
     assert cpu_thread_count({}, 16)[0] == 15

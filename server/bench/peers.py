@@ -275,7 +275,7 @@ def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dic
 
 def compute_threads() -> int:
     """The threads tierlm's server computes with: OMP_NUM_THREADS (``--threads`` sets it), else its own default."""
-    from tierlm.backends.torch.cpu_threads import cpu_thread_count, usable_cores
+    from tierlm.platforms.thread_count import cpu_thread_count, usable_cores
 
     n, _ = cpu_thread_count(os.environ, *usable_cores())
     if n is not None:

@@ -214,6 +214,7 @@ def measure_all(endpoints: list[Endpoint], w: dict[str, Any], ns: argparse.Names
     return asyncio.run(_measure_all(endpoints, w, ns, bar))
 
 
+# ---------------------------------------------------------------- run
 def _check(ns: argparse.Namespace) -> None:
     if not ns.against and ns.no_tierlm:
         raise SystemExit("tierlm bench peers: --no-tierlm needs at least one --against NAME=URL")
@@ -239,7 +240,8 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     bar = ctx.progress_bar(total=ns.repeats * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
     info = None
     bar.set_description("peers: memory bandwidth")
-    bandwidth = read_bandwidth(threads=compute_threads())  # before any server runs: the machine to itself
+    threads = compute_threads()
+    bandwidth = read_bandwidth(threads=threads)  # before any server runs: the machine to itself
     with contextlib.ExitStack() as stack:
         endpoints: list[Endpoint] = []
         if not ns.no_tierlm:
@@ -253,7 +255,7 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
         endpoints += peers
         results = measure_all(endpoints, workload, ns, bar)
     bar.close()
-    return _report(ns, ctx, info, endpoints, results, bandwidth)
+    return _report(ns, ctx, info, endpoints, results, bandwidth, threads)
 
 
 def table_rows(names: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -318,7 +320,7 @@ def goals(rows: list[dict[str, Any]], names: list[str], bound_tps: float | None)
 
 
 def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | None, endpoints: list[Endpoint],
-            results: dict[str, dict[str, Any]], bandwidth: float | None = None) -> Report:
+            results: dict[str, dict[str, Any]], bandwidth: float | None = None, threads: int = 1) -> Report:
     names = [ep.name for ep in endpoints]
     ref = names[0]
     rows = table_rows(names, results)
@@ -340,8 +342,8 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
              f"{ns.streams} such requests at once, all their tokens over the wall time",
              (f"long context: the same decode after a {ns.long_context_tokens}-token prompt (attention over a long "
               "cached context at every step); that prompt is sent once first, so the 1-token and the N-token "
-              "request on it are both prefix hits and no prefill time enters the difference" if ns.long_context_tokens else "long context: not measured "
-              "(--long-context-tokens 0)"),
+              "request on it are both prefix hits and no prefill time enters the difference"
+              if ns.long_context_tokens else "long context: not measured (--long-context-tokens 0)"),
              f"medians of {ns.repeats} rounds, each round measuring every server in turn with the same prompts; "
              "token counts from each server's usage; one request per server before the clock starts, and in "
              "every round the warm row's prefix and the long prompt sent once off the clock",
@@ -355,7 +357,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
         bound = bandwidth / wbytes
         notes.append(f"bandwidth bound: weights read per token {wbytes / 2**20:.1f} MiB ({info.get('dtype')}; an untied "
                      f"input embedding left out: one row of it is read) / read bandwidth {bandwidth / 1e9:.2f} GB/s "
-                     f"({compute_threads()} thread(s), as tierlm computes) = {bound:.1f} tok/s for one stream")
+                     f"({threads} thread(s), as tierlm computes) = {bound:.1f} tok/s for one stream")
     columns = [Column("metric", "metric")] + [Column(f"cell:{n}", n) for n in names] + \
         [Column("better", f"{ref}/peer better if")]
     title = (f"{' vs '.join(names)}: {ns.prompt_tokens}-token TTFT prompts, {ns.decode_tokens}-token decodes, "

@@ -352,8 +352,9 @@ class ModelBackend(ABC):
         return None
 
     def init_torch_compile(self, max_bs: int) -> dict[str, Any]:
-        """--enable-torch-compile: run decode-only steps of up to ``max_bs`` requests through a compiled model
-        (the first steps compile it). ValueError with the reason where this backend or model cannot."""
+        """--enable-torch-compile: compile the model for decode-only steps of up to ``max_bs`` requests now (a few
+        decode steps on pages no request owns), and run those steps through it from then on. ValueError with the
+        reason where this backend or model cannot; what the compiler raises where compiling fails."""
         raise ValueError(f"--enable-torch-compile: torch.compile applies to the torch backend, not {self.name}; "
                          "drop the flag")
 

@@ -57,7 +57,8 @@ from tierlm.runtime.scheduler import Scheduler
 from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
 from tierlm.runtime.speculative.speculator import NgramSpeculator
 from tierlm.runtime.tokenizer_protocol import Tokenizer
-from tierlm.runtime.warm_up import compile_decode_steps, warm_up
+from tierlm.runtime.torch_compile_setup import setup_torch_compile
+from tierlm.runtime.warm_up import warm_up
 
 IO_BACKEND_MEANING = {"kernel": "pages move as one batched gather and one copy per direction",
                       "direct": "pages move one copy per page and layer, no staging"}
@@ -93,7 +94,7 @@ class EngineParts:
     attention: tuple[str, str] = ("", "")  # (attention implementation, why): check_attention_backend
     dtype_reason: str = ""  # why the model computes in its dtype: choose_dtype
     decode_graphs: dict[str, Any] | None = None  # the static decode path (buckets, captured sizes, why): setup_decode_graphs
-    torch_compile: dict[str, Any] | None = None  # --enable-torch-compile as set up: setup_torch_compile
+    torch_compile: dict[str, Any] | None = None  # compiled decode as set up (or why not): setup_torch_compile
 
     @property
     def grammar(self) -> GrammarManager:
@@ -185,7 +186,7 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
-    torch_compile = setup_torch_compile(args, backend)
+    torch_compile = setup_torch_compile(args, backend, decision.device, os.environ)
     metrics = EngineMetrics(args.model_name)
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
@@ -323,25 +324,6 @@ def setup_decode_graphs(args: ServerArgs, backend: ModelBackend, decision: Decis
            if capture else f"on static buffers without capture: --cuda-graph-max-bs on {decision.device}")
     log.info("decode graphs: decode steps of up to %d requests padded to buckets %s, %s", max_bs, info["buckets"], why)
     return {"enabled": True, "why": why, "max_bs": max_bs}
-
-
-def setup_torch_compile(args: ServerArgs, backend: ModelBackend) -> dict[str, Any] | None:
-    """--enable-torch-compile: the decode step compiled now, before ready (minutes on a first start, seconds from
-    inductor's disk cache after), or startup stopped with the reason where the backend cannot. /server_info adds
-    the backend's live numbers (torch_compile_stats) to what this returns."""
-    if not args.enable_torch_compile:
-        return None
-    try:
-        backend.init_torch_compile(args.torch_compile_max_bs)
-    except ValueError as e:
-        raise StartupError(str(e)) from e
-    try:
-        compile_decode_steps(backend, args.page_size, tuple(sorted({1, min(2, args.torch_compile_max_bs)})))
-    except Exception as e:  # inductor needs a C++ compiler and a working toolchain: say so, not a traceback
-        raise StartupError(f"--enable-torch-compile: compiling the decode step failed ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}); check that a C++ "
-                           "compiler (g++) is installed, or drop the flag") from e
-    return {"enabled": True}
 
 
 def log_accepted_flags(args: ServerArgs, decision: Decision) -> None:

@@ -29,14 +29,3 @@ def warm_up(backend: ModelBackend, page_size: int, num_pages: int) -> None:
         if backend.info.state is not None:  # a hybrid model: slot 0, which its next owner starts from zeros
             batch.state_slots = np.zeros(1, np.int32)
         backend.forward(batch)
-
-
-def compile_decode_steps(backend: ModelBackend, page_size: int, sizes: tuple[int, ...] = (1, 2)) -> None:
-    """One decode step of each batch size in ``sizes`` (--enable-torch-compile compiles its graphs on them, before
-    the server is ready). Every request writes its one token into page 0, which holds no request's KV yet."""
-    for n in sizes:
-        batch = ForwardBatch(input_ids=np.zeros(n, np.int64), positions=np.zeros(n, np.int64),
-                             q_lens=np.ones(n, np.int32), kv_lens=np.ones(n, np.int32),
-                             page_table=np.zeros((n, 1), np.int32), sample_indices=np.arange(n, dtype=np.int64),
-                             sampling=SamplingBatch.greedy(n), page_size=page_size)
-        backend.forward(batch)

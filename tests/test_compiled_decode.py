@@ -86,14 +86,15 @@ def test_engine_serves_compiled_and_reports_it(tiny_llama):
                           torch_compile_max_bs=8)
     try:
         info = engine.server_info()["torch_compile"]
-        assert info["enabled"] and info["max_bs"] == 8 and info["graphs"] >= 1
-        assert info["compiled_steps"] == 2  # the startup steps of 1 and 2 requests: compiled before ready
+        assert info["enabled"] and info["chosen_by"] == "--enable-torch-compile" and info["state"] == "ready"
+        assert info["max_bs"] == 8 and info["graphs"] >= 1
+        assert info["compiled_steps"] == 0  # the startup steps of 1 and 2 requests compiled it; none served yet
         prompts = [[5, 9, 13, 2, 7], [11, 4, 6], [8, 8, 9]]
         outs = run(engine, prompts, greedy(10))
         for prompt, out in zip(prompts, outs):
             assert out.token_ids == reference_greedy(tiny_llama, prompt, 10)
         after = engine.server_info()["torch_compile"]
-        assert after["compiled_steps"] > 2 and after["graphs"] == info["graphs"] and after["recompiles"] == 0
+        assert after["compiled_steps"] > 0 and after["graphs"] == info["graphs"] and after["recompiles"] == 0
         assert pool_is_clean(engine)
     finally:
         engine.shutdown()
@@ -115,3 +116,45 @@ def test_backends_and_models_that_cannot_compile_stop_startup_with_the_reason(ti
         pytest.skip("this transformers has none of the hybrid architectures")
     with pytest.raises(StartupError, match="not available for hybrid models"):
         start_engine(build_tiny_hybrid(arch, tmp_path / "hybrid"), "torch", enable_torch_compile=True)
+
+
+def test_the_cpu_default_compiles_where_it_may_and_serves_eagerly_where_compiling_fails(tiny_llama, monkeypatch):
+    """TIERLM_CPU_COMPILE=1 lifts the default's size floor: the engine compiles without the flag and serves the
+    reference output compiled; a compile that fails leaves it serving eagerly, the reason in /server_info; and
+    below the floor (the tiny model, no variable) it does not compile."""
+    from tierlm.backends.torch.backend import TorchBackend
+
+    prompts = [[5, 9, 13, 2, 7], [11, 4, 6]]
+    monkeypatch.setenv("TIERLM_CPU_COMPILE", "1")
+    engine = start_engine(tiny_llama, "torch", dtype="float32", page_size=PAGE_SIZE, torch_compile_max_bs=4)
+    try:
+        info = engine.server_info()["torch_compile"]
+        assert (info["enabled"], info["chosen_by"], info["state"]) == (True, "default", "ready")
+        for prompt, out in zip(prompts, run(engine, prompts, greedy(8))):
+            assert out.token_ids == reference_greedy(tiny_llama, prompt, 8)
+        assert engine.server_info()["torch_compile"]["compiled_steps"] > 0
+        assert pool_is_clean(engine)
+    finally:
+        engine.shutdown()
+
+    def no_compiler(self, max_bs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(TorchBackend, "init_torch_compile", no_compiler)
+    engine = start_engine(tiny_llama, "torch", dtype="float32", page_size=PAGE_SIZE)
+    try:
+        info = engine.server_info()["torch_compile"]
+        assert info["enabled"] is False and "compiling failed: RuntimeError: InvalidCxxCompiler" in info["why"]
+        for prompt, out in zip(prompts, run(engine, prompts, greedy(8))):
+            assert out.token_ids == reference_greedy(tiny_llama, prompt, 8)
+    finally:
+        engine.shutdown()
+
+    monkeypatch.delenv("TIERLM_CPU_COMPILE")
+    engine = start_engine(tiny_llama, "torch", dtype="float32", page_size=PAGE_SIZE)
+    try:
+        info = engine.server_info()["torch_compile"]
+        assert info["enabled"] is False and "MiB of weights" in info["why"]
+        assert "state" not in info  # nothing was compiled
+    finally:
+        engine.shutdown()

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutput, HostKVPool, KVCacheDtypeError,
-                                  ModelBackend, ModelInfo)
+                                  ModelBackend, ModelInfo, SamplingBatch)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
@@ -158,8 +158,21 @@ class TorchBackend(ModelBackend):
         if self.device != "cpu":
             raise ValueError(f"--enable-torch-compile: implemented for the CPU; on {self.device} decode steps run "
                              "as captured CUDA graphs instead (the default); drop the flag")
+        assert self.pool is not None, "init_kv_pool() first"
         self.compiled = CompiledDecode(self.model, max_bs)
+        sizes = sorted({1, min(2, max_bs)})  # the graph for one request, and the one for several
+        steps = lambda: self._compile_steps(sizes)  # noqa: E731
+        self.compiled.compile_now(steps)
         return self.compiled.info()
+
+    def _compile_steps(self, sizes: list[int]) -> None:
+        """One decode step of each size on the scratch page, which no request owns: they compile the decode
+        graphs."""
+        ps = self.pool.page_size
+        for n in sizes:
+            self.forward(ForwardBatch(np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n, np.int32),
+                                      np.ones(n, np.int32), np.full((n, 1), self.scratch_page, np.int32),
+                                      np.arange(n, dtype=np.int64), SamplingBatch.greedy(n), ps))
 
     def torch_compile_stats(self) -> dict | None:
         return self.compiled.info() if self.compiled is not None else None

@@ -32,7 +32,16 @@ from tierlm.backends.base import ForwardBatch
 log = logging.getLogger(__name__)
 
 
-@torch.library.custom_op("tierlm::paged_attention", mutates_args=())
+# The opaque ops are registered with the dispatcher's low-level API, not ``torch.library.custom_op``: a custom_op
+# call pays its Python wrapper and an output-aliasing check on every call (31 us against 14 us per call here, and
+# ~11 % of a compiled llama-small decode step by py-spy: 40 calls a step).
+_LIB = torch.library.Library("tierlm", "DEF")
+_LIB.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, "
+            "Tensor? s_aux) -> Tensor")
+_LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("int8_weight_only(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
+
+
 def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
                         sliding_window: int, s_aux: torch.Tensor | None) -> torch.Tensor:
     """paged_attention.paged_attention as one opaque op: it writes this layer's K/V into the pool (state outside
@@ -44,24 +53,12 @@ def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out.contiguous()
 
 
-@_paged_attention_op.register_fake
-def _(query, key, value, layer, scaling, sliding_window, s_aux):
-    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
-
-
-@torch.library.custom_op("tierlm::packed_linear", mutates_args=())
 def _packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                       out_features: int) -> torch.Tensor:
     """cpu_linear.PackedLinear's product: inductor has no shape rule for oneDNN's packed weight."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-@_packed_linear_op.register_fake
-def _(x, packed_weight, bias, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@torch.library.custom_op("tierlm::int8_weight_only", mutates_args=())
 def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor:
     """cpu_quant_linear.Int8WeightOnlyLinear's product: its C kernel (ctypes, data pointers) cannot be traced."""
@@ -70,7 +67,22 @@ def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return int8_weight_only_product(x, qweight, scales, bias)
 
 
-@_int8_weight_only_op.register_fake
+_LIB.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
+_LIB.impl("packed_linear", _packed_linear_op, "CompositeExplicitAutograd")
+_LIB.impl("int8_weight_only", _int8_weight_only_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tierlm::paged_attention", lib=_LIB)
+def _(query, key, value, layer, scaling, sliding_window, s_aux):
+    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+
+@torch.library.register_fake("tierlm::packed_linear", lib=_LIB)
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("tierlm::int8_weight_only", lib=_LIB)
 def _(x, qweight, scales, bias):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
@@ -112,7 +124,12 @@ def _cache_dir() -> None:
 
 
 class CompiledDecode:
-    """The decoder stack compiled for decode steps; the model's own eager forward serves every other step."""
+    """The decoder stack compiled for decode steps; the model's own eager forward serves every other step.
+
+    Decode steps go through the compiled stack once ``compile_now`` has compiled both size classes, before the
+    server is ready. Not on a thread beside a serving one: dynamo's "compiling" flag is process-wide, and
+    transformers and tierlm's attention take other branches while it is set (measured: a background compile sent
+    the serving thread's eager attention into the compiled op, which recursed)."""
 
     def __init__(self, model: torch.nn.Module, max_bs: int) -> None:
         _cache_dir()
@@ -128,7 +145,10 @@ class CompiledDecode:
         self._compiled_for: set[str] = set()
         self._seen_class = False
         self._compiled: Callable = torch.compile(self._eager, dynamic=True, backend=self._inductor)
-        self.steps = 0  # decode steps run compiled (tests and /server_info read it)
+        self._compiling = False  # compile_now's own steps run compiled before ready
+        self.ready = False  # decode steps run compiled
+        self.state = "not compiled"  # -> "compiling" -> "ready" | "failed: <reason>"
+        self.steps = 0  # decode steps served compiled, the compiling steps not counted (/server_info, tests)
         self.compile_s = 0.0  # seconds the first steps took to compile (or load from the cache)
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -140,12 +160,28 @@ class CompiledDecode:
 
     def accepts(self, batch: ForwardBatch) -> bool:
         n = len(batch.q_lens)
-        return 0 < n <= self.max_bs and bool((np.asarray(batch.q_lens) == 1).all())
+        return (self.ready or self._compiling) and 0 < n <= self.max_bs and \
+            bool((np.asarray(batch.q_lens) == 1).all())
+
+    def compile_now(self, steps: Callable[[], None]) -> None:
+        """Run ``steps`` (decode steps of one request and of several, through the backend) on this thread with the
+        compiled stack: they compile both graphs (or load them from inductor's cache). Raises what inductor
+        raises (a missing C++ compiler, ...)."""
+        self.state = "compiling"
+        self._compiling = True
+        try:
+            steps()
+        except Exception as e:
+            self.state = f"failed: {type(e).__name__}: {_first_line(e)}"
+            raise
+        finally:
+            self._compiling = False
+        self.ready, self.state = True, "ready"
 
     def run(self, batch: ForwardBatch, run_step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``run_step`` with the compiled decoder stack in place of the eager one. The first step of one request
         and the first of several each compile (or load from the cache) their graph: torch specializes a size of
-        1, which is also the fastest code for one stream; runtime/warm_up.py runs both before serving."""
+        1, which is also the fastest code for one stream; ``compile_now`` runs both before they serve."""
         size_class = "one request" if len(batch.q_lens) == 1 else "2 or more requests"
         self._seen_class = size_class in self._compiled_for
         if not self._seen_class:
@@ -162,10 +198,16 @@ class CompiledDecode:
             dt = time.perf_counter() - t0
             self.compile_s += dt
             log.info("torch.compile: decode step for %s ready in %.1f s", size_class, dt)
-        self.steps += 1
+        if not self._compiling:
+            self.steps += 1
         return out
 
     def info(self) -> dict:
-        return {"max_bs": self.max_bs, "compiled_steps": self.steps, "graphs": self.graphs, "recompiles": self.recompiles,
-                "compile_s": round(self.compile_s, 1),
+        return {"state": self.state, "max_bs": self.max_bs, "compiled_steps": self.steps, "graphs": self.graphs,
+                "recompiles": self.recompiles, "compile_s": round(self.compile_s, 1),
                 "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)

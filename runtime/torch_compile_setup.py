@@ -3,10 +3,12 @@
 SGLang keeps torch.compile opt-in; vLLM CPU compiles its model at every start. tierlm's torch backend on a CPU
 compiles the decode step by default (backends/torch/compiled_decode.py) for the dense families that step is tested
 on, when the weights are big enough for a step's eager glue to be worth the startup. Measured server to server on
-llama-small bf16 (AMX Xeon, 2 cores, `tierlm bench peers`): 1.25x decode at one stream, 1.08x at 8 streams,
-1.13x at 3.9k tokens of context, for ~16 s more startup from inductor's disk cache (~60 s the first time on a new
-model). Under ``MIN_WEIGHT_BYTES`` a step takes a few ms eagerly (stories260K: 3.4 -> 2.5 ms), which is not worth
-~40 s at a first start. Quantized weights and other families stay eager unless the flag asks.
+llama-small bf16 (AMX Xeon, 2 cores, `tierlm bench peers`, medians of three runs): 1.06x decode at one stream,
+1.08x at 8 streams, 1.13x at 3.9k tokens of context (in process 1.15-1.19x at one stream), for ~15 s more
+startup from inductor's disk cache and one to two minutes the first time on a new model. Under
+``MIN_WEIGHT_BYTES`` a step takes a few ms eagerly (stories260K: 3.4 -> 2.5 ms), which is not worth ~40 s at a
+first start. Quantized weights and other families stay eager unless the flag asks, and so does a machine without
+the C++ compiler inductor builds with (it would trace for seconds before failing).
 
 ``TIERLM_CPU_COMPILE=0`` never compiles by default; ``=1`` compiles whatever the weights' size (still only where
 the default may). A default compile that fails (no C++ compiler, ...) leaves the server serving eagerly with a
@@ -15,6 +17,7 @@ warning; the flag's failure stops startup with the reason.
 from __future__ import annotations
 
 import logging
+import shutil
 from typing import Any, Mapping
 
 from tierlm.backends.base import ModelBackend
@@ -25,13 +28,15 @@ log = logging.getLogger(__name__)
 
 ENV = "TIERLM_CPU_COMPILE"
 MIN_WEIGHT_BYTES = 64 * 2**20
-# transformers' classes whose compiled decode tests/test_compiled_decode.py checks against the eager step.
+# transformers' classes whose compiled decode tests/test_compiled_decode.py checks against the eager step, bit for bit
+# (qwen2's q/k/v biases, qwen3's q/k norms and head size, mistral's sliding window included).
 DEFAULT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 def default_compile(backend_name: str, device: str, architecture: str, weight_format: str, weight_bytes: int,
-                    static_decode: bool, env: Mapping[str, str]) -> tuple[bool, str]:
-    """(compile, why) when the flag is not given. Pure: the same inputs give the same answer."""
+                    static_decode: bool, env: Mapping[str, str], cxx: str | None) -> tuple[bool, str]:
+    """(compile, why) when the flag is not given; ``cxx``: the C++ compiler inductor would use (``cxx_compiler``),
+    None without one. Pure: the same inputs give the same answer."""
     forced = env.get(ENV, "")
     if forced not in ("", "0", "1"):
         raise StartupError(f"{ENV}={forced}: use 0 (no compiled decode unless --enable-torch-compile) or 1 "
@@ -47,14 +52,22 @@ def default_compile(backend_name: str, device: str, architecture: str, weight_fo
                        f"({', '.join(DEFAULT_ARCHITECTURES)}); --enable-torch-compile tries it")
     if weight_format != "none":
         return False, f"{weight_format} weights are not compiled by default; --enable-torch-compile tries it"
+    if cxx is None:
+        return False, (f"no C++ compiler for torch.compile ({env.get('CXX') or 'g++'} not found; install g++ or set "
+                       "CXX for the compiled decode step)")
     mib = weight_bytes / 2**20
     if forced == "1":
         return True, f"{ENV}=1"
     if weight_bytes < MIN_WEIGHT_BYTES:
         return False, (f"{mib:.1f} MiB of weights (< {MIN_WEIGHT_BYTES >> 20} MiB): an eager step takes a few ms, "
                        f"not worth ~40 s of compiling at a first start; {ENV}=1 compiles anyway")
-    return True, (f"CPU default for {architecture} with {mib:.0f} MiB of weights: ~1.1-1.25x decode for 15-60 s "
-                  f"of startup; {ENV}=0 skips it")
+    return True, (f"CPU default for {architecture} with {mib:.0f} MiB of weights: ~1.05-1.15x decode for ~15 s of "
+                  f"startup from the compile cache, 1-2 min the first time; {ENV}=0 skips it")
+
+
+def cxx_compiler(env: Mapping[str, str]) -> str | None:
+    """The C++ compiler inductor builds with on Linux (its rule: $CXX, else g++), if it is on PATH."""
+    return shutil.which(env.get("CXX") or "g++", path=env.get("PATH"))
 
 
 def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str,
@@ -70,10 +83,10 @@ def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str,
         except Exception as e:  # inductor needs a C++ compiler and a working toolchain: say so, not a traceback
             raise StartupError(f"--enable-torch-compile: compiling the decode step failed ({_first_line(e)}); "
                                "check that a C++ compiler (g++) is installed, or drop the flag") from e
-        return {"enabled": True, "chosen_by": "--enable-torch-compile"}
+        return {"enabled": True, "chosen_by": "--enable-torch-compile", "why": "--enable-torch-compile"}
     info = backend.info
     on, why = default_compile(backend.name, device, info.architecture, info.weight_format, backend.weight_bytes(),
-                              args.cuda_graph_max_bs is not None, env)
+                              args.cuda_graph_max_bs is not None, env, cxx_compiler(env))
     if not on:
         log.info("torch.compile: decode steps run eagerly (%s)", why)
         return {"enabled": False, "chosen_by": "default", "why": why}

@@ -31,6 +31,7 @@ from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler, this
 from tierlm.runtime.engine_setup import check_context_length, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.runtime.torch_compile_setup import cxx_compiler, default_compile
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
 
 BUILTIN_LABEL = f"built-in model ({BUILTIN_MODEL_NAME})"
@@ -191,6 +192,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     if decision.backend == "torch" and decision.device == "cpu" and sizes:
         report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"],
                                                 find_c_compiler(env), sizes.get("weight_format") or "none", env)
+        report["cpu_kernels"]["decode_step"] = _decode_step_plan(report, args, env)
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
@@ -205,6 +207,21 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     report["memory"] = tiers.to_dict()
     report["warnings"] += tiers.warnings
     return report
+
+
+def _decode_step_plan(report: dict[str, Any], args: ServerArgs, env: dict[str, str]) -> str:
+    """Whether serve will compile the decode step on this CPU, by serve's own rule (runtime/torch_compile_setup)."""
+    if args.enable_torch_compile:
+        return "compiled by torch.compile (--enable-torch-compile)"
+    sizes = report["model"]
+    try:
+        on, why = default_compile("torch", "cpu", (report.get("architecture") or {}).get("architecture") or "",
+                                  sizes.get("weight_format") or "none", sizes["weight_bytes"],
+                                  args.cuda_graph_max_bs is not None, env, cxx_compiler(env))
+    except StartupError as e:
+        report["errors"].append(str(e))
+        return "cannot start as configured (see Errors)"
+    return f"{'compiled by torch.compile' if on else 'eager'} ({why})"
 
 
 def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: str, decision: Decision,
@@ -286,7 +303,8 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"Architecture       {a['architecture']} ({a['model_type'] or 'no model_type'}): "
                          + ("verified on " + d["backend"] if a["verified"]
                             else f"NOT verified on {d['backend']} (docs/models.md)"))
-        labels = {"linear": "linear", "prefill_attention": "prefill attn", "decode_attention": "decode attn"}
+        labels = {"linear": "linear", "prefill_attention": "prefill attn", "decode_attention": "decode attn",
+                  "decode_step": "decode step"}
         for layer, kernel in (report.get("cpu_kernels") or {}).items():
             lines.append(f"  {labels.get(layer, layer):<17}{kernel}")
     else:

@@ -162,7 +162,10 @@ class TorchBackend(ModelBackend):
         self.compiled = CompiledDecode(self.model, max_bs)
         sizes = sorted({1, min(2, max_bs)})  # the graph for one request, and the one for several
         steps = lambda: self._compile_steps(sizes)  # noqa: E731
-        self.compiled.compile_now(steps)
+        try:
+            self.compiled.compile_now(steps)
+        except ValueError as e:  # from tracing or inductor: a failed compile, not a precondition (those raise above)
+            raise RuntimeError(f"{type(e).__name__}: {e}") from e
         return self.compiled.info()
 
     def _compile_steps(self, sizes: list[int]) -> None:

@@ -1,16 +1,20 @@
-"""``--enable-torch-compile``: decode steps through the model compiled by torch.compile (inductor), on CPU.
+"""Compiled decode on CPU: decode steps through the model compiled by torch.compile (inductor).
+
+``--enable-torch-compile``, or the CPU default that runtime/torch_compile_setup.py decides.
 
 A decode step of a small model spends a third of its time outside the matmuls, in the ~30 small eager ops per
 layer of transformers' modeling code (norms, rotary, residual adds, activation: docs/performance.md, "Where the
 time goes"). Compiling the decoder stack fuses them into a few generated loops per layer. What inductor cannot
-trace stays opaque through two custom ops: tierlm's paged attention (it writes the pool and reads pages through
-the step's index tensors, which live outside the graph) and the oneDNN-prepacked bf16 linear (cpu_linear.py),
-so the matmuls and attention are exactly the eager ones.
+trace stays opaque through three ops of tierlm's: the paged attention (it writes the pool and reads pages through
+the step's index tensors, which live outside the graph), the oneDNN-prepacked bf16 linear (cpu_linear.py) and the
+int8 weight-only linear's C kernel, so the matmuls and attention are exactly the eager ones. An op's
+implementation must return a new tensor, never an input or a view of one (the low-level registration below does
+not check, as custom_op did).
 
 - Only decode-only steps of at most ``--torch-compile-max-bs`` requests run compiled (SGLang's rule); prefill,
   mixed and speculative-verify steps run eagerly. One graph with a symbolic batch size serves 2..max_bs requests,
   and one specialized graph the single stream (torch's rule for size 1, and its fastest code);
-  runtime/warm_up.py compiles both before serving, so no request waits.
+  ``CompiledDecode.compile_now`` compiles both before serving, so no request waits.
 - Outputs equal the eager model's bit for bit: inductor is told to round every intermediate to the model dtype
   where eager does (``emulate_precision_casts``), so bf16 keeps transformers' bf16 rounding points
   (tests/test_compiled_decode.py).
@@ -35,11 +39,16 @@ log = logging.getLogger(__name__)
 # The opaque ops are registered with the dispatcher's low-level API, not ``torch.library.custom_op``: a custom_op
 # call pays its Python wrapper and an output-aliasing check on every call (31 us against 14 us per call here, and
 # ~11 % of a compiled llama-small decode step by py-spy: 40 calls a step).
-_LIB = torch.library.Library("tierlm", "DEF")
-_LIB.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, "
-            "Tensor? s_aux) -> Tensor")
-_LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
-_LIB.define("int8_weight_only(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
+# Defined once per process: a second "DEF" library of the namespace raises, and dropping the first one would
+# unregister its ops. importlib.reload (autoreload) runs this file again in the same module dict, so the library
+# of the first run is kept from there and serves on.
+_FIRST_RUN = "_LIB" not in globals()
+if _FIRST_RUN:
+    _LIB = torch.library.Library("tierlm", "DEF")
+    _LIB.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, "
+                "int sliding_window, Tensor? s_aux) -> Tensor")
+    _LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+    _LIB.define("int8_weight_only(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
 
 
 def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
@@ -67,24 +76,26 @@ def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return int8_weight_only_product(x, qweight, scales, bias)
 
 
-_LIB.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
-_LIB.impl("packed_linear", _packed_linear_op, "CompositeExplicitAutograd")
-_LIB.impl("int8_weight_only", _int8_weight_only_op, "CompositeExplicitAutograd")
+def _register_impls(lib: torch.library.Library) -> None:
+    lib.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
+    lib.impl("packed_linear", _packed_linear_op, "CompositeExplicitAutograd")
+    lib.impl("int8_weight_only", _int8_weight_only_op, "CompositeExplicitAutograd")
+
+    @torch.library.register_fake("tierlm::paged_attention", lib=lib)
+    def _(query, key, value, layer, scaling, sliding_window, s_aux):
+        return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+    @torch.library.register_fake("tierlm::packed_linear", lib=lib)
+    def _(x, packed_weight, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("tierlm::int8_weight_only", lib=lib)
+    def _(x, qweight, scales, bias):
+        return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
-@torch.library.register_fake("tierlm::paged_attention", lib=_LIB)
-def _(query, key, value, layer, scaling, sliding_window, s_aux):
-    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
-
-
-@torch.library.register_fake("tierlm::packed_linear", lib=_LIB)
-def _(x, packed_weight, bias, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@torch.library.register_fake("tierlm::int8_weight_only", lib=_LIB)
-def _(x, qweight, scales, bias):
-    return x.new_empty((x.shape[0], qweight.shape[0]))
+if _FIRST_RUN:
+    _register_impls(_LIB)
 
 
 class _Layer:
@@ -137,6 +148,12 @@ class CompiledDecode:
 
         # bf16/fp16: round where eager rounds, so compiled outputs equal transformers' own (not "more precise").
         inductor_config.emulate_precision_casts = True
+        import torch._dynamo.config as dynamo_config
+
+        # Two graphs per instance, and dynamo keys them by the forward's code object, which every instance of the
+        # same model class shares: a process that builds several backends (tests, in-process benchmarks) would
+        # reach dynamo's default limit of 8 and silently run eager (compile_now checks that graphs were built).
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         self.inner = model.model  # the decoder stack; the lm_head (and logits_to_keep) stays eager
         self.max_bs = max_bs
         self._eager = self.inner.forward
@@ -148,7 +165,7 @@ class CompiledDecode:
         self._compiling = False  # compile_now's own steps run compiled before ready
         self.ready = False  # decode steps run compiled
         self.state = "not compiled"  # -> "compiling" -> "ready" | "failed: <reason>"
-        self.steps = 0  # decode steps served compiled, the compiling steps not counted (/server_info, tests)
+        self.steps = 0  # decode steps run compiled after compile_now's own (warm-up's one included; /server_info)
         self.compile_s = 0.0  # seconds the first steps took to compile (or load from the cache)
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -176,6 +193,9 @@ class CompiledDecode:
             raise
         finally:
             self._compiling = False
+        if self.graphs == 0:  # dynamo fell back to eager without saying so to the caller
+            self.state = "failed: torch.compile built no graph (dynamo fell back to eager; see its warnings)"
+            raise RuntimeError(self.state[len("failed: "):])
         self.ready, self.state = True, "ready"
 
     def run(self, batch: ForwardBatch, run_step: Callable[[], torch.Tensor]) -> torch.Tensor:

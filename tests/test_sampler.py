@@ -274,3 +274,27 @@ def test_mlx_seeded_rows_are_reproducible_whatever_the_batch():
     by_step = {int(np.array(mlx_sampler.sample(mx.array(uniform), make_batch(1, seeds=[77], output_ids=[[0] * s])))[0])
                for s in range(12)}
     assert len(by_step) > 3
+
+
+def test_row_argmax_equals_torch_argmax_on_every_row_kind():
+    """row_argmax (numpy's argmax on CPU float32 rows) gives torch.argmax's answer: ties, NaN, all -inf rows,
+    inference mode, strided rows; other dtypes keep torch's own."""
+    from tierlm.backends.torch.sampler import row_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, [3, 700]] = 50.0  # a tie: the first one wins
+    x[2, 10], x[2, 20] = float("nan"), float("nan")  # NaN wins, the first one
+    x[3] = float("-inf")  # everything masked
+    x[4, 999] = float("inf")
+    x[5] = 0.0  # all equal
+    with torch.inference_mode():
+        y = x.clone()
+        for rows in (y, y[:, ::2], y[::2]):
+            got = row_argmax(rows)
+            assert got.dtype == torch.int64 and torch.equal(got, torch.argmax(rows, dim=-1))
+    assert row_argmax(x).tolist()[:6] == [int(torch.argmax(x[0])), 3, 10, 0, 999, 0]
+    # other dtypes and devices keep torch's own argmax
+    b = x.bfloat16()
+    b[2] = 0  # no NaN compare quirks in bf16 for this check
+    assert torch.equal(row_argmax(b), torch.argmax(b, dim=-1))

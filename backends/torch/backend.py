@@ -25,6 +25,7 @@ from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
+from tierlm.backends.torch.sampler import row_argmax, sample
 from tierlm.backends.torch.mxfp4_experts import packed_bytes as mxfp4_packed_bytes
 from tierlm.backends.torch.weight_quant import tensor_bytes
 from tierlm.backends.verified_architectures import check_architecture
@@ -245,9 +246,7 @@ class TorchBackend(ModelBackend):
         s = batch.sampling
         logits = apply_token_bitmask(logits, s.token_bitmask)  # structured output: before every sampling step
         if s.all_greedy and not s.any_penalty and s.logit_bias is None:
-            return logits.argmax(dim=-1)
-        from tierlm.backends.torch.sampler import sample
-
+            return row_argmax(logits)
         return sample(logits, s, self.generator)
 
     # --- tiers ---

@@ -21,6 +21,15 @@ GREEDY_TEMPERATURE = 1e-6  # at or below this a row is greedy (SamplingParams.is
 _MIN_NOISE = 1e-20  # keeps probs / E finite when Exp(1) rounds to 0
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) as int64 [S]. On CPU in float32 through numpy's vectorized argmax: torch's ran ~25x
+    slower here (8 x 32000 logits: 501 vs 21 us; 8 x 151936: 2.4 vs 0.2 ms, 1-10 % of a decode step). Same answer:
+    the first maximum of each row, the first NaN where a row has one."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+    return torch.argmax(x, dim=-1)
+
+
 def seeded_step_seed(seed: int, step: int) -> int:
     """The generator seed for a seeded request at output position ``step`` (same formula in the mlx sampler)."""
     return (int(seed) * 1_000_003 + int(step)) % (2**63)
@@ -34,7 +43,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if batch.logit_bias is not None:
         logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.all_greedy and not batch.any_penalty:
-        return torch.argmax(logits, dim=-1)
+        return row_argmax(logits)
 
     logits = logits.float()
     if batch.any_penalty:
@@ -42,13 +51,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
 
     greedy_rows = (np.asarray(batch.temperature) <= GREEDY_TEMPERATURE) | (np.asarray(batch.top_k) == 1)
     if greedy_rows.all():
-        return torch.argmax(logits, dim=-1)
+        return row_argmax(logits)
 
     sampled_rows = np.flatnonzero(~greedy_rows)
     if sampled_rows.size == logits.shape[0]:
         return _sample_rows(logits, batch, sampled_rows, generator)
 
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = row_argmax(logits)
     rows_t = torch.from_numpy(sampled_rows).to(logits.device)
     tokens[rows_t] = _sample_rows(logits.index_select(0, rows_t), batch, sampled_rows, generator)
     return tokens
@@ -126,7 +135,7 @@ def _sample_rows(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray, g
     score = probs / noise.clamp_min_(_MIN_NOISE)
     if threshold is not None:
         score = score.masked_fill(probs < threshold.unsqueeze(1), -1.0)
-    return torch.argmax(score, dim=-1)
+    return row_argmax(score)
 
 
 def _keep_threshold(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray):

@@ -25,8 +25,8 @@ from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
-from tierlm.backends.torch.sampler import row_argmax, sample
 from tierlm.backends.torch.mxfp4_experts import packed_bytes as mxfp4_packed_bytes
+from tierlm.backends.torch.sampler import row_argmax, sample
 from tierlm.backends.torch.weight_quant import tensor_bytes
 from tierlm.backends.verified_architectures import check_architecture
 from tierlm.backends.weight_format import EMBEDDING_SUFFIX, WeightQuant, weight_format_label

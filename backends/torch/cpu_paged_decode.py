@@ -14,11 +14,12 @@ computes what torch's float32 SDPA computes (no roundings; only the summation or
 
 AVX-512 builds decode bf16 with explicit vector code: 16 tokens' K rows at a time serve every query head (their dot
 products reduced together, no horizontal sum per token), the running sums in registers: 1.75x the plain loop at 3.9k
-keys, 2.2x for Qwen2.5-0.5B's 14/2 heads (one core, AMX Xeon). The head size and the query heads per KV head are compile-time
-constants for the common shapes (64 or 128 dims; 1, 2, 4, 7 or 8 heads per KV head), so their loops unroll: another
-1.3-1.5x at 250-3900 keys (llama-small's 8/4 heads, Qwen2.5-0.5B's 14/2, 16/8 at 128 dims; bit-identical). Software prefetch of the next blocks' rows was tried
-and ran 5-35 % slower (pages are handed out in ascending order, which the hardware prefetcher follows). Head sizes
-that are not a multiple of 16, float32 pages and every other build run the plain loop.
+keys, 2.2x for Qwen2.5-0.5B's 14/2 heads (one core, AMX Xeon). The head size and the query heads per KV head are
+compile-time constants for the common shapes (64 or 128 dims; 1, 2, 4, 7 or 8 heads per KV head), so their loops
+unroll: another 1.3-1.5x at 250-3900 keys (llama-small's 8/4 heads, Qwen2.5-0.5B's 14/2, 16/8 at 128 dims;
+bit-identical). Software prefetch of the next blocks' rows was tried and ran 5-35 % slower (pages are handed out in
+ascending order, which the hardware prefetcher follows). Head sizes that are not a multiple of 16, float32 pages and
+every other build run the plain loop.
 
 The source below is compiled once per CPU instruction level by c_kernel_build.py (cached per level, compiler and
 CPU model). Without a compiler, or if neither the level's build nor a plain baseline build works, the torch path

@@ -59,7 +59,6 @@ class _Group:
     q_pos: torch.Tensor  # [G, Q] absolute positions of the queries
     kv_pages: torch.Tensor  # [G*P] pool pages holding positions 0..L-1 (padded with page 0, masked)
     kv_pos: torch.Tensor  # [L] 0..L-1
-    mask_inputs: tuple  # (q_pos [G, Q], kv_lens [G], row_valid [G, Q]) as numpy: what ``mask`` is built from
     window_masks: dict  # sliding window -> mask, built on first use
     page_rows: torch.Tensor  # [G, P] int32: each request's pages (cpu_paged_decode reads the pool through them)
     kv_lens: torch.Tensor  # [G] int32
@@ -71,12 +70,11 @@ class _Group:
     def mask(self) -> torch.Tensor:
         """[G, 1, Q, L] bool, causal and length-bounded; padded query rows always see position 0, so softmax never
         sees an all-masked row. Built on first use: a fresh prefill (SDPA's causal flag) and the blocked path
-        (per-row limits) never read it, and at 2016 tokens it is 4M elements and ~10 ms of numpy."""
-        q_pos, kl, row_valid = self.mask_inputs
-        kv_pos = np.arange(self.L)
-        m = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, :] < kl[:, None])[:, None, :]
-        m |= (~row_valid)[:, :, None] & (kv_pos == 0)[None, None, :]
-        return torch.from_numpy(m[:, None]).to(self.kv_pos.device)
+        (per-row limits) never read it, and at 2016 tokens it is 4M elements."""
+        kv_pos = self.kv_pos
+        m = (kv_pos[None, None, :] <= self.q_pos[:, :, None]) & (kv_pos[None, :] < self.kv_lens[:, None])[:, None, :]
+        m |= (~self.row_valid)[:, :, None] & (kv_pos == 0)[None, None, :]
+        return m[:, None]
 
 
 class StepMeta:
@@ -150,7 +148,7 @@ class StepMeta:
         # (2.4 ms of a 16-token extend over 2000 cached llama-small tokens).
         run = slice(int(flat[0]), int(flat[0]) + P) if G == 1 and bool((np.diff(flat) == 1).all()) else None
         return _Group(t(rows), rows, t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
-                      t(q_pos), t(flat.astype(np.int64)), t(kv_pos), (q_pos, kl, row_valid), {},
+                      t(q_pos), t(flat.astype(np.int64)), t(kv_pos), {},
                       t(page_table[sel][:, :P].astype(np.int32)), t(kl.astype(np.int32)),
                       np.where(row_valid, q_pos + 1, 1).astype(np.int32), int(kl.max()), run)
 

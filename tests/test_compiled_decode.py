@@ -1,11 +1,12 @@
-"""--enable-torch-compile (backends/torch/compiled_decode.py): decode steps through the model compiled by
-torch.compile, with the paged attention and prepacked linears as opaque ops.
+"""--enable-torch-compile (backends/torch/compiled_decode.py): decode steps and short steps through the model
+compiled by torch.compile, with the paged attention and prepacked linears as opaque ops.
 
 What must hold: the compiled step gives the eager step's logits bit for bit (float32 and bf16: inductor rounds
-where eager rounds), greedy output equals transformers' reference, only decode-only steps of at most
---torch-compile-max-bs requests run compiled, and backends or models that cannot compile stop startup with the
-reason. Compiling takes tens of seconds on 2 cores, so the graphs are compiled once per dtype for the module and
-shared by its tests (inductor's disk cache makes a second compile of the same graph a load).
+where eager rounds), greedy output equals transformers' reference, only steps of at most --torch-compile-max-bs
+requests that are decode-only or at most SHORT_STEP_TOKENS long run compiled, and backends or models that cannot
+compile stop startup with the reason. Compiling takes tens of seconds on 2 cores, so the graphs are compiled once
+per dtype for the module and shared by its tests (inductor's disk cache makes a second compile of the same graph a
+load).
 """
 from __future__ import annotations
 
@@ -47,10 +48,14 @@ def test_compiled_decode_gives_the_reference_output_and_only_decode_steps_compil
     compiled, shapes, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4)
     for prompt, out in zip(PROMPTS, compiled):
         assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
-    # exactly the decode-only steps of at most 4 requests ran compiled; prefill, mixed and 5-request steps did not
-    decode_small = [s for s in shapes if all(q == 1 for q in s) and len(s) <= 4]
+    # exactly the steps of at most 4 requests that are decode-only or short ran compiled: prefills and mixed steps
+    # of at most SHORT_STEP_TOKENS tokens too, 5-request steps not
+    from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS
+
+    compiled_shapes = [s for s in shapes if len(s) <= 4 and (all(q == 1 for q in s) or sum(s) <= SHORT_STEP_TOKENS)]
     assert any(len(s) == 5 and all(q == 1 for q in s) for s in shapes)  # a decode step over the max: eager
-    assert steps == len(decode_small) > 0
+    assert any(any(q > 1 for q in s) for s in compiled_shapes)  # a prefill or mixed step ran compiled
+    assert steps == len(compiled_shapes) > 0
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral-window"])
@@ -65,8 +70,9 @@ def compiled_family(request, tiny_models_root):
 
 
 def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
-    """One bf16 decode step of three requests, run eagerly and compiled on the same pool: the same logits (inductor
-    rounds where eager rounds: emulate_precision_casts), for every family the CPU compiles by default."""
+    """A bf16 decode step of three requests and a short mixed step (one decode, two extends over cached prefixes),
+    each run eagerly and compiled on the same pool: the same logits (inductor rounds where eager rounds:
+    emulate_precision_casts), for every family the CPU compiles by default."""
     import numpy as np
     import torch
 
@@ -84,12 +90,18 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
                                  SamplingBatch.greedy(3), PAGE_SIZE))  # prefill (eager)
     step = ForwardBatch(np.asarray([3, 3, 3], np.int64), q.astype(np.int64), np.ones(3, np.int32), q + 1, table,
                         np.arange(3, dtype=np.int64), SamplingBatch.greedy(3), PAGE_SIZE)
-    eager = backend.forward_logits(step).clone()
+    # request 0 decodes; 1 and 2 extend their cached 3 and 2 tokens by 4 and 3: every row's logits
+    mixed = ForwardBatch(np.asarray([3, 14, 15, 16, 17, 18, 19, 20], np.int64),
+                         np.asarray([5, 3, 4, 5, 6, 2, 3, 4], np.int64), np.asarray([1, 4, 3], np.int32),
+                         np.asarray([6, 7, 5], np.int32), table, np.arange(8, dtype=np.int64), SamplingBatch.greedy(8),
+                         PAGE_SIZE)
+    eager = [backend.forward_logits(b).clone() for b in (step, mixed)]
     backend.init_torch_compile(max_bs=4)
-    compiled = backend.forward_logits(step)  # rewrites the same K/V into the same slots: same step again
+    compiled = [backend.forward_logits(b) for b in (step, mixed)]  # rewrite the same K/V into the same slots
     stats = backend.torch_compile_stats()
-    assert stats["compiled_steps"] == 1 and stats["graphs"] >= 1
-    assert torch.equal(eager, compiled)
+    assert stats["compiled_steps"] == 2 and stats["graphs"] >= 1
+    assert torch.equal(eager[0], compiled[0])
+    assert torch.equal(eager[1], compiled[1])
 
 
 def test_engine_serves_compiled_and_reports_it(tiny_llama):

@@ -64,8 +64,9 @@ def test_blocked_attention_equals_transformers_bf16_eager(G, H, Hkv, Q, L, D):
                                                                                               D ** -0.5))
 
 
-def _step(q_lens, cached, use_lib, monkeypatch, H=8, Hkv=4, D=64, page_size=16):
-    """paged_attention over one step whose requests bring q_lens new tokens after ``cached`` pool tokens."""
+def _step(q_lens, cached, use_lib, monkeypatch, H=8, Hkv=4, D=64, page_size=16, expect_blocked=None):
+    """paged_attention over one step whose requests bring q_lens new tokens after ``cached`` pool tokens; the blocked
+    path ran once if ``expect_blocked`` (by default: with the library, where the blocked path is chosen)."""
     g = torch.Generator().manual_seed(sum(q_lens))
     q_lens, cached = np.asarray(q_lens, np.int64), np.asarray(cached, np.int64)
     kv_lens = cached + q_lens
@@ -85,7 +86,9 @@ def _step(q_lens, cached, use_lib, monkeypatch, H=8, Hkv=4, D=64, page_size=16):
         monkeypatch.setattr(cpu_paged_decode, "load", lambda: None)
     out = run_step(pa.StepMeta(q_lens, kv_lens, positions, table, page_size, torch.device("cpu")), pool, q, k, v,
                    D ** -0.5, monkeypatch)
-    assert len(calls) == (1 if use_lib and cba.choice()[0] == "blocked" else 0)
+    if expect_blocked is None:
+        expect_blocked = use_lib and cba.choice()[0] == "blocked"
+    assert len(calls) == (1 if expect_blocked else 0)
     return out[0], q[0], pool, table, kv_lens, positions
 
 
@@ -129,16 +132,21 @@ def test_the_sdpa_choice_serves_prefill_and_extend_without_the_blocked_path(monk
 def test_bf16_greedy_with_chunked_prefill_equals_transformers_bf16(tiny_llama, monkeypatch, kernel):
     """Prompts prefilled in 8-token chunks (the first chunk a fresh prefill, the rest extends over the pages the
     earlier chunks wrote, two requests in one step): greedy output is transformers' bf16 eager output, and the
-    prefill rows went through the blocked path, or none of them where torch's SDPA is chosen."""
+    prefill rows went through the blocked path (extends of a few rows: cpu_paged_extend's kernel where the build has
+    it), or none of them where torch's SDPA is chosen."""
     from backend_driver import run_greedy
     from test_cpu_linear import _tiny
 
     from tierlm.backends.torch.backend import TorchBackend
 
+    from tierlm.backends.torch import cpu_paged_extend
+
     choose(monkeypatch, kernel)
     calls = []
     real = cba.blocked_attention
     monkeypatch.setattr(cba, "blocked_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    real_extend = cpu_paged_extend.paged_extend  # 8-row extends take it where the build has it (AVX-512)
+    monkeypatch.setattr(cpu_paged_extend, "paged_extend", lambda *a: calls.append(len(a[7])) or real_extend(*a))
     backend = TorchBackend(tiny_llama, dtype="bfloat16")
     hf = _tiny("llama", tiny_llama.parent, torch.bfloat16)
     prompts = [[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 72, 105, 32, 116, 104, 101, 114],
@@ -148,7 +156,7 @@ def test_bf16_greedy_with_chunked_prefill_equals_transformers_bf16(tiny_llama, m
         with torch.inference_mode():
             assert out == hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     if kernel == "blocked":
-        assert max(calls) == 2  # an extend step of both requests took the blocked path
+        assert max(calls) == 2  # an extend step of both requests took the blocked path or the extend kernel
     else:
         assert not calls
 

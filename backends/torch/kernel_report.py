@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.backends.torch import cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode, paged_attention
+from tierlm.backends.torch import (cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode, cpu_paged_extend,
+                                   paged_attention)
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
@@ -72,6 +73,10 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     if cpu_blocked_attention.runs_on(device, dtype) and cpu_paged_decode.load() is not None:
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
+        if cpu_paged_extend.available(cpu_paged_decode.load()) and \
+                cpu_paged_extend.supported(dtype, kv_dtype, heads, kv_heads, head_dim):
+            prefill += (f"; extends of up to {cpu_paged_extend.MAX_ROWS} rows per request: C paged extend kernel "
+                        "over the pool in place (cpu_paged_extend.py)")
     elif device == "cpu" and dtype == torch.bfloat16 and cpu_blocked_attention.choice()[0] == "sdpa":
         prefill = f"torch SDPA (fused causal; gathered pages after a prefix hit; {cpu_blocked_attention.choice()[1]})"
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

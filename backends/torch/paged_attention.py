@@ -11,6 +11,9 @@ keys at p-window+1..p, transformers' ``sliding_window_overlay``) and, for gpt-os
 one learned logit per head that joins the softmax and carries no value). The pool keeps every layer's K/V for
 all positions, so a sliding layer always finds its window, whatever position a cached prefix ends at.
 
+On CPU the groups' kernels read the pages in place where they can: decode rows through cpu_paged_decode's C kernel,
+extend groups of a few rows per request through cpu_paged_extend's (where the blocked path runs, not on AMX).
+
 ``--attention-backend``: this file's SDPA over gathered pages is ``torch_native`` (the reference); with
 ``triton`` the same two groups go to the kernels of ``triton_attention.py``, which read the pages in place
 (StepMeta then builds per-request lengths and page-table rows instead of masks and gathers).
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierlm.backends.torch import compiled_decode, cpu_blocked_attention, cpu_paged_decode
+from tierlm.backends.torch import compiled_decode, cpu_blocked_attention, cpu_paged_decode, cpu_paged_extend
 
 ATTN_IMPLEMENTATION = "tierlm_paged"
 # --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
@@ -65,6 +68,8 @@ class _Group:
     row_limits: np.ndarray  # [G, Q] int32: keys each query row sees (the mask's per-row length; padded rows: 1)
     max_kv_len: int  # kv_lens' maximum
     kv_page_run: slice | None = None  # kv_pages as one ascending run of pool pages: read as a view, no gather
+    q_starts: torch.Tensor | None = None  # [G] int32: each request's first flat row (cpu_paged_extend)
+    q_lens: torch.Tensor | None = None  # [G] int32
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
@@ -150,7 +155,8 @@ class StepMeta:
         return _Group(t(rows), rows, t(valid_idx), t(rows[valid_idx]), bool(row_valid.all()), G, Q, L, t(row_valid),
                       t(q_pos), t(flat.astype(np.int64)), t(kv_pos), {},
                       t(page_table[sel][:, :P].astype(np.int32)), t(kl.astype(np.int32)),
-                      np.where(row_valid, q_pos + 1, 1).astype(np.int32), int(kl.max()), run)
+                      np.where(row_valid, q_pos + 1, 1).astype(np.int32), int(kl.max()), run,
+                      t(st.astype(np.int32)), t(ql.astype(np.int32)))
 
     @staticmethod
     def window_mask(g: _Group, window: int) -> torch.Tensor:
@@ -209,6 +215,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         return out[None], None
     k_pages, v_pages = pool.k_pages[layer], pool.v_pages[layer]  # [pages, page_size, Hkv, D]
     for g in meta.groups:
+        if g.Q > 1 and s_aux is None and sliding_window is None and \
+                cpu_paged_extend.runs(lib := cpu_paged_decode.load(), q, pool.kv_dtype, k_pages.shape[2], g.Q):
+            # a few rows per request over cached pages, read in place: the outputs land in their rows of ``out``
+            cpu_paged_extend.paged_extend(lib, q.transpose(0, 1), pool.k[layer], pool.v[layer], g.page_rows,
+                                          g.kv_lens, g.q_starts, g.q_lens, pool.page_size, scaling, g.max_kv_len, out)
+            continue
         qg = q if meta.identity_rows else q.index_select(1, g.rows_flat)
         qg = qg.view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
         if g.Q == 1 and s_aux is None and sliding_window is None and q.device.type == "cpu" and \

@@ -103,7 +103,8 @@ class ServerArgs:
     dp_size: int = 1  # data parallelism: only 1 (several instances behind sglang-router instead)
     disable_cuda_graph: bool = False  # CUDA: decode steps eager instead of captured (backends/torch/decode_graphs.py)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; on CPU: the static path without capture
-    # CPU: decode steps of up to torch_compile_max_bs requests run through torch.compile (compiled_decode.py)
+    # CPU: decode steps (and steps of <= 32 tokens) of up to torch_compile_max_bs requests run through torch.compile
+    # (compiled_decode.py)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     enable_metrics: bool = False  # accepted: /metrics is always on

@@ -44,7 +44,7 @@ def _greedy_outputs(model_dir, dtype: str, compile_max_bs: int):
     return outs, drivers[0].batch_shapes, stats["compiled_steps"]
 
 
-def test_compiled_decode_gives_the_reference_output_and_only_decode_steps_compile(tiny_llama):
+def test_compiled_decode_gives_the_reference_output_and_only_decode_and_short_steps_compile(tiny_llama):
     compiled, shapes, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4)
     for prompt, out in zip(PROMPTS, compiled):
         assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
@@ -70,17 +70,20 @@ def compiled_family(request, tiny_models_root):
 
 
 def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
-    """A bf16 decode step of three requests and a short mixed step (one decode, two extends over cached prefixes),
-    each run eagerly and compiled on the same pool: the same logits (inductor rounds where eager rounds:
-    emulate_precision_casts), for every family the CPU compiles by default."""
+    """A bf16 decode step of three requests, a short mixed step (one decode, two extends over cached prefixes) and a
+    fresh prompt of SHORT_STEP_TOKENS tokens (the longest step that compiles), each run eagerly and compiled on the
+    same pool: the same logits (inductor rounds where eager rounds: emulate_precision_casts), for every family the
+    CPU compiles by default."""
     import numpy as np
     import torch
 
     from tierlm.backends.base import ForwardBatch, SamplingBatch
     from tierlm.backends.torch.backend import TorchBackend
 
+    from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS
+
     backend = TorchBackend(compiled_family, dtype="bfloat16")
-    backend.init_kv_pool(8, PAGE_SIZE)
+    backend.init_kv_pool(6 + SHORT_STEP_TOKENS // PAGE_SIZE, PAGE_SIZE)
     prompts = [[5, 9, 13, 2, 7], [11, 4, 6], [8, 1]]
     ids = np.concatenate([np.asarray(p, np.int64) for p in prompts])
     q = np.asarray([len(p) for p in prompts], np.int32)
@@ -95,13 +98,39 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
                          np.asarray([5, 3, 4, 5, 6, 2, 3, 4], np.int64), np.asarray([1, 4, 3], np.int32),
                          np.asarray([6, 7, 5], np.int32), table, np.arange(8, dtype=np.int64), SamplingBatch.greedy(8),
                          PAGE_SIZE)
-    eager = [backend.forward_logits(b).clone() for b in (step, mixed)]
+    n = SHORT_STEP_TOKENS  # a fourth request's whole prompt, on pages 6..
+    longest = ForwardBatch(np.arange(7, 7 + n, dtype=np.int64), np.arange(n, dtype=np.int64),
+                           np.asarray([n], np.int32), np.asarray([n], np.int32),
+                           np.arange(6, 6 + n // PAGE_SIZE, dtype=np.int32)[None], np.arange(n, dtype=np.int64),
+                           SamplingBatch.greedy(n), PAGE_SIZE)
+    steps = (step, mixed, longest)
+    eager = [backend.forward_logits(b).clone() for b in steps]
     backend.init_torch_compile(max_bs=4)
-    compiled = [backend.forward_logits(b) for b in (step, mixed)]  # rewrite the same K/V into the same slots
+    compiled = [backend.forward_logits(b) for b in steps]  # rewrite the same K/V into the same slots
     stats = backend.torch_compile_stats()
-    assert stats["compiled_steps"] == 2 and stats["graphs"] >= 1
-    assert torch.equal(eager[0], compiled[0])
-    assert torch.equal(eager[1], compiled[1])
+    assert stats["compiled_steps"] == 3 and stats["graphs"] >= 1
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
+def test_one_request_limit_still_compiles_the_graph_of_short_steps_before_serving(tiny_llama):
+    """--torch-compile-max-bs 1 admits no two-request decode step, yet short prompts run compiled: compile_now builds
+    the several-token graph from a two-token step, so no request compiles on the serving thread."""
+    import numpy as np
+
+    from tierlm.backends.base import ForwardBatch, SamplingBatch
+    from tierlm.backends.torch.backend import TorchBackend
+
+    backend = TorchBackend(tiny_llama, dtype="float32")
+    backend.init_kv_pool(4, PAGE_SIZE)
+    info = backend.init_torch_compile(max_bs=1)
+    assert info["graphs"] >= 2  # one token, several tokens
+    n = 6
+    backend.forward(ForwardBatch(np.arange(3, 3 + n, dtype=np.int64), np.arange(n, dtype=np.int64),
+                                 np.asarray([n], np.int32), np.asarray([n], np.int32), np.asarray([[0, 1]], np.int32),
+                                 np.asarray([n - 1], np.int64), SamplingBatch.greedy(1), PAGE_SIZE))
+    after = backend.torch_compile_stats()
+    assert after["compiled_steps"] == 1 and after["graphs"] == info["graphs"] and after["recompiles"] == 0
 
 
 def test_engine_serves_compiled_and_reports_it(tiny_llama):
@@ -162,7 +191,7 @@ def test_the_cpu_default_compiles_where_it_may_and_serves_eagerly_where_compilin
     finally:
         engine.shutdown()
 
-    def no_compiler(self, sizes):  # what inductor raises at code generation, after the backend set up its graphs
+    def no_compiler(self):  # what inductor raises at code generation, after the backend set up its graphs
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
     monkeypatch.setattr(TorchBackend, "_compile_steps", no_compiler)

@@ -21,11 +21,26 @@ needs_extend_kernel = pytest.mark.skipif(
            "blocked path or SDPA, tested in test_cpu_blocked_attention.py")
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def extend_code(request, monkeypatch):
+    """The kernel's AMX tile code where this CPU runs it, and its AVX-512 code (forced off AMX on an AMX CPU)."""
+    if request.param == "amx":
+        if not cpu_paged_extend.amx_usable(lib):
+            pytest.skip("this CPU has no AMX tiles (or its build or Linux gives none): the AVX-512 code serves")
+    else:
+        monkeypatch.setattr(cpu_paged_extend, "amx_usable", lambda lib: False)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _blocked_unless_a_test_chooses(monkeypatch):
-    """The blocked path's CPU class whatever this CPU is (AMX CPUs keep torch's SDPA for extends)."""
+    """The blocked path's CPU class whatever this CPU is (AMX CPUs keep torch's SDPA for extends), on one intra-op
+    thread as the kernel is measured and used (a 2-core server runs one; tests run torch's default)."""
     choose(monkeypatch, "blocked")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     monkeypatch.undo()
     cpu_blocked_attention.choice.cache_clear()  # made again from the process's own setting
 
@@ -63,8 +78,9 @@ def _reference(q, k_slots, v_slots, table, kv_lens, q_lens, page_size, scale):
     ([3, 31, 1, 9], [40, 7, 300, 0], 14, 2, 64, 16),  # four requests, 7:1 GQA, one fresh, one a single row
     ([5, 12], [33, 150], 4, 4, 128, 4),     # MHA, 128 dims, pages of 4 tokens (a page lookup per key)
     ([20], [61], 6, 3, 32, 8),              # a head size without a specialization, an odd 8-token page
+    ([40, 2], [100, 3], 8, 4, 64, 16),      # 80 query vectors of one KV head: two passes (64 + 16)
 ])
-def test_extend_kernel_equals_transformers_bf16_eager(q_lens, cached, H, Hkv, D, page_size):
+def test_extend_kernel_equals_transformers_bf16_eager(q_lens, cached, H, Hkv, D, page_size, extend_code):
     q, k_slots, v_slots, table, kv_lens = _paged_problem(q_lens, cached, H, Hkv, D, page_size)
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     out = torch.full_like(q, 7.0)
@@ -75,7 +91,7 @@ def test_extend_kernel_equals_transformers_bf16_eager(q_lens, cached, H, Hkv, D,
 
 
 @needs_extend_kernel
-def test_extend_kernel_writes_only_the_rows_of_its_requests():
+def test_extend_kernel_writes_only_the_rows_of_its_requests(extend_code):
     """Rows of requests the call does not name (another group's) keep what they held."""
     q_lens, cached = [4, 6], [20, 9]
     q, k_slots, v_slots, table, kv_lens = _paged_problem(q_lens, cached, 8, 4, 64, 16, seed=1)
@@ -89,7 +105,8 @@ def test_extend_kernel_writes_only_the_rows_of_its_requests():
 
 
 @needs_extend_kernel
-def test_paged_attention_sends_short_extends_to_the_kernel_and_long_ones_to_the_blocked_path(monkeypatch):
+def test_paged_attention_sends_short_extends_to_the_kernel_and_long_ones_to_the_blocked_path(monkeypatch,
+                                                                                            extend_code):
     """The blocked path's CPU class: an extend group of at most MAX_ROWS rows per request goes to the kernel (eager
     numerics, each request over its own pages), a longer one to the blocked GEMMs (they win there)."""
     calls = []
@@ -107,22 +124,36 @@ def test_paged_attention_sends_short_extends_to_the_kernel_and_long_ones_to_the_
         ref = eager_reference(q[:, start:start + n][None], k, v, limits, 64 ** -0.5)[0].transpose(0, 1)
         assert_bf16_equal(out[start:start + n], ref)
         start += n
+    # _step's monkeypatch.undo() ended this test's patches and the forced choice: set them again
+    choose(monkeypatch, "blocked")
     monkeypatch.setattr(cpu_paged_extend, "paged_extend", lambda *a: calls.append(a[7].tolist()) or real(*a))
     _step([20, 5, 70], [33, 200, 0], True, monkeypatch, expect_blocked=True)  # 70 rows: the blocked path
     assert calls == [[20, 5]]
 
 
 @needs_extend_kernel
-def test_the_sdpa_choice_and_fp8_pages_keep_their_paths(monkeypatch):
-    """On AMX CPUs (SDPA chosen) and over fp8 pages the kernel is not used."""
-    choose(monkeypatch, "sdpa")
+def test_where_the_kernel_runs(monkeypatch):
+    """Without AMX tiles the AVX-512 code takes extends only where the blocked path would (not where torch's SDPA is
+    chosen); with them, whichever is chosen. Never over fp8 pages, float32, more than MAX_ROWS rows per request, a
+    head size the tiles cannot split (AMX: multiples of 32), or more than one intra-op thread."""
     q = torch.zeros(8, 3, 64, dtype=torch.bfloat16)
-    assert not cpu_paged_extend.runs(lib, q, torch.bfloat16, 4, 3)
+    runs = lambda q=q, kv=torch.bfloat16, rows=3: cpu_paged_extend.runs(lib, q, kv, 4, rows)  # noqa: E731
+    amx = cpu_paged_extend.amx_usable(lib)
+    choose(monkeypatch, "sdpa")
+    assert runs() == amx
     choose(monkeypatch, "blocked")
-    assert cpu_paged_extend.runs(lib, q, torch.bfloat16, 4, 3)
-    assert not cpu_paged_extend.runs(lib, q, torch.float8_e4m3fn, 4, 3)
-    assert not cpu_paged_extend.runs(lib, q, torch.bfloat16, 4, cpu_paged_extend.MAX_ROWS + 1)
-    assert not cpu_paged_extend.runs(lib, q.float(), torch.float32, 4, 3)
+    assert runs()
+    assert not runs(kv=torch.float8_e4m3fn) and not runs(q.float(), torch.float32)
+    assert not runs(rows=cpu_paged_extend.MAX_ROWS + 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not runs()
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(cpu_paged_extend, "amx_usable", lambda lib: False)
+    choose(monkeypatch, "sdpa")
+    assert not runs()
 
 
 def test_builds_without_avx512_have_no_kernel_and_extends_still_run(monkeypatch, tmp_path):

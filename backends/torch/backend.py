@@ -161,22 +161,22 @@ class TorchBackend(ModelBackend):
                              "as captured CUDA graphs instead (the default); drop the flag")
         assert self.pool is not None, "init_kv_pool() first"
         self.compiled = CompiledDecode(self.model, max_bs)
-        sizes = sorted({1, min(2, max_bs)})  # the graph for one request, and the one for several
-        steps = lambda: self._compile_steps(sizes)  # noqa: E731
+        steps = self._compile_steps
         try:
             self.compiled.compile_now(steps)
         except ValueError as e:  # from tracing or inductor: a failed compile, not a precondition (those raise above)
             raise RuntimeError(f"{type(e).__name__}: {e}") from e
         return self.compiled.info()
 
-    def _compile_steps(self, sizes: list[int]) -> None:
-        """One decode step of each size on the scratch page, which no request owns: they compile the decode
-        graphs."""
-        ps = self.pool.page_size
-        for n in sizes:
-            self.forward(ForwardBatch(np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n, np.int32),
-                                      np.ones(n, np.int32), np.full((n, 1), self.scratch_page, np.int32),
-                                      np.arange(n, dtype=np.int64), SamplingBatch.greedy(n), ps))
+    def _compile_steps(self) -> None:
+        """A one-token step and a one-request two-token step on the scratch page, which no request owns (both of its
+        page-table entries name it, so any page size holds the two positions): they compile the graph for one token
+        and the symbolic one for several, whatever --torch-compile-max-bs allows."""
+        ps, scratch = self.pool.page_size, self.scratch_page
+        for n in (1, 2):
+            self.forward(ForwardBatch(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.asarray([n], np.int32),
+                                      np.asarray([n], np.int32), np.full((1, 2), scratch, np.int32),
+                                      np.asarray([n - 1], np.int64), SamplingBatch.greedy(1), ps))
 
     def torch_compile_stats(self) -> dict | None:
         return self.compiled.info() if self.compiled is not None else None

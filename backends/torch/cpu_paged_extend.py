@@ -15,20 +15,30 @@ Numerics are transformers' bf16 eager attention, as cpu_paged_decode's kernel (t
 at the same points, only the float32 summation order differs): scores rounded to bf16, scaled and rounded again,
 softmax in float32, probabilities rounded to bf16, the weighted sum of V in float32 rounded once.
 
+On CPUs with AMX the two products run on tiles instead (cpu_paged_extend_amx.py, same contract and rounding
+points): 1.9x torch's SDPA at 16 rows over 2000 keys, where this AVX-512 code only tied SDPA.
+
 The C source joins cpu_paged_decode's library (one build, one cache file, one switch: TIERLM_CPU_PAGED_DECODE=0).
 It is AVX-512 only; other builds lack the symbol and ``available`` is False (the SDPA or blocked path runs).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 
 import torch
 
-from tierlm.backends.torch import cpu_blocked_attention
+from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_extend_amx
+from tierlm.platforms.cpu_features import this_cpu
+
+log = logging.getLogger(__name__)
 
 # Query rows per request up to which the kernel runs: against the blocked path (AVX-512 without AMX) it was 1.8x
-# faster at 16 rows over 2000 keys, even at 64 and slower at 128, where the blocked path's GEMMs win (one core,
-# llama-small's 8/4 heads). On AMX CPUs torch's SDPA keeps extends: the kernel only tied it inside the model.
+# faster at 16 rows over 2000 keys, even at 64 and slower at 128, where the blocked path's GEMMs win; on AMX tiles
+# 1.9x torch's SDPA at 16 rows, even at 64, slower at 128 (one core, llama-small's 8/4 heads).
+# The kernel runs on one thread and was measured on one: with more intra-op threads the threaded paths keep extends
+# until a split of the kernel is measured against them.
 MAX_ROWS = 32
 # Query vectors per pass: their scores ([EXT_QB, keys] float32) stay in L2 while K/V stream by.
 EXT_QB = 64
@@ -184,7 +194,7 @@ void paged_extend_bf16(const uint16_t *restrict q, const uint16_t *restrict k, c
 }
 long extend_work_floats(int D, int max_len) { return 2L * EXT_G * D * 16 + 16L * D + (long)EXT_G * max_len * 16; }
 #endif
-"""
+""" + cpu_paged_extend_amx.C_SOURCE
 
 
 def available(lib: ctypes.CDLL | None) -> bool:
@@ -192,23 +202,53 @@ def available(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and hasattr(lib, "paged_extend_bf16")
 
 
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + \
+    [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+
+
 def bind(lib: ctypes.CDLL) -> None:
     if not available(lib):
         return
     lib.paged_extend_bf16.restype = None
-    lib.paged_extend_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + \
-        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.paged_extend_bf16.argtypes = _ARGTYPES
     lib.extend_work_floats.restype = ctypes.c_long
     lib.extend_work_floats.argtypes = [ctypes.c_int, ctypes.c_int]
+    if hasattr(lib, "paged_extend_amx"):
+        lib.paged_extend_amx.restype = None
+        lib.paged_extend_amx.argtypes = _ARGTYPES
+        lib.amx_extend_work_floats.restype = ctypes.c_long
+        lib.amx_extend_work_floats.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.amx_request_permission.restype = ctypes.c_int
+
+
+def amx_usable(lib: ctypes.CDLL | None) -> bool:
+    """Whether the tile kernel runs here: the library has it, the CPU has AMX-BF16 (after a TIERLM_CPU_ISA cap),
+    and Linux granted this process the tile state. Decided once per library (logged)."""
+    return lib is not None and _amx_usable(lib)
+
+
+@functools.lru_cache(maxsize=4)
+def _amx_usable(lib: ctypes.CDLL) -> bool:
+    if not hasattr(lib, "paged_extend_amx"):
+        return False
+    if not this_cpu().has("amx_bf16", "amx_tile"):
+        return False
+    if lib.amx_request_permission() != 1:
+        log.warning("paged extend: this CPU has AMX but Linux refused the tile state (arch_prctl); the AVX-512 "
+                    "path and torch's SDPA serve extends")
+        return False
+    log.info("paged extend: short extends run on AMX tiles")
+    return True
 
 
 def runs(lib: ctypes.CDLL | None, q: torch.Tensor, kv_dtype: torch.dtype, kv_heads: int, rows: int) -> bool:
-    """Whether an extend group of at most ``rows`` query rows per request takes this kernel: where bf16 prefill and
-    extend attention take the blocked path (not on AMX: cpu_blocked_attention.choice), the library has the kernel,
-    the shapes fit, and the rows are few (MAX_ROWS)."""
-    return rows <= MAX_ROWS and available(lib) and q.device.type == "cpu" and \
-        supported(q.dtype, kv_dtype, q.shape[0], kv_heads, q.shape[-1]) and \
-        cpu_blocked_attention.runs_on("cpu", q.dtype)
+    """Whether an extend group of at most ``rows`` query rows per request takes this kernel: on one intra-op thread,
+    few rows (MAX_ROWS), shapes and dtypes it handles, and either AMX tiles or, where bf16 prefill and extend
+    attention take the blocked path (cpu_blocked_attention.choice), the AVX-512 code."""
+    if not (rows <= MAX_ROWS and torch.get_num_threads() == 1 and available(lib) and q.device.type == "cpu" and
+            supported(q.dtype, kv_dtype, q.shape[0], kv_heads, q.shape[-1])):
+        return False
+    return (amx_usable(lib) and q.shape[-1] % 32 == 0) or cpu_blocked_attention.runs_on("cpu", q.dtype)
 
 
 def supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -229,7 +269,10 @@ def paged_extend(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slo
     Hkv = k_slots.shape[1]
     q = q.contiguous()
     table = page_table.contiguous()
-    work = torch.empty(lib.extend_work_floats(D, max_len), dtype=torch.float32)
-    lib.paged_extend_bf16(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1],
-                          kv_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), int(kv_lens.shape[0]), H, Hkv,
-                          D, page_size, float(scale), out.data_ptr(), work.data_ptr(), max_len)
+    if amx_usable(lib) and D % 32 == 0:
+        fn, work = lib.paged_extend_amx, torch.empty(lib.amx_extend_work_floats(D, max_len), dtype=torch.float32)
+    else:
+        fn, work = lib.paged_extend_bf16, torch.empty(lib.extend_work_floats(D, max_len), dtype=torch.float32)
+    fn(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], kv_lens.data_ptr(),
+       q_starts.data_ptr(), q_lens.data_ptr(), int(kv_lens.shape[0]), H, Hkv, D, page_size, float(scale),
+       out.data_ptr(), work.data_ptr(), max_len)

@@ -70,13 +70,17 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
         else:
             decode += f" ({build['why']})"
     prefill = "torch SDPA (fused causal; gathered pages after a prefix hit)"
-    if cpu_blocked_attention.runs_on(device, dtype) and cpu_paged_decode.load() is not None:
+    lib = cpu_paged_decode.load() if device == "cpu" else None
+    if cpu_blocked_attention.runs_on(device, dtype) and lib is not None:
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
-        if cpu_paged_extend.available(cpu_paged_decode.load()) and \
-                cpu_paged_extend.supported(dtype, kv_dtype, heads, kv_heads, head_dim):
-            prefill += (f"; extends of up to {cpu_paged_extend.MAX_ROWS} rows per request: C paged extend kernel "
-                        "over the pool in place (cpu_paged_extend.py)")
     elif device == "cpu" and dtype == torch.bfloat16 and cpu_blocked_attention.choice()[0] == "sdpa":
         prefill = f"torch SDPA (fused causal; gathered pages after a prefix hit; {cpu_blocked_attention.choice()[1]})"
+    if device == "cpu" and cpu_paged_extend.available(lib) and \
+            cpu_paged_extend.supported(dtype, kv_dtype, heads, kv_heads, head_dim):
+        tiles = cpu_paged_extend.amx_usable(lib) and head_dim % 32 == 0
+        if tiles or cpu_blocked_attention.runs_on(device, dtype):
+            prefill += (f"; extends of up to {cpu_paged_extend.MAX_ROWS} rows per request on one thread: C paged "
+                        f"extend kernel over the pool in place ({'AMX tiles' if tiles else 'AVX-512'}, "
+                        "cpu_paged_extend.py)")
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

@@ -12,7 +12,8 @@ one learned logit per head that joins the softmax and carries no value). The poo
 all positions, so a sliding layer always finds its window, whatever position a cached prefix ends at.
 
 On CPU the groups' kernels read the pages in place where they can: decode rows through cpu_paged_decode's C kernel,
-extend groups of a few rows per request through cpu_paged_extend's (where the blocked path runs, not on AMX).
+extend groups of a few rows per request through cpu_paged_extend's (AMX tiles, or AVX-512 where the blocked path
+runs).
 
 ``--attention-backend``: this file's SDPA over gathered pages is ``torch_native`` (the reference); with
 ``triton`` the same two groups go to the kernels of ``triton_attention.py``, which read the pages in place

@@ -79,6 +79,7 @@ def _reference(q, k_slots, v_slots, table, kv_lens, q_lens, page_size, scale):
     ([5, 12], [33, 150], 4, 4, 128, 4),     # MHA, 128 dims, pages of 4 tokens (a page lookup per key)
     ([20], [61], 6, 3, 32, 8),              # a head size without a specialization, an odd 8-token page
     ([40, 2], [100, 3], 8, 4, 64, 16),      # 80 query vectors of one KV head: two passes (64 + 16)
+    ([7, 30], [50, 900], 6, 3, 96, 16),     # 96 dims: three 32-dim tiles, a 64-dim and a 32-dim output pass
 ])
 def test_extend_kernel_equals_transformers_bf16_eager(q_lens, cached, H, Hkv, D, page_size, extend_code):
     q, k_slots, v_slots, table, kv_lens = _paged_problem(q_lens, cached, H, Hkv, D, page_size)
@@ -176,3 +177,25 @@ def test_builds_without_avx512_have_no_kernel_and_extends_still_run(monkeypatch,
     monkeypatch.setattr(cpu_paged_decode, "load", lambda: built)
     out = _step([20, 5], [33, 200], True, monkeypatch, expect_blocked=True)[0]
     assert out.shape[0] == 25 and torch.isfinite(out.float()).all()
+
+
+@needs_extend_kernel
+def test_torch_tile_kernels_before_and_after_the_amx_code_give_the_same_results():
+    """torch's own AMX code (its flash SDPA and oneDNN's bf16 matmul) keeps its tile configuration across a call of
+    the tile kernel on the same thread: the same results before and after, no fault."""
+    import torch.nn.functional as F
+
+    if not cpu_paged_extend.amx_usable(lib):
+        pytest.skip("this CPU has no AMX tiles (or its build or Linux gives none)")
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(1, 8, 300, 64, generator=g).bfloat16()
+    x, w = torch.randn(64, 512, generator=g).bfloat16(), torch.randn(512, 512, generator=g).bfloat16()
+    before = F.scaled_dot_product_attention(a, a, a, is_causal=True), x @ w
+    q, k_slots, v_slots, table, kv_lens = _paged_problem([16], [300], 8, 4, 64, 16)
+    t32 = lambda v: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32))  # noqa: E731
+    out = torch.empty_like(q)
+    cpu_paged_extend.paged_extend(lib, q, k_slots, v_slots, t32(table), t32(kv_lens), t32([0]), t32([16]), 16,
+                                  0.125, int(kv_lens[0]), out)
+    after = F.scaled_dot_product_attention(a, a, a, is_causal=True), x @ w
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert_bf16_equal(out, _reference(q, k_slots, v_slots, table, kv_lens, [16], 16, 0.125))

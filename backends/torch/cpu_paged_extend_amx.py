@@ -70,6 +70,7 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
         const int32_t *restrict lims, float *restrict sc, uint16_t *restrict p, uint32_t *restrict Kt,
         uint32_t *restrict Vv, float *restrict acc, int Ep) {
     const int nc = D / 32;  /* 32-dim chunks */
+    const int Eq = (E + 31) / 32 * 32;  /* this pass's keys, padded for the 32-key tiles (rows keep stride Ep) */
     /* scores S[g][u][t] = q_u . k_t: A = Q rows (16 vectors x 32 dims), B = K^T chunk in pairs (VNNI) */
     for (int t0 = 0; t0 < E; t0 += 16) {
         const int tn = E - t0 < 16 ? E - t0 : 16;
@@ -85,6 +86,8 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
             transpose16(in, out);
             for (int j = 0; j < 16; j++) _mm512_storeu_si512(Kt + (c * 16 + j) * 16, out[j]);
         }
+        /* gcc's tile loads are asm without memory operands: make the stores to Kt and Qa visible to them */
+        __asm__ volatile("" ::: "memory");
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int c = 0; c < nc; c++) {
             _tile_loadd(5, Kt + c * 256, 64);
@@ -119,14 +122,14 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
             vsum = _mm512_add_ps(vsum, e);
         }
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-        for (int t = 0; t < Ep; t += 16) {  /* zero past the row's limit, up to the padded length */
+        for (int t = 0; t < Eq; t += 16) {  /* zero past the row's limit, up to the padded length */
             const __mmask16 m = t < lim ? first(lim - t) : 0;
             _mm256_storeu_si256((__m256i *)(pr + t),
                                 to_bf16x16(_mm512_maskz_mul_ps(m, _mm512_maskz_loadu_ps(m, s + t), inv)));
         }
     }
     /* V in (t, t+1) pairs per dimension (VNNI), zero past E; one page lookup per 16-key block where pages hold them */
-    for (int t0 = 0; t0 < Ep; t0 += 16) {
+    for (int t0 = 0; t0 < Eq; t0 += 16) {
         const int tn = E - t0 >= 16 ? 16 : E - t0 > 0 ? E - t0 : 0;
         const uint16_t *v0 = tn ? kv_row(v, pages, t0, page_size, Hkv, D, kh) : 0;
         for (int j = 0; j < 8; j++) {
@@ -150,9 +153,10 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
     /* out[g] = P[g] V: A = 16 vectors' probabilities over 32 keys, B = 16 key pairs x 16 dims; 4 dim tiles a pass */
     for (int g = 0; g < ng; g++) {
         for (int x0 = 0; x0 < D; x0 += 64) {
+            __asm__ volatile("" ::: "memory");  /* the stores to p and Vv, before the tile loads read them */
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             const int nx = (D - x0) / 16 < 4 ? (D - x0) / 16 : 4;
-            for (int t0 = 0; t0 < Ep; t0 += 32) {
+            for (int t0 = 0; t0 < Eq; t0 += 32) {
                 _tile_loadd(4, p + (long)g * 16 * Ep + t0, Ep * 2);
 #define PV(X) if (nx > X) { _tile_loadd(5, Vv + (long)(t0 / 2) * D + x0 + X * 16, D * 4); \
                           _tile_dpbf16ps(X, 4, 5); }
@@ -166,15 +170,19 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
     }
 }
 
-/* paged_extend_bf16's contract on AMX tiles; work: amx_extend_work_floats(D, max_len) floats; D a multiple of 32,
-   at most 128. The caller has had amx_request_permission() return 1. */
+/* paged_extend_bf16's contract on AMX tiles; work: amx_extend_work_floats(D, max_len) floats; D a multiple of 32.
+   The caller has had amx_request_permission() return 1. */
 __attribute__((target("amx-tile,amx-bf16"))) void paged_extend_amx(
         const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
         const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens,
         const int32_t *restrict q_starts, const int32_t *restrict q_lens, int R, int H, int Hkv, int D,
         int page_size, float scale, uint16_t *restrict out, float *restrict work, int max_len) {
     const int n = H / Hkv, Ep = (max_len + 31) / 32 * 32;
-    tile_cfg cfg;
+    /* torch's brgemm remembers per thread which tile configuration it loaded and skips reloading it: whatever was
+       configured before this call is configured again after it (a release would leave torch's next tile op without
+       one) */
+    tile_cfg saved, cfg;
+    _tile_storeconfig(&saved);
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 6; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
@@ -210,7 +218,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void paged_extend_amx(
             }
         }
     }
-    _tile_release();
+    if (saved.palette) _tile_loadconfig(&saved);
+    else _tile_release();
 }
 
 long amx_extend_work_floats(int D, int max_len) {

@@ -35,7 +35,7 @@ def extend_code(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def _blocked_unless_a_test_chooses(monkeypatch):
     """The blocked path's CPU class whatever this CPU is (AMX CPUs keep torch's SDPA for extends), on one intra-op
-    thread as the kernel is measured and used (a 2-core server runs one; tests run torch's default)."""
+    thread unless a test splits the kernel itself."""
     choose(monkeypatch, "blocked")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -135,8 +135,7 @@ def test_paged_attention_sends_short_extends_to_the_kernel_and_long_ones_to_the_
 @needs_extend_kernel
 def test_where_the_kernel_runs(monkeypatch):
     """Without AMX tiles the AVX-512 code takes extends only where the blocked path would (not where torch's SDPA is
-    chosen); with them, whichever is chosen. Never over fp8 pages, float32, more than MAX_ROWS rows per request, a
-    head size the tiles cannot split (AMX: multiples of 32), or more than one intra-op thread."""
+    chosen); with them, whichever is chosen. Never over fp8 pages, float32 or more than MAX_ROWS rows per request."""
     q = torch.zeros(8, 3, 64, dtype=torch.bfloat16)
     runs = lambda q=q, kv=torch.bfloat16, rows=3: cpu_paged_extend.runs(lib, q, kv, 4, rows)  # noqa: E731
     amx = cpu_paged_extend.amx_usable(lib)
@@ -146,12 +145,6 @@ def test_where_the_kernel_runs(monkeypatch):
     assert runs()
     assert not runs(kv=torch.float8_e4m3fn) and not runs(q.float(), torch.float32)
     assert not runs(rows=cpu_paged_extend.MAX_ROWS + 1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert not runs()
-    finally:
-        torch.set_num_threads(threads)
     monkeypatch.setattr(cpu_paged_extend, "amx_usable", lambda lib: False)
     choose(monkeypatch, "sdpa")
     assert not runs()
@@ -199,3 +192,28 @@ def test_torch_tile_kernels_before_and_after_the_amx_code_give_the_same_results(
     after = F.scaled_dot_product_attention(a, a, a, is_causal=True), x @ w
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
     assert_bf16_equal(out, _reference(q, k_slots, v_slots, table, kv_lens, [16], 16, 0.125))
+
+
+@needs_extend_kernel
+def test_threads_split_the_work_items_and_write_the_same_bits(monkeypatch, extend_code):
+    """With several intra-op threads the (request, KV head) items go to helper threads beside the caller: the same
+    outputs bit for bit as one thread."""
+    from tierlm.backends.torch import cpu_threads
+
+    q_lens, cached = [5, 12, 3], [40, 300, 0]
+    q, k_slots, v_slots, table, kv_lens = _paged_problem(q_lens, cached, 8, 4, 64, 16, seed=2)
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    t32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+    call = lambda out: cpu_paged_extend.paged_extend(  # noqa: E731
+        lib, q, k_slots, v_slots, t32(table), t32(kv_lens), t32(starts), t32(q_lens), 16, 0.125, int(kv_lens.max()),
+        out)
+    one = torch.full_like(q, 7.0)
+    call(one)
+    calls = []
+    real = cpu_threads.helper_threads
+    monkeypatch.setattr(cpu_paged_extend, "helper_threads", lambda n: calls.append(n) or real(n))
+    torch.set_num_threads(3)  # the autouse fixture sets it back
+    split = torch.full_like(q, 7.0)
+    call(split)
+    assert calls == [2]  # two helper threads beside the caller
+    assert torch.equal(one, split)

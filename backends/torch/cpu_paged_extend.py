@@ -30,6 +30,7 @@ import logging
 import torch
 
 from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_extend_amx
+from tierlm.backends.torch.cpu_threads import helper_threads
 from tierlm.platforms.cpu_features import this_cpu
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ log = logging.getLogger(__name__)
 # Query rows per request up to which the kernel runs: against the blocked path (AVX-512 without AMX) it was 1.8x
 # faster at 16 rows over 2000 keys, even at 64 and slower at 128, where the blocked path's GEMMs win; on AMX tiles
 # 1.9x torch's SDPA at 16 rows, even at 64, slower at 128 (one core, llama-small's 8/4 heads).
-# The kernel runs on one thread and was measured on one: with more intra-op threads the threaded paths keep extends
-# until a split of the kernel is measured against them.
+# With torch's intra-op threads the (request, KV head) items are split between them: on 2 threads a compiled 16-token
+# extend took 24.6 ms against SDPA's 28.7 (AMX), and 34.2 against the blocked path's 43.2 (AVX-512 code).
 MAX_ROWS = 32
 # Query vectors per pass: their scores ([EXT_QB, keys] float32) stay in L2 while K/V stream by.
 EXT_QB = 64
@@ -146,18 +147,19 @@ static inline __attribute__((always_inline)) void extend_pass(
 static inline __attribute__((always_inline)) void extend_bf16_avx512_body(
         const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
         const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens,
-        const int32_t *restrict q_starts, const int32_t *restrict q_lens, int R, int H, int Hkv, const int D,
-        int page_size, float scale, uint16_t *restrict out, float *restrict work, int max_len) {
+        const int32_t *restrict q_starts, const int32_t *restrict q_lens, int it0, int it1, int H, int Hkv,
+        const int D, int page_size, float scale, uint16_t *restrict out, float *restrict work, int max_len) {
     const int n = H / Hkv;
     float *Qt = work;                          /* [EXT_G][D][16] */
     float *acc = Qt + EXT_G * D * 16;          /* [EXT_G][D][16] */
     float *rows = acc + EXT_G * D * 16;        /* [16][D]: a block's K or V rows in float32 */
     float *sc = rows + 16 * D;                 /* [EXT_G][max_len][16] */
     int32_t lims[EXT_G * 16];
-    for (int r = 0; r < R; r++) {
+    for (int it = it0; it < it1; it++) {  /* work items (request, KV head): it = r * Hkv + kh */
+        const int r = it / Hkv, kh = it % Hkv;
         const int ql = q_lens[r], base = kv_lens[r] - ql;
         const int32_t *pages = table + (long)r * table_stride;
-        for (int kh = 0; kh < Hkv; kh++) {
+        {
             for (int c0 = 0; c0 < ql * n; c0 += EXT_QB) {  /* vector u: query row u / n, head kh * n + u % n */
                 const int c = ql * n - c0 < EXT_QB ? ql * n - c0 : EXT_QB, ng = (c + 15) / 16;
                 for (int l = 0; l < ng * 16; l++) {
@@ -180,13 +182,15 @@ static inline __attribute__((always_inline)) void extend_bf16_avx512_body(
 
 /* q [T, H, D] (the step's flat rows); k, v: one layer of the pool, [slots, Hkv, D]; request r's q_lens[r] rows
    start at row q_starts[r] and its row i sees keys 0 .. kv_lens[r] - q_lens[r] + i (pages table[r]); its outputs
-   go to the same rows of out [T, H, D]. work: extend_work_floats(D, max_len) floats. */
+   go to the same rows of out [T, H, D]. Work items it0 .. it1 - 1 of (request r, KV head kh) = r * Hkv + kh, so
+   threads split a call by items. work: extend_work_floats(D, max_len) floats, one per thread. */
 void paged_extend_bf16(const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
                        const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens,
-                       const int32_t *restrict q_starts, const int32_t *restrict q_lens, int R, int H, int Hkv, int D,
-                       int page_size, float scale, uint16_t *restrict out, float *restrict work, int max_len) {
-#define BODY(D_) extend_bf16_avx512_body(q, k, v, table, table_stride, kv_lens, q_starts, q_lens, R, H, Hkv, D_, \
-                                         page_size, scale, out, work, max_len)
+                       const int32_t *restrict q_starts, const int32_t *restrict q_lens, int it0, int it1, int H,
+                       int Hkv, int D, int page_size, float scale, uint16_t *restrict out, float *restrict work,
+                       int max_len) {
+#define BODY(D_) extend_bf16_avx512_body(q, k, v, table, table_stride, kv_lens, q_starts, q_lens, it0, it1, H, Hkv, \
+                                         D_, page_size, scale, out, work, max_len)
     if (D == 64) BODY(64);
     else if (D == 128) BODY(128);
     else BODY(D);
@@ -202,7 +206,7 @@ def available(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and hasattr(lib, "paged_extend_bf16")
 
 
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + \
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + \
     [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 
 
@@ -242,10 +246,10 @@ def _amx_usable(lib: ctypes.CDLL) -> bool:
 
 
 def runs(lib: ctypes.CDLL | None, q: torch.Tensor, kv_dtype: torch.dtype, kv_heads: int, rows: int) -> bool:
-    """Whether an extend group of at most ``rows`` query rows per request takes this kernel: on one intra-op thread,
-    few rows (MAX_ROWS), shapes and dtypes it handles, and either AMX tiles or, where bf16 prefill and extend
-    attention take the blocked path (cpu_blocked_attention.choice), the AVX-512 code."""
-    if not (rows <= MAX_ROWS and torch.get_num_threads() == 1 and available(lib) and q.device.type == "cpu" and
+    """Whether an extend group of at most ``rows`` query rows per request takes this kernel: few rows (MAX_ROWS),
+    shapes and dtypes it handles, and either AMX tiles or, where bf16 prefill and extend attention take the blocked
+    path (cpu_blocked_attention.choice), the AVX-512 code."""
+    if not (rows <= MAX_ROWS and available(lib) and q.device.type == "cpu" and
             supported(q.dtype, kv_dtype, q.shape[0], kv_heads, q.shape[-1])):
         return False
     return (amx_usable(lib) and q.shape[-1] % 32 == 0) or cpu_blocked_attention.runs_on("cpu", q.dtype)
@@ -270,9 +274,18 @@ def paged_extend(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slo
     q = q.contiguous()
     table = page_table.contiguous()
     if amx_usable(lib) and D % 32 == 0:
-        fn, work = lib.paged_extend_amx, torch.empty(lib.amx_extend_work_floats(D, max_len), dtype=torch.float32)
+        fn, floats = lib.paged_extend_amx, lib.amx_extend_work_floats(D, max_len)
     else:
-        fn, work = lib.paged_extend_bf16, torch.empty(lib.extend_work_floats(D, max_len), dtype=torch.float32)
-    fn(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], kv_lens.data_ptr(),
-       q_starts.data_ptr(), q_lens.data_ptr(), int(kv_lens.shape[0]), H, Hkv, D, page_size, float(scale),
-       out.data_ptr(), work.data_ptr(), max_len)
+        fn, floats = lib.paged_extend_bf16, lib.extend_work_floats(D, max_len)
+    items = int(kv_lens.shape[0]) * Hkv
+    n = max(1, min(torch.get_num_threads(), items))  # (request, KV head) items split between the intra-op threads
+    work = torch.empty((n, floats), dtype=torch.float32)
+    args = (q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], kv_lens.data_ptr(),
+            q_starts.data_ptr(), q_lens.data_ptr())
+    rest = lambda t: (H, Hkv, D, page_size, float(scale), out.data_ptr(), work[t].data_ptr(), max_len)  # noqa: E731
+    cuts = [items * t // n for t in range(n + 1)]
+    pool = helper_threads(n - 1) if n > 1 else None
+    futures = [pool.submit(fn, *args, cuts[t], cuts[t + 1], *rest(t)) for t in range(1, n)]
+    fn(*args, cuts[0], cuts[1], *rest(0))
+    for f in futures:
+        f.result()

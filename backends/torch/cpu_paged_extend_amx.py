@@ -175,8 +175,8 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
 __attribute__((target("amx-tile,amx-bf16"))) void paged_extend_amx(
         const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
         const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens,
-        const int32_t *restrict q_starts, const int32_t *restrict q_lens, int R, int H, int Hkv, int D,
-        int page_size, float scale, uint16_t *restrict out, float *restrict work, int max_len) {
+        const int32_t *restrict q_starts, const int32_t *restrict q_lens, int it0, int it1, int H, int Hkv,
+        int D, int page_size, float scale, uint16_t *restrict out, float *restrict work, int max_len) {
     const int n = H / Hkv, Ep = (max_len + 31) / 32 * 32;
     /* torch's brgemm remembers per thread which tile configuration it loaded and skips reloading it: whatever was
        configured before this call is configured again after it (a release would leave torch's next tile op without
@@ -194,10 +194,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void paged_extend_amx(
     uint16_t *p = (uint16_t *)(Vv + (long)(Ep / 2) * D);      /* [AMX_G * 16][Ep] bf16 probabilities */
     uint16_t *Qa = p + (long)AMX_G * 16 * Ep;                 /* [AMX_G * 16][D] */
     int32_t lims[AMX_G * 16];
-    for (int r = 0; r < R; r++) {
+    for (int it = it0; it < it1; it++) {  /* work items (request, KV head): it = r * Hkv + kh */
+        const int r = it / Hkv, kh = it % Hkv;
         const int ql = q_lens[r], base = kv_lens[r] - ql;
         const int32_t *pages = table + (long)r * table_stride;
-        for (int kh = 0; kh < Hkv; kh++) {
+        {
             for (int c0 = 0; c0 < ql * n; c0 += AMX_G * 16) {
                 const int c = ql * n - c0 < AMX_G * 16 ? ql * n - c0 : AMX_G * 16, ng = (c + 15) / 16;
                 for (int l = 0; l < ng * 16; l++) {

@@ -80,7 +80,6 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
             cpu_paged_extend.supported(dtype, kv_dtype, heads, kv_heads, head_dim):
         tiles = cpu_paged_extend.amx_usable(lib) and head_dim % 32 == 0
         if tiles or cpu_blocked_attention.runs_on(device, dtype):
-            prefill += (f"; extends of up to {cpu_paged_extend.MAX_ROWS} rows per request on one thread: C paged "
-                        f"extend kernel over the pool in place ({'AMX tiles' if tiles else 'AVX-512'}, "
-                        "cpu_paged_extend.py)")
+            prefill += (f"; extends of up to {cpu_paged_extend.MAX_ROWS} rows per request: C paged extend kernel "
+                        f"over the pool in place ({'AMX tiles' if tiles else 'AVX-512'}, cpu_paged_extend.py)")
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

@@ -16,8 +16,9 @@ not check, as custom_op did).
   few decodes and a short extend, a short prompt. The graph has no notion of requests (attention is the opaque
   op), so one graph with a symbolic token count serves all of them, and one specialized graph the single token
   (torch's rule for size 1, and its fastest code); ``CompiledDecode.compile_now`` compiles both before serving
-  (a one-token and a two-token step), so no request waits. Longer steps run eagerly: compiled, a 2016-token prefill was no faster (its matmuls and
-  attention dominate), and above ~56 tokens the logits stopped matching eager's bit for bit here (AMX Xeon).
+  (a one-token and a two-token step), so no request waits. Longer steps run eagerly: compiled, a 2016-token
+  prefill was no faster (its matmuls and attention dominate), and above ~56 tokens the logits stopped matching
+  eager's bit for bit here (AMX Xeon).
   A 16-token extend over 2000 cached tokens: 44.7 -> 41.4 ms; 5 tokens: 41.3 -> 34.6 ms (llama-small bf16).
 - Outputs equal the eager model's bit for bit: inductor is told to round every intermediate to the model dtype
   where eager does (``emulate_precision_casts``), so bf16 keeps transformers' bf16 rounding points

@@ -100,6 +100,17 @@ static inline __m512 sum16x16(const __m512 *v) {  /* lane i: the sum of the 16 l
 /* the reduction tree above leaves token i in lane SUM16_SLOT[i] (a 4x4 transpose: its own inverse), so token i's
    partial sums are stored at SUM16_SLOT[i] and come out in token order */
 static const int SUM16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+/* exp(s[t] - mx) in place over s[0..n), returned summed in 16 lanes: the softmax's middle pass (decode, extend) */
+static inline __m512 exp_in_place16(float *s, int n, __m512 mx) {
+    __m512 vsum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 m = first(n - t);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    return vsum;
+}
 
 #define DV 8        /* at most D / 16 vectors per head row: D <= 128 */
 #define HC 4        /* query heads of one KV head per pass (their q rows or sums stay in registers) */
@@ -159,13 +170,7 @@ static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
         for (int h = 0; h < H; h++) {  /* softmax in float32, probabilities rounded to bf16 */
             float *sh = scores + (long)h * max_len;
             const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx[h]));
-            __m512 vsum = _mm512_setzero_ps();
-            for (int t = 0; t < L; t += 16) {
-                const __mmask16 m = first(L - t);
-                const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + t), mx)));
-                _mm512_mask_storeu_ps(sh + t, m, e);
-                vsum = _mm512_add_ps(vsum, e);
-            }
+            const __m512 vsum = exp_in_place16(sh, L, mx);
             const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
             for (int t = 0; t < L; t += 16) {
                 const __mmask16 m = first(L - t);

@@ -41,12 +41,10 @@ log = logging.getLogger(__name__)
 # With torch's intra-op threads the (request, KV head) items are split between them: on 2 threads a compiled 16-token
 # extend took 24.6 ms against SDPA's 28.7 (AMX), and 34.2 against the blocked path's 43.2 (AVX-512 code).
 MAX_ROWS = 32
-# Query vectors per pass: their scores ([EXT_QB, keys] float32) stay in L2 while K/V stream by.
-EXT_QB = 64
 
 C_SOURCE = r"""
 #if defined(TIERLM_AVX512)
-#define EXT_QB 64
+#define EXT_QB 64  /* query vectors per pass: their scores ([EXT_QB, keys] float32) stay in L2 while K/V stream by */
 #define EXT_G (EXT_QB / 16)
 
 /* Row j of the block of keys starting at t0 (t0 a multiple of 16): with pages of whole 16-key blocks the block is

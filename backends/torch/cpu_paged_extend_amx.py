@@ -114,13 +114,7 @@ AMX_INLINE void amx_extend_pass(const uint16_t *restrict k, const uint16_t *rest
             vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
         }
         const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int t = 0; t < lim; t += 16) {
-            const __mmask16 m = first(lim - t);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
-            _mm512_mask_storeu_ps(s + t, m, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
+        const __m512 vsum = exp_in_place16(s, lim, mx);
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
         for (int t = 0; t < Eq; t += 16) {  /* zero past the row's limit, up to the padded length */
             const __mmask16 m = t < lim ? first(lim - t) : 0;

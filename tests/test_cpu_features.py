@@ -136,6 +136,10 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
     # the linear kernel named is the one the CPU decision allows
     assert ("oneDNN-prepacked" in kernels["linear"]) == (cpu["onednn_bf16_prepack"] and
                                                          "refuses" not in kernels["linear"])
+    from tierlm.backends.torch import cpu_amx_linear
+
+    amx = cpu["onednn_bf16_prepack"] and cpu_amx_linear.load() is not None  # tiny_llama's widths are multiples of 32
+    assert ("rows on AMX tiles over the packed weight" in kernels["linear"]) == amx
     layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
     assert f"q/k/v fused in {layers} layers, gate/up in {layers}" in kernels["linear"]  # fused_projections.py
     from tierlm.backends.torch import cpu_paged_decode

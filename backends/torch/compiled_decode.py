@@ -56,7 +56,8 @@ if _FIRST_RUN:
     _LIB = torch.library.Library("tierlm", "DEF")
     _LIB.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, "
                 "int sliding_window, Tensor? s_aux) -> Tensor")
-    _LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+    _LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, int fast_rows) "
+                "-> Tensor")
     _LIB.define("int8_weight_only(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
 
 
@@ -72,9 +73,11 @@ def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def _packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                      out_features: int) -> torch.Tensor:
+                      out_features: int, fast_rows: int) -> torch.Tensor:
     """cpu_linear.PackedLinear's product: inductor has no shape rule for oneDNN's packed weight."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    from tierlm.backends.torch.cpu_linear import packed_product
+
+    return packed_product(x, packed_weight, bias, out_features, fast_rows)
 
 
 def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -95,7 +98,7 @@ def _register_impls(lib: torch.library.Library) -> None:
         return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
     @torch.library.register_fake("tierlm::packed_linear", lib=lib)
-    def _(x, packed_weight, bias, out_features):
+    def _(x, packed_weight, bias, out_features, fast_rows):
         return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("tierlm::int8_weight_only", lib=lib)
@@ -123,8 +126,8 @@ def attention_op(module, query, key, value, scaling, sliding_window, s_aux) -> t
 
 
 def packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                     out_features: int) -> torch.Tensor:
-    return torch.ops.tierlm.packed_linear(x, packed_weight, bias, out_features)
+                     out_features: int, fast_rows: int) -> torch.Tensor:
+    return torch.ops.tierlm.packed_linear(x, packed_weight, bias, out_features, fast_rows)
 
 
 def int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

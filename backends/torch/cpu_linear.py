@@ -10,6 +10,9 @@ bit-identical to ``F.linear`` (tests/test_cpu_linear.py).
 Packed only where oneDNN's bf16 reorder runs (platforms/cpu_features.py: AVX-512 BW/VL/DQ or AVX-NE-CONVERT on
 x86); elsewhere (AVX2-only x86, aarch64) torch's plain bf16 ``F.linear`` serves, as transformers' own model does.
 
+Decode-sized products (at most 32 rows) run on cpu_amx_linear.py's AMX tile kernel where the CPU has AMX and
+oneDNN packed the weight in the layout that kernel reads: the same bits, the weights streamed ~1.7x faster.
+
 Not packed: float32 (the reference dtype, which must stay exact against transformers). A tied lm_head (its weight
 shared with the embedding, which still needs the plain rows) is packed as a second copy of the largest matrix:
 eager bf16 ``F.linear`` reorders the whole weight on every call, which for a tied Qwen2.5-0.5B lm_head
@@ -26,6 +29,7 @@ import os
 import torch
 from torch import nn
 
+from tierlm.backends.torch import cpu_amx_linear
 from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 log = logging.getLogger(__name__)
@@ -71,17 +75,29 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
                              persistent=False)
         self.bias = linear.bias
+        # rows up to this many take the AMX tile kernel (0: oneDNN's product at every count)
+        self.fast_rows = cpu_amx_linear.fast_rows(w, self.packed_weight) \
+            if self.bias is None or self.bias.dtype == torch.bfloat16 else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # --enable-torch-compile: an op with a shape rule (compiled_decode.py)
             from tierlm.backends.torch.compiled_decode import packed_linear_op
 
-            return packed_linear_op(x, self.packed_weight, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return packed_linear_op(x, self.packed_weight, self.bias, self.out_features, self.fast_rows)
+        return packed_product(x, self.packed_weight, self.bias, self.out_features, self.fast_rows)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               "packed=oneDNN"
+               "packed=oneDNN" + \
+            (f", AMX kernel up to {self.fast_rows} rows" if self.fast_rows else "")
+
+
+def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                   fast_rows: int) -> torch.Tensor:
+    """x @ W.T (+ bias) over a packed weight: the AMX tile kernel for at most ``fast_rows`` rows, else oneDNN."""
+    if 0 < x.numel() <= fast_rows * x.shape[-1] and x.dtype == torch.bfloat16:
+        return cpu_amx_linear.amx_linear(x, packed_weight, bias, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module, cpu: CpuFeatures | None = None, pack_tied: bool | None = None) -> int:
@@ -118,7 +134,9 @@ def pack_linears(model: nn.Module, cpu: CpuFeatures | None = None, pack_tied: bo
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, PackedLinear(m))
     if swaps:
-        log.info("CPU bf16: %d linear layers use oneDNN-prepacked weights", len(swaps))
+        fast = sum(bool(model.get_submodule(name).fast_rows) for name, _m in swaps)
+        log.info("CPU bf16: %d linear layers use oneDNN-prepacked weights; %d of them run decode-sized products on "
+                 "AMX tiles (%s)", len(swaps), fast, cpu_amx_linear.describe()["why"])
     if copies:
         log.info("CPU bf16: tied lm_head packed as a copy next to the embedding (+%.0f MiB; %s=0 keeps it plain)",
                  copies / 2**20, PACK_TIED_ENV)

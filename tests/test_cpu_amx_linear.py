@@ -1,0 +1,135 @@
+"""The AMX tile kernel for decode-sized bf16 products (backends/torch/cpu_amx_linear.py): it reads oneDNN's packed
+weight only where the layout was checked byte for byte, gives oneDNN's bits for every row count it takes, leaves
+larger products, other layouts and other CPUs to oneDNN, and splits between threads without changing a bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.backends.torch import cpu_amx_linear, cpu_linear
+from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
+from tierlm.platforms.cpu_features import parse_cpuinfo
+
+PACKS, PACK_WHY = packing_available()
+needs_packing = pytest.mark.skipif(not PACKS, reason=PACK_WHY)
+needs_kernel = pytest.mark.skipif(cpu_amx_linear.load() is None, reason=cpu_amx_linear.describe()["why"] or "")
+
+
+def _onednn(x, lin):
+    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), cpu_linear.PACK_BATCH_HINT)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How many products the AMX kernel ran."""
+    calls = []
+    real = cpu_amx_linear.amx_linear
+
+    def counted(x, *args):
+        calls.append(x.shape)
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_amx_linear, "amx_linear", counted)
+    return calls
+
+
+def test_expected_layout_is_blocks_of_32_columns_with_inputs_in_pairs():
+    """Runs everywhere: the layout the kernel reads, from a weight whose values name their place."""
+    n, k = 40, 36
+    w = (torch.arange(n)[:, None] * 100 + torch.arange(k)[None, :]).float()
+    lay = cpu_amx_linear.expected_layout(w)
+    assert lay.shape == (2, 32, 32, 2)  # N 40 -> 64, K 36 -> 64, padded with zeros
+    for (b, p, c, e) in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 31, 1), (0, 5, 7, 0), (1, 17, 7, 1), (0, 17, 3, 1)]:
+        col, row = b * 32 + c, 2 * p + e
+        assert lay[b, p, c, e] == (w[col, row] if col < n and row < k else 0)
+
+
+@needs_packing
+def test_a_layout_other_than_the_kernels_is_refused():
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT)
+    other = torch.randn(64, 64).to(torch.bfloat16)
+    assert not cpu_amx_linear.layout_matches(other, packed)  # another weight's bytes
+    odd = torch.randn(64, 48).to(torch.bfloat16)  # K not a multiple of 32: the A tiles would read past a row
+    assert not cpu_amx_linear.layout_matches(odd, torch.ops.mkldnn._reorder_linear_weight(odd, 32))
+
+
+@needs_packing
+def test_without_the_kernel_packed_linears_keep_onednns_product(monkeypatch, kernel_calls):
+    """The fallback (no AMX, TIERLM_CPU_AMX_LINEAR=0, another layout): fast_rows 0, oneDNN at every count."""
+    monkeypatch.setattr(cpu_amx_linear, "load", lambda cpu=None: None)
+    lin = nn.Linear(64, 96).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.fast_rows == 0
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias)) and not kernel_calls
+
+
+def test_the_kernel_is_off_without_amx_and_when_ruled_out(monkeypatch):
+    avx512 = parse_cpuinfo("flags\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16\n"
+                           "model name\t: AMD EPYC\n", "x86_64")
+    build = cpu_amx_linear._load(avx512)
+    assert build.lib is None and "no AMX" in build.why
+    monkeypatch.setenv(cpu_amx_linear.ENV, "0")
+    build = cpu_amx_linear._load(avx512)
+    assert build.lib is None and f"{cpu_amx_linear.ENV}=0" in build.why
+
+
+@needs_packing
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 512), (1056, 1408)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32])
+def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
+    torch.manual_seed(n + k + rows)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.fast_rows == cpu_amx_linear.MAX_ROWS
+    x = torch.randn(1, rows, k).to(torch.bfloat16)
+    out = packed(x)
+    assert out.shape == (1, rows, n) and kernel_calls == [(1, rows, k)]
+    assert torch.equal(out, _onednn(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_packing
+@needs_kernel
+def test_larger_products_stay_with_onednn(kernel_calls):
+    lin = nn.Linear(64, 96).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    x = torch.randn(cpu_amx_linear.MAX_ROWS + 1, 64).to(torch.bfloat16)
+    assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias)) and not kernel_calls
+    assert torch.equal(packed(x[:0]), x[:0] @ lin.weight.T) and not kernel_calls  # no rows: nothing to stream
+
+
+@needs_packing
+@needs_kernel
+def test_threads_split_the_columns_without_changing_a_bit():
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 3000, bias=False).to(torch.bfloat16)  # 3 M weights: three threads' worth
+    packed = PackedLinear(lin)
+    x = torch.randn(5, 1024).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        threaded = packed(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(threaded, _onednn(x, lin))
+
+
+@needs_packing
+@needs_kernel
+def test_torch_tile_kernels_before_and_after_give_the_same_results():
+    """The kernel loads its own tile configuration and gives the caller's back (torch's brgemm keeps one per
+    thread and skips reloading it)."""
+    torch.manual_seed(1)
+    a, b = torch.randn(64, 512).to(torch.bfloat16), torch.randn(512, 256).to(torch.bfloat16)
+    first = a @ b
+    lin = nn.Linear(512, 128).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    packed(torch.randn(2, 512).to(torch.bfloat16))
+    assert torch.equal(a @ b, first)
+    assert torch.equal(packed(a[:4]), F.linear(a[:4], lin.weight, lin.bias))

@@ -53,6 +53,12 @@ def test_a_layout_other_than_the_kernels_is_refused():
     packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT)
     other = torch.randn(64, 64).to(torch.bfloat16)
     assert not cpu_amx_linear.layout_matches(other, packed)  # another weight's bytes
+    big = torch.randn(32 * 100 + 5, 64).to(torch.bfloat16)  # 101 blocks: 64 of them compared, the last included
+    packed_big = torch.ops.mkldnn._reorder_linear_weight(big, cpu_linear.PACK_BATCH_HINT)
+    assert cpu_amx_linear.layout_matches(big, packed_big) == (cpu_amx_linear.load() is not None)
+    changed = big.clone()
+    changed[-1, 3] += 1
+    assert not cpu_amx_linear.layout_matches(changed, packed_big)
     odd = torch.randn(64, 48).to(torch.bfloat16)  # K not a multiple of 32: the A tiles would read past a row
     assert not cpu_amx_linear.layout_matches(odd, torch.ops.mkldnn._reorder_linear_weight(odd, 32))
 

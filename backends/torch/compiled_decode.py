@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from tierlm.backends.base import ForwardBatch
+from tierlm.backends.torch import cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,7 @@ def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 def _packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                       out_features: int, fast_rows: int) -> torch.Tensor:
     """cpu_linear.PackedLinear's product: inductor has no shape rule for oneDNN's packed weight."""
-    from tierlm.backends.torch.cpu_linear import packed_product
-
-    return packed_product(x, packed_weight, bias, out_features, fast_rows)
+    return cpu_linear.packed_product(x, packed_weight, bias, out_features, fast_rows)
 
 
 def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -216,24 +216,23 @@ def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 with at most ``MAX_ROWS`` rows, ``packed`` a weight ``fast_rows`` accepted -> [..., N];
-    the same bits as ``torch.ops.mkldnn._linear_pointwise``."""
-    lib = _lib
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    M, K = x2.shape
-    N = out_features
-    y = torch.empty((M, N), dtype=torch.bfloat16)
-    args = (x2.data_ptr(), M, K, torch.ops.mkldnn.data_ptr(packed), 0 if bias is None else bias.data_ptr(),
-            y.data_ptr(), N)
-    blocks = -(-N // BLOCK)
-    threads = max(1, min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD, blocks))
-    if threads == 1:
-        lib.amx_linear_bf16(*args, 0, blocks)
-    else:  # slices of whole blocks, the caller running the first
-        cuts = [blocks * t // threads for t in range(threads)] + [blocks]
-        futures = [helper_threads(threads - 1).submit(lib.amx_linear_bf16, *args, cuts[t], cuts[t + 1])
-                   for t in range(1, threads)]
-        lib.amx_linear_bf16(*args, cuts[0], cuts[1])
-        for f in futures:
-            f.result()
-    return y.view(*lead, N)
+    the same bits as ``torch.ops.mkldnn._linear_pointwise``. Lean: ~40 calls a decode step."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    K, N = x.shape[-1], out_features
+    y = x.new_empty((*x.shape[:-1], N))
+    args = (x.data_ptr(), x.numel() // K, K, torch.ops.mkldnn.data_ptr(packed),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), N)
+    blocks = (N + BLOCK - 1) // BLOCK
+    threads = min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD, blocks)
+    if threads <= 1:
+        _lib.amx_linear_bf16(*args, 0, blocks)
+        return y
+    # slices of whole blocks, the caller running the first
+    cuts = [blocks * t // threads for t in range(threads)] + [blocks]
+    futures = [helper_threads(threads - 1).submit(_lib.amx_linear_bf16, *args, cuts[t], cuts[t + 1])
+               for t in range(1, threads)]
+    _lib.amx_linear_bf16(*args, cuts[0], cuts[1])
+    for f in futures:
+        f.result()
+    return y

@@ -136,6 +136,9 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
         return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
     if not cpu.has("amx_bf16", "amx_tile"):
         return KernelBuild(None, None, f"no AMX-BF16 on this CPU; {_FALLBACK}")
+    onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if onednn_cap not in ("", "ALL", "DEFAULT") and "AMX" not in onednn_cap:  # oneDNN's bits are not tile bits then
+        return KernelBuild(None, None, f"ONEDNN_MAX_CPU_ISA={onednn_cap} rules AMX out of oneDNN; {_FALLBACK}")
     cc = find_c_compiler(os.environ)
     if cc is None:
         return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {_FALLBACK}")
@@ -157,12 +160,12 @@ def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _tried:
-            _tried = True  # first, so that a failure below is met once, not on every product
             try:
                 _build = _load(cpu or this_cpu())
             except Exception as e:  # noqa: BLE001 - oneDNN serves; the reason is logged
                 _build = KernelBuild(None, None, f"could not set it up ({type(e).__name__}: {e}); {_FALLBACK}")
             _lib = _build.lib
+            _tried = True  # after _lib: a thread reading _tried without the lock then finds the library too
             log.info("CPU bf16 decode products on AMX tiles: %s", _build.why)
         return _lib
 
@@ -212,6 +215,12 @@ def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     if load() is None or not layout_matches(weight, packed):
         return 0
     return MAX_ROWS
+
+
+def fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
+    """Whether x's width is the packed weight's K (the kernel trusts it; a wrong one goes to oneDNN, which says)."""
+    return torch.ops.mkldnn._nbytes(packed) == (out_features + BLOCK - 1) // BLOCK * BLOCK * x.shape[-1] * 2 and \
+        x.shape[-1] % BLOCK == 0
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

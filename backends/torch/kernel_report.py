@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.backends.torch import (cpu_amx_linear, cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode, cpu_paged_extend,
-                                   paged_attention)
+from tierlm.backends.torch import (cpu_amx_linear, cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode,
+                                   cpu_paged_extend, paged_attention)
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention

@@ -184,11 +184,29 @@ def int8_weights(weight_format: str) -> bool:
     return weight_format == "torchao:int8wo+embedding"
 
 
+AMX_LINEAR_ENV = "TIERLM_CPU_AMX_LINEAR"
+
+
+def amx_linear_decision(cpu: CpuFeatures, env: Mapping[str, str]) -> tuple[bool, str]:
+    """(whether bf16 products of up to 32 rows may run on tierlm's AMX kernel over oneDNN's packed weight, why not):
+    x86 with AMX-BF16, not ruled out by TIERLM_CPU_AMX_LINEAR=0, and oneDNN itself not capped below AMX (its own
+    products would not be tile products then: backends/torch/cpu_amx_linear.py)."""
+    if env.get(AMX_LINEAR_ENV, "1") == "0":
+        return False, f"off ({AMX_LINEAR_ENV}=0)"
+    if cpu.arch != "x86_64" or not cpu.has("amx_bf16", "amx_tile"):
+        return False, "no AMX-BF16 on this CPU"
+    onednn_cap = env.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if onednn_cap not in ("", "ALL", "DEFAULT") and "AMX" not in onednn_cap:
+        return False, f"ONEDNN_MAX_CPU_ISA={onednn_cap} rules AMX out of oneDNN"
+    return True, "AMX-BF16"
+
+
 def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str | None,
                     weight_format: str = "none", env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Which kernel each layer type of the torch backend will run on this CPU, before any model loads (for
     `tierlm doctor`; a running server reports what it set up, backends/torch/kernel_report.py). The rules are the
-    backend's: prepacked bf16 linears where oneDNN's reorder runs, int8 weights through the C streaming kernel on
+    backend's: prepacked bf16 linears where oneDNN's reorder runs (decode-sized products on tierlm's AMX kernel
+    where ``amx_linear_decision`` allows), int8 weights through the C streaming kernel on
     x86 with AVX2 or AVX-512 (TIERLM_CPU_INT8_GEMV=0 rules it out), the C decode kernel for bf16 or float32 pages
     of the model's own dtype where a C compiler exists (TIERLM_CPU_PAGED_DECODE=0 rules it out), bf16 prefill
     attention as ``bf16_prefill_attention`` chooses (TIERLM_CPU_PREFILL_ATTENTION)."""
@@ -208,6 +226,8 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
     elif dtype == "bfloat16":
         prepack, why = cpu.onednn_bf16_prepack
         linear = why if prepack else why.replace("torch's plain bf16 linear", "torch F.linear bfloat16")
+        if prepack and compiler is not None and amx_linear_decision(cpu, env or {})[0]:
+            linear += f"; up to 32 rows on tierlm's AMX kernel over the packed weight, built with {compiler}"
     else:
         linear = f"torch F.linear {dtype} (oneDNN/MKL GEMM)"
     kernels_off = (env or {}).get("TIERLM_CPU_PAGED_DECODE", "1") == "0"  # the C library of both attentions
@@ -340,6 +360,7 @@ def this_cpu() -> CpuFeatures:
     return cpu
 
 
-__all__ = ["CpuFeatures", "CpuIsaError", "ISA_ENV", "apply_cap", "bf16_prefill_attention", "cpu_kernel_plan", "int8_weights", "detect_cpu", "detect_cpu_or_error",
+__all__ = ["AMX_LINEAR_ENV", "CpuFeatures", "CpuIsaError", "ISA_ENV", "amx_linear_decision", "apply_cap",
+           "bf16_prefill_attention", "cpu_kernel_plan", "int8_weights", "detect_cpu", "detect_cpu_or_error",
            "find_c_compiler", "known_flags", "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu",
            "torch_env_for_cap"]

@@ -178,6 +178,28 @@ def test_doctor_plans_int8_weights_on_the_streaming_kernel_where_x86_vector_code
         assert "int8" not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", fmt)["linear"]
 
 
+@pytest.mark.parametrize("name, arch, cap, amx", [
+    ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", None, True),
+    ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", "avx512_bf16", False),  # the cap rules AMX out
+    ("intel-xeon-skylake-avx512.txt", "x86_64", None, False),
+    ("amd-epyc-zen3-avx2.txt", "x86_64", None, False),
+    ("nvidia-grace-neoverse-v2.txt", "aarch64", None, False),
+])
+def test_doctor_plans_decode_sized_bf16_products_on_the_amx_kernel_where_amx_runs(name, arch, cap, amx):
+    from tierlm.platforms.cpu_features import cpu_kernel_plan
+
+    cpu = apply_cap(recorded(name, arch), cap)
+    kernel = "AMX kernel over the packed weight"
+    assert (kernel in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc")["linear"]) == amx
+    assert kernel not in cpu_kernel_plan(cpu, "float32", "float32", "cc")["linear"]
+    assert kernel not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", None)["linear"]  # no compiler
+    for env in ({"TIERLM_CPU_AMX_LINEAR": "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}):
+        assert kernel not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", env=env)["linear"]
+    if amx:  # oneDNN capped at an AMX level still runs tiles
+        env = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}
+        assert kernel in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", env=env)["linear"]
+
+
 @pytest.mark.parametrize("name, arch, cap, expected", [
     ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", None, "sdpa"),  # torch's flash kernel runs on AMX tiles
     ("intel-xeon-sapphire-rapids-amx.txt", "x86_64", "avx512_bf16", "blocked"),  # the cap rules AMX out

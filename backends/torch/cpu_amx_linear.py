@@ -30,7 +30,7 @@ import torch
 from tierlm.backends.torch import c_kernel_build
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
 from tierlm.backends.torch.cpu_threads import helper_threads
-from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
+from tierlm.platforms.cpu_features import AMX_LINEAR_ENV, CpuFeatures, amx_linear_decision, find_c_compiler, this_cpu
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ BLOCK = 32  # output columns per packed block, and the input multiple
 CHECKED_BLOCKS = 64  # blocks of a weight compared with the expected layout at packing
 # Below this many weights per thread a product stays on the calling thread (a hand-off costs ~30 us).
 MIN_WEIGHTS_PER_THREAD = 1 << 20
-ENV = "TIERLM_CPU_AMX_LINEAR"
+ENV = AMX_LINEAR_ENV
 
 _NAME = "amx_linear"
 _FALLBACK = "decode-sized bf16 products use oneDNN's packed kernel"
@@ -132,13 +132,9 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _load(cpu: CpuFeatures) -> KernelBuild:
-    if os.environ.get(ENV, "1") == "0":
-        return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
-    if not cpu.has("amx_bf16", "amx_tile"):
-        return KernelBuild(None, None, f"no AMX-BF16 on this CPU; {_FALLBACK}")
-    onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if onednn_cap not in ("", "ALL", "DEFAULT") and "AMX" not in onednn_cap:  # oneDNN's bits are not tile bits then
-        return KernelBuild(None, None, f"ONEDNN_MAX_CPU_ISA={onednn_cap} rules AMX out of oneDNN; {_FALLBACK}")
+    ok, why = amx_linear_decision(cpu, os.environ)
+    if not ok:
+        return KernelBuild(None, None, f"{why}; {_FALLBACK}")
     cc = find_c_compiler(os.environ)
     if cc is None:
         return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {_FALLBACK}")

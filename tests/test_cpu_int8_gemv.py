@@ -133,9 +133,7 @@ def test_where_it_cannot_run_torch_kernel_serves(monkeypatch, tmp_path):
     assert build.lib is None and "aarch64" in build.why and "_weight_int8pack_mm" in build.why
     monkeypatch.setenv("TIERLM_CPU_INT8_GEMV", "0")
     assert "off (TIERLM_CPU_INT8_GEMV=0)" in _fresh_build(monkeypatch, tmp_path, this_cpu()).why
-    monkeypatch.setattr(cpu_int8_gemv, "_tried", False)
-    monkeypatch.setattr(cpu_int8_gemv, "_lib", None)
-    monkeypatch.setattr(cpu_int8_gemv, "_build", cpu_int8_gemv._build)
+    monkeypatch.setattr(cpu_int8_gemv, "_kernel", cpu_int8_gemv._kernel.fresh())  # set up again, under the env
     assert not cpu_int8_gemv.takes(1, torch.bfloat16)
     # the layer still computes its product, through torch's kernel
     x, q, scales, b, ref = _case(2, 40, 64, torch.bfloat16, True)

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tierlm.platforms.cpu_features import CpuFeatures
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
+
+log = logging.getLogger(__name__)
 
 
 # What every kernel source starts with: bfloat16 <-> float32 as torch converts them (bf16 is the top half of a
@@ -117,3 +121,40 @@ def build_for_cpu(name: str, source: str, cflags: tuple[str, ...], bind: Callabl
             detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
             errors.append(f"{level} {' '.join(flags)}: {e} {detail}".strip())
     return KernelBuild(None, None, "could not build or load it (" + "; ".join(errors) + f"); {fallback}")
+
+
+class LoadOnce:
+    """A kernel library set up once per process, on first use, under a lock: ``load(cpu)`` builds or finds it, and
+    an exception there counts as "not here" (``fallback`` says what serves instead), so a failure is met once, not
+    on every call. ``build`` keeps the reason for /server_info and doctor."""
+
+    def __init__(self, load: Callable[[CpuFeatures], KernelBuild], label: str, fallback: str,
+                 warn_when_missing: bool = True) -> None:
+        self._load, self._label, self._fallback, self._warn = load, label, fallback, warn_when_missing
+        self._lock = threading.Lock()
+        self._done = False
+        self.build = KernelBuild(None, None, "not loaded yet")
+        self.lib: ctypes.CDLL | None = None
+
+    def __call__(self, cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
+        if self._done:
+            return self.lib
+        with self._lock:
+            if not self._done:
+                try:
+                    build = self._load(cpu or this_cpu())
+                except Exception as e:  # noqa: BLE001 - the caller's fallback serves; the reason is logged
+                    build = KernelBuild(None, None, f"could not set it up ({type(e).__name__}: {e}); "
+                                                    f"{self._fallback}")
+                self.build, self.lib = build, build.lib
+                self._done = True  # after lib: a thread reading _done without the lock then finds the library too
+                (log.warning if self.lib is None and self._warn else log.info)("%s: %s", self._label, build.why)
+        return self.lib
+
+    def fresh(self) -> "LoadOnce":
+        """An unloaded twin (tests: the next call sets the kernel up again)."""
+        return LoadOnce(self._load, self._label, self._fallback, self._warn)
+
+    def describe(self) -> dict[str, str | None]:
+        """The kernel as loaded (for /server_info and doctor): the level built for and why, or why not."""
+        return {"level": self.build.level, "why": self.build.why}

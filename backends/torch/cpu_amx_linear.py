@@ -23,14 +23,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 
 import torch
 
 from tierlm.backends.torch import c_kernel_build
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
 from tierlm.backends.torch.cpu_threads import helper_threads
-from tierlm.platforms.cpu_features import AMX_LINEAR_ENV, CpuFeatures, amx_linear_decision, find_c_compiler, this_cpu
+from tierlm.platforms.cpu_features import AMX_LINEAR_ENV, CpuFeatures, amx_linear_decision, find_c_compiler
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +114,6 @@ ENV = AMX_LINEAR_ENV
 
 _NAME = "amx_linear"
 _FALLBACK = "decode-sized bf16 products use oneDNN's packed kernel"
-_lock = threading.Lock()
-_tried = False
-_build: KernelBuild = KernelBuild(None, None, "not loaded yet")
-_lib: ctypes.CDLL | None = None
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -149,26 +144,17 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
     return build
 
 
+_kernel = c_kernel_build.LoadOnce(_load, "CPU bf16 decode products on AMX tiles", _FALLBACK, warn_when_missing=False)
+
+
 def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
     """The kernel for this CPU, built on first use; None where it does not run (then oneDNN's product)."""
-    global _lib, _tried, _build
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                _build = _load(cpu or this_cpu())
-            except Exception as e:  # noqa: BLE001 - oneDNN serves; the reason is logged
-                _build = KernelBuild(None, None, f"could not set it up ({type(e).__name__}: {e}); {_FALLBACK}")
-            _lib = _build.lib
-            _tried = True  # after _lib: a thread reading _tried without the lock then finds the library too
-            log.info("CPU bf16 decode products on AMX tiles: %s", _build.why)
-        return _lib
+    return _kernel(cpu)
 
 
 def describe() -> dict[str, str | None]:
     """The kernel as loaded (for /server_info and doctor): the level built for and why, or why not."""
-    return {"level": _build.level, "why": _build.why}
+    return _kernel.describe()
 
 
 def expected_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -229,15 +215,16 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     args = (x.data_ptr(), x.numel() // K, K, torch.ops.mkldnn.data_ptr(packed),
             None if bias is None else bias.data_ptr(), y.data_ptr(), N)
     blocks = (N + BLOCK - 1) // BLOCK
+    lib = _kernel.lib
     threads = min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD, blocks)
     if threads <= 1:
-        _lib.amx_linear_bf16(*args, 0, blocks)
+        lib.amx_linear_bf16(*args, 0, blocks)
         return y
     # slices of whole blocks, the caller running the first
     cuts = [blocks * t // threads for t in range(threads)] + [blocks]
-    futures = [helper_threads(threads - 1).submit(_lib.amx_linear_bf16, *args, cuts[t], cuts[t + 1])
+    futures = [helper_threads(threads - 1).submit(lib.amx_linear_bf16, *args, cuts[t], cuts[t + 1])
                for t in range(1, threads)]
-    _lib.amx_linear_bf16(*args, cuts[0], cuts[1])
+    lib.amx_linear_bf16(*args, cuts[0], cuts[1])
     for f in futures:
         f.result()
     return y

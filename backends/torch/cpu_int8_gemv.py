@@ -23,14 +23,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 
 import torch
 
 from tierlm.backends.torch import c_kernel_build
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
 from tierlm.backends.torch.cpu_threads import helper_threads
-from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
+from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +145,6 @@ MIN_WEIGHTS_PER_THREAD = 1 << 20
 
 _NAME = "int8_gemv"
 _FALLBACK = "int8 weight-only decode rows use torch's _weight_int8pack_mm"
-_lock = threading.Lock()
-_tried = False
-_build: KernelBuild = KernelBuild(None, None, "not loaded yet")
-_lib: ctypes.CDLL | None = None
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -176,26 +171,17 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
     return build
 
 
+_kernel = c_kernel_build.LoadOnce(_load, "CPU int8 weight-only decode kernel", _FALLBACK)
+
+
 def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
     """The kernel for this CPU, built on first use; None where it does not run (then torch's kernel)."""
-    global _lib, _tried, _build
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            _tried = True  # first, so that a failure below is met once, not on every matmul
-            try:
-                _build = _load(cpu or this_cpu())
-            except Exception as e:  # noqa: BLE001 - the torch kernel serves; the reason is logged
-                _build = KernelBuild(None, None, f"could not set it up ({type(e).__name__}: {e}); {_FALLBACK}")
-            _lib = _build.lib
-            (log.info if _lib is not None else log.warning)("CPU int8 weight-only decode kernel: %s", _build.why)
-        return _lib
+    return _kernel(cpu)
 
 
 def describe() -> dict[str, str | None]:
     """The kernel as loaded (for /server_info and doctor): the level built for and why, or why not."""
-    return {"level": _build.level, "why": _build.why}
+    return _kernel.describe()
 
 
 def takes(rows: int, dtype: torch.dtype) -> bool:
@@ -210,7 +196,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] contiguous (bf16 or float32, the dtype of ``scales`` and ``bias``), qweight int8 [N, K]
     contiguous, scales [N] -> [M, N] in x's dtype; call only where ``takes`` said yes."""
-    lib = _lib
+    lib = _kernel.lib
     M, K = x.shape
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierlm.backends.torch import cpu_paged_decode
+from tierlm.backends.torch import cpu_decode_step, cpu_paged_decode
 from tierlm.backends.torch import paged_attention as pa
 from tierlm.backends.torch.kv_pool import TorchKVPool
 from tierlm.platforms import cpu_features
@@ -55,6 +55,8 @@ def _decode(heads, D, page_size, cached, use_kernel, monkeypatch, seed=0, dtype=
     k = torch.randn(1, Hkv, R, D, generator=g).to(dtype)
     v = torch.randn(1, Hkv, R, D, generator=g).to(dtype)
     calls = []
+    # the general path's kernel call (tests/test_cpu_decode_step.py compares the one-call step with it)
+    monkeypatch.setattr(cpu_decode_step, "ENABLED", False)
     if not use_kernel:
         monkeypatch.setattr(cpu_paged_decode, "load", lambda: None)
     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import weakref
 
 import torch
 
@@ -199,20 +200,36 @@ def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     return MAX_ROWS
 
 
+# id(packed) -> (a weak reference to it, its data address, its K): the two oneDNN queries cost ~6 us of a ~16 us
+# call, and a decode step makes ~40 of them over the same weights. The reference tells a reused id from the weight.
+_geometry: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _packed_geometry(packed: torch.Tensor, out_features: int) -> tuple[int, int]:
+    """(data address, K) of a packed weight; K is 0 when its size is not N (padded to ``BLOCK``) x K x 2 bytes."""
+    g = _geometry.get(id(packed))
+    if g is None or g[0]() is not packed:
+        n_pad = (out_features + BLOCK - 1) // BLOCK * BLOCK
+        nbytes = torch.ops.mkldnn._nbytes(packed)
+        k = nbytes // (2 * n_pad) if nbytes % (2 * n_pad) == 0 else 0
+        g = _geometry[id(packed)] = (weakref.ref(packed), torch.ops.mkldnn.data_ptr(packed), k)
+    return g[1], g[2]
+
+
 def fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
     """Whether x's width is the packed weight's K (the kernel trusts it; a wrong one goes to oneDNN, which says)."""
-    return torch.ops.mkldnn._nbytes(packed) == (out_features + BLOCK - 1) // BLOCK * BLOCK * x.shape[-1] * 2 and \
-        x.shape[-1] % BLOCK == 0
+    k = x.shape[-1]
+    return k % BLOCK == 0 and _packed_geometry(packed, out_features)[1] == k
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 with at most ``MAX_ROWS`` rows, ``packed`` a weight ``fast_rows`` accepted -> [..., N];
-    the same bits as ``torch.ops.mkldnn._linear_pointwise``. Lean: ~40 calls a decode step."""
+    """x [..., K] bf16 with at most ``MAX_ROWS`` rows, ``packed`` a weight ``fast_rows`` accepted and ``fits``
+    x -> [..., N]; the same bits as ``torch.ops.mkldnn._linear_pointwise``. Lean: ~40 calls a decode step."""
     if not x.is_contiguous():
         x = x.contiguous()
     K, N = x.shape[-1], out_features
-    y = x.new_empty((*x.shape[:-1], N))
-    args = (x.data_ptr(), x.numel() // K, K, torch.ops.mkldnn.data_ptr(packed),
+    y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
+    args = (x.data_ptr(), x.numel() // K, K, _packed_geometry(packed, N)[0],
             None if bias is None else bias.data_ptr(), y.data_ptr(), N)
     blocks = (N + BLOCK - 1) // BLOCK
     lib = _kernel.lib

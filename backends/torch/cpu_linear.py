@@ -95,7 +95,7 @@ class PackedLinear(nn.Module):
 def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                    fast_rows: int) -> torch.Tensor:
     """x @ W.T (+ bias) over a packed weight: the AMX tile kernel for at most ``fast_rows`` rows, else oneDNN."""
-    if 0 < x.numel() <= fast_rows * x.shape[-1] and x.dtype == torch.bfloat16 and \
+    if fast_rows and 0 < x.numel() <= fast_rows * x.shape[-1] and x.dtype == torch.bfloat16 and \
             cpu_amx_linear.fits(x, packed_weight, out_features):
         return cpu_amx_linear.amx_linear(x, packed_weight, bias, out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")

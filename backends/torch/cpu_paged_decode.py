@@ -306,6 +306,38 @@ void paged_decode_bf16(const uint16_t *restrict q, const uint16_t *restrict k, c
     paged_decode_bf16_plain(q, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale, out, work, max_len);
 }
 
+/* One layer of a decode step in one call (paged_attention.DecodeStep): request r's new K and V rows are stored at
+   slots[r] of the layer's pool, its query row is gathered into the scratch after the decode's own, then the
+   decode above runs. q, k_new, v_new are the projections' strided views (element strides per request and per head;
+   each head's D values contiguous), so no tensor op runs per layer. work: paged_decode_step_floats(). */
+void paged_decode_step(const void *restrict q, long qs_r, long qs_h, const void *restrict kn, long ks_r, long ks_h,
+                       const void *restrict vn, long vs_r, long vs_h, const int64_t *restrict slots,
+                       void *restrict k, void *restrict v, const int32_t *restrict table, int table_stride,
+                       const int32_t *restrict kv_lens, int R, int H, int Hkv, int D, int page_size, float scale,
+                       void *restrict out, float *restrict work, int max_len, int bf16) {
+    const long eb = bf16 ? 2 : 4, row = (long)D * eb;
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < Hkv; h++) {
+            const long dst = ((long)slots[r] * Hkv + h) * row;
+            memcpy((char *)k + dst, (const char *)kn + (r * ks_r + h * ks_h) * eb, row);
+            memcpy((char *)v + dst, (const char *)vn + (r * vs_r + h * vs_h) * eb, row);
+        }
+    char *qc = (char *)(work + (long)H * max_len + 2L * H * D + H);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++)
+            memcpy(qc + ((long)r * H + h) * row, (const char *)q + (r * qs_r + h * qs_h) * eb, row);
+    if (bf16)
+        paged_decode_bf16((const uint16_t *)qc, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale,
+                          out, work, max_len);
+    else
+        paged_decode_f32((const float *)qc, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale, out,
+                         work, max_len);
+}
+
+long paged_decode_step_floats(int R, int H, int D, int max_len) {
+    return (long)H * max_len + 2L * H * D + H + (long)R * H * D + 16;
+}
+
 /* The softmax of blocked bf16 prefill attention (cpu_blocked_attention.py), in place over rows r0..r1-1 of bf16
    scores [R, E] as a bf16 matmul left them: row r keeps its first limits[g * b + i] columns (g = r / rows_per_group,
    i = r % b: the query row of its block), each scaled and rounded to bf16, softmax in float32, probabilities
@@ -386,6 +418,12 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [
             ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.paged_decode_step.restype = None
+    lib.paged_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 3 + [ctypes.c_void_p] * 4 + [
+        ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                                                               ctypes.c_int, ctypes.c_int]
+    lib.paged_decode_step_floats.restype = ctypes.c_long
+    lib.paged_decode_step_floats.argtypes = [ctypes.c_int] * 4
     lib.softmax_rows_bf16.restype = None
     lib.softmax_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]

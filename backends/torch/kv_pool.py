@@ -43,6 +43,7 @@ class TorchKVPool(KVPoolGeometry):
         self.k_pages = [k.view(num_pages, page_size, num_kv_heads, head_dim) for k in self.k]
         self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
         self._stage: torch.Tensor | None = None
+        self._layer_ptrs: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         # On CPU the pool's own bytes [layer, K/V, page, block]: host copies move pages between them in one pass.
         self._cpu_bytes = self.buffer.view(torch.uint8).numpy().reshape(num_layers, 2, num_pages, -1) \
             if device.type == "cpu" else None
@@ -72,6 +73,13 @@ class TorchKVPool(KVPoolGeometry):
         if self.kv_dtype == x.dtype:
             return x
         return self.dequantize(self.quantize(x), x.dtype)
+
+    def layer_pointers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each layer's K and V slot rows [slots, kv_heads, head_dim] as addresses, for C kernels that write and read
+        the pool in place (cpu_decode_step.py); the buffer is never reallocated, so they are taken once."""
+        if self._layer_ptrs is None:
+            self._layer_ptrs = (tuple(k.data_ptr() for k in self.k), tuple(v.data_ptr() for v in self.v))
+        return self._layer_ptrs
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V [n, kv_heads, head_dim] at flat ``slots`` [n] of ``layer``."""

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierlm.backends.torch import compiled_decode, cpu_blocked_attention, cpu_paged_decode, cpu_paged_extend
+from tierlm.backends.torch import (compiled_decode, cpu_blocked_attention, cpu_decode_step, cpu_paged_decode,
+                                   cpu_paged_extend)
 
 ATTN_IMPLEMENTATION = "tierlm_paged"
 # --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
@@ -91,6 +92,7 @@ class StepMeta:
         self.device = device
         self.page_size = page_size
         self.attention_backend = attention_backend
+        self.decode_step = False  # cpu_decode_step.DecodeStep | None once the first layer has asked
         req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         slots = page_table[req_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size
         self.slot_mapping = torch.from_numpy(slots).to(device)
@@ -124,6 +126,7 @@ class StepMeta:
         meta.device, meta.page_size, meta.attention_backend = device, page_size, TRITON
         meta.slot_mapping = slot_mapping
         meta.single_fresh_prefill, meta.identity_rows = False, False
+        meta.decode_step = None
         meta.groups, meta.triton_groups = [], [group]
         return meta
 
@@ -187,10 +190,14 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """
     if torch.compiler.is_compiling():  # --enable-torch-compile: the graph records one opaque op (compiled_decode.py)
         return compiled_decode.attention_op(module, query, key, value, scaling, sliding_window, s_aux), None
+    layer = module.layer_idx
+    if sliding_window is None and s_aux is None:
+        out = decode_step_attention(layer, query, key, value, scaling)
+        if out is not None:
+            return out, None
     meta, pool = CURRENT.meta, CURRENT.pool
     if meta is None:
         raise RuntimeError("tierlm paged attention called outside a tierlm forward step")
-    layer = module.layer_idx
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
     pool.write(layer, meta.slot_mapping, k_new, v_new)
@@ -255,6 +262,21 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         else:
             out.index_copy_(0, g.dst_rows, og.index_select(0, g.valid_idx))
     return out[None], None
+
+
+def decode_step_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          scaling: float | None) -> torch.Tensor | None:
+    """A decode-only CPU step's layer in one C call (cpu_decode_step.py): the new K/V stored, [1, R, H, D]
+    returned; None when the step or this layer's tensors take the general path. No window, no sinks: the caller."""
+    meta = CURRENT.meta
+    if meta is None:
+        return None
+    step = meta.decode_step
+    if step is False:  # not looked at yet: decided on the step's first layer
+        step = meta.decode_step = cpu_decode_step.plan(meta, CURRENT.pool, query)
+    if step is None or not step.fits(query, key, value):
+        return None
+    return step.run(layer, query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling)
 
 
 _ta = None  # backends/torch/triton_attention.py, once imported

@@ -1,0 +1,75 @@
+"""A decode-only step's attention on CPU in one C call per layer (``paged_decode_step`` in cpu_paged_decode.py).
+
+The general path of paged_attention.py spends ~15 tensor ops and Python branches per layer around the C decode
+kernel: slicing and transposing the new K/V, two ``index_copy_`` writes into the pool, a contiguous copy of the
+queries, the output reshapes. At llama-small's size that was ~160 us a layer against ~20 us of kernel, about a
+tenth of a compiled decode step. Here everything that does not change between layers (the slots, the page rows,
+the lengths, the scratch) is set up once per step, and each layer is one ctypes call that stores the new K/V rows
+at their slots, gathers the query rows and runs the same decode kernel: the same bytes in the pool and the same
+outputs as the general path (tests/test_cpu_decode_step.py).
+
+It serves steps of decode rows only (one query per request, in request order), on the torch_native CPU path, with
+pages of the model's dtype (bf16 or float32; fp8 pages need their quantizing write), no sliding window and no
+attention sinks: everything else takes the general path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tierlm.backends.torch import cpu_paged_decode
+
+# Set False to send every step through the general path (tests compare the two).
+ENABLED = True
+
+
+class DecodeStep:
+    """One decode-only step's fixed arguments of ``paged_decode_step``, shared by every layer."""
+
+    def __init__(self, lib: ctypes.CDLL, pool, slots: torch.Tensor, page_rows: torch.Tensor, kv_lens: torch.Tensor,
+                 max_len: int, H: int, D: int, dtype: torch.dtype) -> None:
+        R, self.H, self.D, self.dtype = int(page_rows.shape[0]), H, D, dtype
+        self.R, self.Hkv = R, pool.num_kv_heads
+        self.fn = lib.paged_decode_step
+        self.work = torch.empty(lib.paged_decode_step_floats(R, H, D, max_len), dtype=torch.float32)
+        self.k_ptrs, self.v_ptrs = pool.layer_pointers()
+        # kept alive with the step: their pointers are passed on every layer
+        self._keep = (slots, page_rows, kv_lens)
+        self.fixed = (slots.data_ptr(), None, None, page_rows.data_ptr(), page_rows.shape[1], kv_lens.data_ptr(), R, H,
+                      self.Hkv, D, pool.page_size)
+        self.tail = (self.work.data_ptr(), max_len, 1 if dtype == torch.bfloat16 else 0)
+        self.out_shape = (1, R, H, D)
+
+    def fits(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """query [1, H, R, D], key/value [1, Hkv, R, D] of this step's dtype, each head's D values contiguous."""
+        return query.shape == (1, self.H, self.R, self.D) and key.shape == value.shape == (1, self.Hkv, self.R, self.D) \
+            and query.dtype == key.dtype == value.dtype == self.dtype \
+            and query.stride(3) == 1 and key.stride(3) == 1 and value.stride(3) == 1
+
+    def run(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scale: float) -> torch.Tensor:
+        """Store this layer's new K/V and attend: -> [1, R, H, D] (paged_attention's output layout)."""
+        out = torch.empty(self.out_shape, dtype=self.dtype)
+        qs, ks, vs = query.stride(), key.stride(), value.stride()
+        f = self.fixed
+        self.fn(query.data_ptr(), qs[2], qs[1], key.data_ptr(), ks[2], ks[1], value.data_ptr(), vs[2], vs[1], f[0],
+                self.k_ptrs[layer], self.v_ptrs[layer], *f[3:], scale, out.data_ptr(), *self.tail)
+        return out
+
+
+def plan(meta, pool, query: torch.Tensor) -> DecodeStep | None:
+    """The step's DecodeStep when it qualifies (see the module doc), else None; ``meta`` is paged_attention's
+    StepMeta, which caches the answer for its other layers."""
+    if not ENABLED or meta.attention_backend != "torch_native" or query.device.type != "cpu" or \
+            len(meta.groups) != 1 or not meta.identity_rows:
+        return None
+    g = meta.groups[0]
+    H, D = query.shape[1], query.shape[3]
+    if g.Q != 1 or pool.kv_dtype != query.dtype or \
+            not cpu_paged_decode.supported(query.dtype, pool.kv_dtype, H, pool.num_kv_heads, D):
+        return None
+    lib = cpu_paged_decode.load()
+    if lib is None:
+        return None
+    return DecodeStep(lib, pool, meta.slot_mapping, g.page_rows, g.kv_lens, max(1, g.max_kv_len), H, D, query.dtype)

@@ -1,0 +1,130 @@
+"""A decode-only CPU step's attention in one C call per layer (backends/torch/cpu_decode_step.py) against the
+general path of paged_attention.py: the same outputs and the same pool bytes, bit for bit; and the steps it must
+leave to the general path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tierlm.backends.torch import cpu_decode_step, cpu_paged_decode
+from tierlm.backends.torch import paged_attention as pa
+from tierlm.backends.torch.kv_pool import TorchKVPool
+
+lib = cpu_paged_decode.load()
+needs_kernel = pytest.mark.skipif(lib is None, reason="no C compiler here: the kernel is not built (torch path)")
+
+
+class _Layer:
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+
+
+def _setup(heads, D, page_size, cached, dtype, seed=0, q_transposed=True):
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = np.asarray(cached) + 1
+    R, P = len(cached), -(-int(kv_lens.max()) // page_size)
+    num_pages = R * P + 3
+    table = np.random.default_rng(seed).permutation(num_pages)[: R * P].reshape(R, P).astype(np.int32)
+    pool = TorchKVPool(3, num_pages, page_size, Hkv, D, dtype, torch.device("cpu"))
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(dtype))
+    if q_transposed:  # the projection's layout: [1, R, H, D] viewed as [1, H, R, D]
+        q = torch.randn(1, R, H, D, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(1, H, R, D, generator=g).to(dtype)
+    k = torch.randn(1, R, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(1, Hkv, R, D, generator=g).to(dtype)
+    meta = pa.StepMeta(np.ones(R, np.int64), kv_lens, np.asarray(cached, np.int64), table, page_size,
+                       torch.device("cpu"))
+    return pool, meta, q, k, v
+
+
+def _step(pool, meta, q, k, v, layers=(0, 2), **kw):
+    """paged_attention of ``layers`` over one step: outputs per layer."""
+    pa.CURRENT.meta, pa.CURRENT.pool = meta, pool
+    try:
+        return [pa.paged_attention(_Layer(layer), q, k, v, None, scaling=q.shape[-1] ** -0.5, **kw)[0]
+                for layer in layers]
+    finally:
+        pa.CURRENT.meta = None
+
+
+def _both(monkeypatch, *setup_args, **setup_kw):
+    """(general path's outputs and pool, one-call step's outputs and pool, the step's plan) on equal inputs."""
+    pool_a, meta_a, q, k, v = _setup(*setup_args, **setup_kw)
+    monkeypatch.setattr(cpu_decode_step, "ENABLED", False)
+    ref = _step(pool_a, meta_a, q, k, v)
+    assert meta_a.decode_step is None
+    monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
+    pool_b, meta_b, q, k, v = _setup(*setup_args, **setup_kw)
+    got = _step(pool_b, meta_b, q, k, v)
+    return ref, pool_a, got, pool_b, meta_b.decode_step
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,D,page_size,cached,q_transposed", [
+    ((8, 4), 64, 16, [3, 200, 17], True),     # llama-small's shape, three requests
+    ((4, 4), 24, 1, [0, 9, 30], False),       # MHA, odd head dim, one token per page, contiguous queries
+    ((14, 2), 64, 16, [1000], True),          # Qwen2.5-0.5B's grouping, one stream over a long context
+    ((8, 2), 128, 4, [50, 0, 7, 31], True),   # 128 dims, a request with no cached token
+])
+def test_one_call_step_equals_the_general_path(heads, D, page_size, cached, q_transposed, dtype, monkeypatch):
+    ref, pool_a, got, pool_b, plan = _both(monkeypatch, heads, D, page_size, cached, dtype,
+                                           q_transposed=q_transposed)
+    assert isinstance(plan, cpu_decode_step.DecodeStep)  # the step really took the one-call path
+    for a, b in zip(ref, got):
+        assert b.shape == a.shape == (1, len(cached), heads[0], D) and b.is_contiguous()
+        assert torch.equal(a, b)
+    # the new K/V rows landed in the same slots of the written layers, and nothing else moved
+    assert torch.equal(pool_a.buffer, pool_b.buffer)
+
+
+@needs_kernel
+def test_new_rows_are_written_before_they_are_read(monkeypatch):
+    """The new token attends to itself: its K/V must be in the pool before the kernel reads it, and in its slot."""
+    pool, meta, q, k, v = _setup((8, 4), 64, 16, [5, 40], torch.bfloat16)
+    before = pool.buffer.clone()
+    _step(pool, meta, q, k, v, layers=(1,))
+    slots = meta.slot_mapping
+    assert torch.equal(pool.k[1][slots], k[0].transpose(0, 1))
+    assert torch.equal(pool.v[1][slots], v[0].transpose(0, 1))
+    changed = (pool.buffer != before).flatten(3).any(-1).nonzero()  # [layer, K/V, slot] of changed rows
+    assert set(changed[:, 0].tolist()) == {1} and set(changed[:, 2].tolist()) <= set(slots.tolist())
+
+
+@needs_kernel
+def test_steps_it_leaves_to_the_general_path(monkeypatch):
+    # an extend step (several queries of one request)
+    pool, _, q, k, v = _setup((8, 4), 64, 16, [30], torch.bfloat16)
+    meta = pa.StepMeta(np.array([3]), np.array([33]), np.arange(30, 33), np.arange(3, dtype=np.int32)[None], 16,
+                       torch.device("cpu"))
+    assert cpu_decode_step.plan(meta, pool, torch.zeros(1, 8, 3, 64, dtype=torch.bfloat16)) is None
+    # fp8 pages (their write quantizes) and a query dtype other than the pages'
+    pool8, meta8, q8, _, _ = _setup((8, 4), 64, 16, [3, 9], torch.bfloat16)
+    fp8 = TorchKVPool(3, pool8.num_pages, 16, 4, 64, torch.float8_e4m3fn, torch.device("cpu"))
+    assert cpu_decode_step.plan(meta8, fp8, q8) is None
+    assert cpu_decode_step.plan(meta8, pool8, q8.float()) is None
+    # Triton's metadata
+    meta_t = pa.StepMeta(np.ones(2, np.int64), np.array([4, 10]), np.array([3, 9]), meta8.groups[0].page_rows.numpy(),
+                         16, torch.device("cpu"), pa.TRITON)
+    assert cpu_decode_step.plan(meta_t, pool8, q8) is None
+    # a sliding window or attention sinks: the general path serves the layer, and the result is its own
+    pool, meta, q, k, v = _setup((8, 4), 64, 16, [3, 200], torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(cpu_decode_step.DecodeStep, "run", lambda *a: calls.append(1))
+    out = _step(pool, meta, q, k, v, layers=(0,), sliding_window=8)[0]
+    assert not calls and out.shape == (1, 2, 8, 64)
+
+
+@needs_kernel
+def test_a_layer_whose_tensors_do_not_fit_takes_the_general_path(monkeypatch):
+    """A plan made on the first layer is not applied to a layer of another head count or layout."""
+    pool, meta, q, k, v = _setup((8, 4), 64, 16, [3, 20], torch.bfloat16)
+    _step(pool, meta, q, k, v, layers=(0,))
+    plan = meta.decode_step
+    assert plan is not None and plan.fits(q, k, v)
+    assert not plan.fits(q[:, :4], k, v)                        # fewer query heads
+    assert not plan.fits(q, k, v.float())                       # another dtype
+    assert not plan.fits(q.transpose(2, 3).contiguous().transpose(2, 3), k, v)  # D not contiguous

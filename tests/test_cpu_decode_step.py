@@ -128,3 +128,21 @@ def test_a_layer_whose_tensors_do_not_fit_takes_the_general_path(monkeypatch):
     assert not plan.fits(q[:, :4], k, v)                        # fewer query heads
     assert not plan.fits(q, k, v.float())                       # another dtype
     assert not plan.fits(q.transpose(2, 3).contiguous().transpose(2, 3), k, v)  # D not contiguous
+
+
+def test_decode_only_metadata_is_the_general_groups_own():
+    """A decode-only step keeps its page rows and lengths up front and builds the general group only when asked:
+    both say the same; a step with an extend row has no decode rows."""
+    table = np.random.default_rng(3).permutation(40)[:30].reshape(3, 10).astype(np.int32)
+    kv_lens = np.array([5, 77, 33])
+    meta = pa.StepMeta(np.ones(3, np.int64), kv_lens, kv_lens - 1, table, 16, torch.device("cpu"))
+    page_rows, lens, max_len = meta.decode_rows
+    assert meta._groups is None and meta.identity_rows and not meta.single_fresh_prefill
+    g = meta.groups[0]  # built now
+    assert len(meta.groups) == 1 and g.Q == 1 and g.G == 3
+    assert torch.equal(page_rows, g.page_rows) and torch.equal(lens, g.kv_lens) and max_len == g.max_kv_len
+    assert meta.slot_mapping.tolist() == [int(table[r, (n - 1) // 16]) * 16 + (n - 1) % 16
+                                          for r, n in enumerate(kv_lens)]
+    mixed = pa.StepMeta(np.array([1, 4]), np.array([5, 9]), np.array([4, 5, 6, 7, 8]), table[:2], 16,
+                        torch.device("cpu"))
+    assert mixed.decode_rows is None and len(mixed.groups) == 2

@@ -61,15 +61,15 @@ class DecodeStep:
 def plan(meta, pool, query: torch.Tensor) -> DecodeStep | None:
     """The step's DecodeStep when it qualifies (see the module doc), else None; ``meta`` is paged_attention's
     StepMeta, which caches the answer for its other layers."""
-    if not ENABLED or meta.attention_backend != "torch_native" or query.device.type != "cpu" or \
-            len(meta.groups) != 1 or not meta.identity_rows:
+    if not ENABLED or meta.decode_rows is None or meta.attention_backend != "torch_native" or \
+            query.device.type != "cpu":
         return None
-    g = meta.groups[0]
     H, D = query.shape[1], query.shape[3]
-    if g.Q != 1 or pool.kv_dtype != query.dtype or \
+    if pool.kv_dtype != query.dtype or \
             not cpu_paged_decode.supported(query.dtype, pool.kv_dtype, H, pool.num_kv_heads, D):
         return None
     lib = cpu_paged_decode.load()
     if lib is None:
         return None
-    return DecodeStep(lib, pool, meta.slot_mapping, g.page_rows, g.kv_lens, max(1, g.max_kv_len), H, D, query.dtype)
+    page_rows, kv_lens, max_len = meta.decode_rows
+    return DecodeStep(lib, pool, meta.slot_mapping, page_rows, kv_lens, max(1, max_len), H, D, query.dtype)

@@ -93,15 +93,31 @@ class StepMeta:
         self.page_size = page_size
         self.attention_backend = attention_backend
         self.decode_step = False  # cpu_decode_step.DecodeStep | None once the first layer has asked
+        # decode-only steps: (page rows [R, P] int32, kv_lens [R] int32, their max), what the one-call step reads
+        self.decode_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._groups: list[_Group] | None = None
+        self.triton_groups: list[_TritonGroup] = []
+        decode = q_lens == 1
+        if attention_backend != TRITON and bool(decode.all()):
+            # One query per request, rows in request order: the slots and the page rows now, the general path's
+            # group (~15 index tensors, ~100 us) only if a layer asks for it (cpu_decode_step.py serves most).
+            slots = page_table[np.arange(len(q_lens)), positions // page_size].astype(np.int64) * page_size + \
+                positions % page_size
+            self.slot_mapping = torch.from_numpy(slots).to(device)
+            self.single_fresh_prefill, self.identity_rows = False, True
+            max_kv = int(kv_lens.max())
+            pages = -(-max_kv // page_size)
+            self.decode_rows = (torch.from_numpy(np.ascontiguousarray(page_table[:, :pages], np.int32)).to(device),
+                                torch.from_numpy(np.ascontiguousarray(kv_lens, np.int32)).to(device), max_kv)
+            self._lazy_decode = (q_lens, kv_lens, page_table)
+            return
         req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         slots = page_table[req_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size
         self.slot_mapping = torch.from_numpy(slots).to(device)
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
-        decode = q_lens == 1
         # A step that is one fresh prefill (no cached prefix) can attend over its own K/V directly.
         self.single_fresh_prefill = len(q_lens) == 1 and int(q_lens[0]) == int(kv_lens[0]) and q_lens[0] > 1
-        self.groups: list[_Group] = []
-        self.triton_groups: list[_TritonGroup] = []
+        self.groups = []
         if attention_backend == TRITON:  # no masks, no page gathers: per-request lengths and page-table rows
             for is_decode, sel in ((True, np.nonzero(decode)[0]), (False, np.nonzero(~decode)[0])):
                 if len(sel):
@@ -117,6 +133,19 @@ class StepMeta:
         self.identity_rows = len(self.groups) == 1 and g0.all_valid and g0.G * g0.Q == len(positions) and \
             bool((g0.rows_np == np.arange(len(positions))).all())
 
+    @property
+    def groups(self) -> list[_Group]:
+        """The attention groups (decode rows, extend rows); a decode-only step builds its one group on first use."""
+        if self._groups is None:
+            q_lens, kv_lens, page_table = self._lazy_decode
+            starts = np.arange(len(q_lens), dtype=np.int64)
+            self._groups = [self._group(starts, q_lens, kv_lens, starts, page_table, self.page_size)]
+        return self._groups
+
+    @groups.setter
+    def groups(self, value: list[_Group]) -> None:
+        self._groups = value
+
     @classmethod
     def from_static_decode(cls, slot_mapping: torch.Tensor, group: _TritonGroup, page_size: int,
                            device: torch.device) -> "StepMeta":
@@ -126,7 +155,7 @@ class StepMeta:
         meta.device, meta.page_size, meta.attention_backend = device, page_size, TRITON
         meta.slot_mapping = slot_mapping
         meta.single_fresh_prefill, meta.identity_rows = False, False
-        meta.decode_step = None
+        meta.decode_step, meta.decode_rows = None, None
         meta.groups, meta.triton_groups = [], [group]
         return meta
 

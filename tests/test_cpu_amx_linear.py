@@ -96,7 +96,7 @@ def test_the_kernel_is_off_without_amx_and_when_ruled_out(monkeypatch):
 @needs_packing
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n,k", [(96, 64), (100, 512), (1056, 1408)])
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 512), (120, 64), (1056, 1408)])  # last blocks of 4, 24 columns
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 32])
 def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     torch.manual_seed(n + k + rows)
@@ -107,6 +107,27 @@ def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     out = packed(x)
     assert out.shape == (1, rows, n) and kernel_calls == [(1, rows, k)]
     assert torch.equal(out, _onednn(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_packing
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 20])
+def test_rows_a_stride_apart_are_read_in_place(rows, kernel_calls):
+    """A half of a wider product (gate|up's gate half after the activation) is rows a fixed stride apart: the
+    kernel reads them where they are; other layouts are made contiguous first. oneDNN's bits either way."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    wide = torch.randn(1, rows, 640).to(torch.bfloat16)
+    half = wide[..., 128:384]  # stride 640 between rows
+    assert half.is_contiguous() == (rows == 1)  # one row is contiguous whatever the stride
+    assert torch.equal(packed(half), _onednn(half.contiguous(), lin))
+    flat = wide[0, :, :256]  # 2-D, the same stride
+    assert torch.equal(packed(flat), _onednn(flat.contiguous(), lin))
+    batched = torch.randn(3, rows, 512).to(torch.bfloat16)[:, :, ::2]  # every other input: copied first
+    if 3 * rows <= cpu_amx_linear.MAX_ROWS:
+        assert torch.equal(packed(batched), _onednn(batched.contiguous(), lin))
+    assert len(kernel_calls) == (3 if 3 * rows <= cpu_amx_linear.MAX_ROWS else 2)
 
 
 @needs_packing

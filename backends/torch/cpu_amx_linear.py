@@ -55,12 +55,22 @@ int amx_linear_request_permission(void) {  /* Linux hands AMX state to a process
    8.4 GB/s (none: 6.1 GB/s; 12 KB: 6.2; prefetching into L2 only or non-temporally: slower). */
 #define AHEAD 6144
 
+/* 16 float32 -> bf16, round to nearest even, NaN kept a quiet NaN: to_bf's bits, 16 at a time */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf16x16(__m512 f) {
+    const __m512i x = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), x, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
 /* y[M, N] = x[M, K] @ W.T (+ bias) for the 32-column blocks nb0..nb1-1 of W packed [Np/32][K/2][32][2];
-   M <= 32, K a multiple of 32, x rows with stride K, bias NULL or [N]. Tiles: 0-1 C of rows 0-15 (columns 0-15,
-   16-31), 2-3 C of rows 16-31, 4-5 A of those rows, 6-7 B (the block's two column halves). */
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
-        const uint16_t *restrict x, long M, long K, const uint16_t *restrict W, const uint16_t *restrict bias,
-        uint16_t *restrict y, long N, long nb0, long nb1) {
+   M <= 32, K a multiple of 32, x rows lda elements apart (a split's half: no copy), bias NULL or [N]. Tiles: 0-1
+   C of rows 0-15 (columns 0-15, 16-31), 2-3 C of rows 16-31, 4-5 A of those rows, 6-7 B (the block's two column
+   halves). The sums are rounded 16 columns at a time (a scalar loop cost ~0.6 ms of an 8-row llama-small step). */
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl"))) void amx_linear_bf16(
+        const uint16_t *restrict x, long M, long K, long lda, const uint16_t *restrict W,
+        const uint16_t *restrict bias, uint16_t *restrict y, long N, long nb0, long nb1) {
     /* torch's brgemm remembers per thread which configuration it loaded: the caller's is loaded again after */
     tile_cfg saved, cfg;
     _tile_storeconfig(&saved);
@@ -80,13 +90,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
         for (long k = 0; k < K; k += 32) {
             const char *b = (const char *)(w + k * 32);  /* 16 pairs x 32 columns: 2 KB */
             for (int l = 0; l < 2048; l += 64) _mm_prefetch(b + AHEAD + l, _MM_HINT_T0);
-            _tile_loadd(4, x + k, K * 2);
+            _tile_loadd(4, x + k, lda * 2);
             _tile_loadd(6, b, 128);
             _tile_loadd(7, b + 64, 128);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (m1) {
-                _tile_loadd(5, x + 16 * K + k, K * 2);
+                _tile_loadd(5, x + 16 * lda + k, lda * 2);
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
@@ -96,8 +106,20 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
         if (m1) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
         __asm__ volatile("" ::: "memory");  /* gcc's tile stores are asm without memory operands */
         const long n0 = nb * 32, nn = N - n0 < 32 ? N - n0 : 32;
-        for (long i = 0; i < M; i++)
-            for (long j = 0; j < nn; j++) y[i * N + n0 + j] = to_bf(bias ? c[i][j] + bf(bias[n0 + j]) : c[i][j]);
+        const __mmask16 m0 = nn >= 16 ? 0xffff : (__mmask16)((1u << nn) - 1);
+        const __mmask16 m1 = nn <= 16 ? 0 : nn >= 32 ? 0xffff : (__mmask16)((1u << (nn - 16)) - 1);
+        __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+        if (bias) {  /* bf16 bias -> float32: the bits shifted up */
+            b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias + n0)), 16));
+            b1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + n0 + 16)), 16));
+        }
+        for (long i = 0; i < M; i++) {
+            __m512 v0 = _mm512_loadu_ps(&c[i][0]), v1 = _mm512_loadu_ps(&c[i][16]);
+            if (bias) { v0 = _mm512_add_ps(v0, b0); v1 = _mm512_add_ps(v1, b1); }
+            _mm256_mask_storeu_epi16(y + i * N + n0, m0, to_bf16x16(v0));
+            if (m1) _mm256_mask_storeu_epi16(y + i * N + n0 + 16, m1, to_bf16x16(v1));
+        }
     }
     if (saved.palette) _tile_loadconfig(&saved);
     else _tile_release();
@@ -123,7 +145,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.amx_linear_request_permission.restype = ctypes.c_int
     lib.amx_linear_request_permission.argtypes = []
     lib.amx_linear_bf16.restype = None
-    lib.amx_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+    lib.amx_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
 
 
@@ -225,11 +247,16 @@ def fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 with at most ``MAX_ROWS`` rows, ``packed`` a weight ``fast_rows`` accepted and ``fits``
     x -> [..., N]; the same bits as ``torch.ops.mkldnn._linear_pointwise``. Lean: ~40 calls a decode step."""
-    if not x.is_contiguous():
-        x = x.contiguous()
     K, N = x.shape[-1], out_features
+    if x.is_contiguous():
+        lda = K
+    elif x.stride(-1) == 1 and (x.dim() == 2 or x.dim() == 3 and (x.shape[0] == 1 or
+                                                                  x.stride(0) == x.shape[1] * x.stride(1))):
+        lda = x.stride(-2)  # rows a fixed stride apart (gate|up's gate half after the activation): read in place
+    else:
+        x, lda = x.contiguous(), K
     y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
-    args = (x.data_ptr(), x.numel() // K, K, _packed_geometry(packed, N)[0],
+    args = (x.data_ptr(), y.numel() // N, K, lda, _packed_geometry(packed, N)[0],
             None if bias is None else bias.data_ptr(), y.data_ptr(), N)
     blocks = (N + BLOCK - 1) // BLOCK
     lib = _kernel.lib

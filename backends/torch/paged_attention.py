@@ -98,7 +98,7 @@ class StepMeta:
         self._groups: list[_Group] | None = None
         self.triton_groups: list[_TritonGroup] = []
         decode = q_lens == 1
-        if attention_backend != TRITON and bool(decode.all()):
+        if attention_backend != TRITON and device.type == "cpu" and bool(decode.all()):
             # One query per request, rows in request order: the slots and the page rows now, the general path's
             # group (~15 index tensors, ~100 us) only if a layer asks for it (cpu_decode_step.py serves most).
             slots = page_table[np.arange(len(q_lens)), positions // page_size].astype(np.int64) * page_size + \

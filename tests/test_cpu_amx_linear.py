@@ -132,6 +132,25 @@ def test_rows_a_stride_apart_are_read_in_place(rows, kernel_calls):
 
 @needs_packing
 @needs_kernel
+def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
+    """The vector rounding keeps NaN a NaN and infinities infinite, as the scalar rounding and oneDNN do."""
+    lin = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.bias[3] = float("nan")
+        lin.bias[33] = float("inf")
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    x[1, 5] = float("nan")
+    out, ref = packed(x), _onednn(x, lin)
+    assert kernel_calls
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()
+    assert torch.equal(out[[0, 2]][:, 33], ref[[0, 2]][:, 33]) and out[0, 33].isinf()
+    finite = ~ref.isnan()
+    assert torch.equal(out[finite], ref[finite])
+
+
+@needs_packing
+@needs_kernel
 def test_larger_products_stay_with_onednn(kernel_calls):
     lin = nn.Linear(64, 96).to(torch.bfloat16)
     packed = PackedLinear(lin)

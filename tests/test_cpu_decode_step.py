@@ -58,7 +58,11 @@ def _both(monkeypatch, *setup_args, **setup_kw):
     assert meta_a.decode_step is None
     monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
     pool_b, meta_b, q, k, v = _setup(*setup_args, **setup_kw)
+    runs = []
+    real = cpu_decode_step.DecodeStep.run
+    monkeypatch.setattr(cpu_decode_step.DecodeStep, "run", lambda *a: runs.append(1) or real(*a))
     got = _step(pool_b, meta_b, q, k, v)
+    assert len(runs) == len(got)  # every layer took the one-call path
     return ref, pool_a, got, pool_b, meta_b.decode_step
 
 

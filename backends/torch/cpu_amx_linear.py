@@ -60,7 +60,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf
     const __m512i x = _mm512_castps_si512(f);
     __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
                                                      _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), x, _mm512_set1_epi32(0x400000));
+    /* NaN found on the bits (a float compare may be folded away under -ffast-math) */
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, x, _mm512_set1_epi32(0x400000));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
@@ -106,19 +109,20 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl"))) void amx_
         if (m1) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
         __asm__ volatile("" ::: "memory");  /* gcc's tile stores are asm without memory operands */
         const long n0 = nb * 32, nn = N - n0 < 32 ? N - n0 : 32;
-        const __mmask16 m0 = nn >= 16 ? 0xffff : (__mmask16)((1u << nn) - 1);
-        const __mmask16 m1 = nn <= 16 ? 0 : nn >= 32 ? 0xffff : (__mmask16)((1u << (nn - 16)) - 1);
+        const __mmask16 cm0 = nn >= 16 ? 0xffff : (__mmask16)((1u << nn) - 1);
+        const __mmask16 cm1 = nn <= 16 ? 0 : nn >= 32 ? 0xffff : (__mmask16)((1u << (nn - 16)) - 1);
         __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
         if (bias) {  /* bf16 bias -> float32: the bits shifted up */
-            b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias + n0)), 16));
+            b0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cm0, bias + n0)), 16));
             b1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + n0 + 16)), 16));
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cm1, bias + n0 + 16)), 16));
         }
         for (long i = 0; i < M; i++) {
             __m512 v0 = _mm512_loadu_ps(&c[i][0]), v1 = _mm512_loadu_ps(&c[i][16]);
             if (bias) { v0 = _mm512_add_ps(v0, b0); v1 = _mm512_add_ps(v1, b1); }
-            _mm256_mask_storeu_epi16(y + i * N + n0, m0, to_bf16x16(v0));
-            if (m1) _mm256_mask_storeu_epi16(y + i * N + n0 + 16, m1, to_bf16x16(v1));
+            _mm256_mask_storeu_epi16(y + i * N + n0, cm0, to_bf16x16(v0));
+            if (cm1) _mm256_mask_storeu_epi16(y + i * N + n0 + 16, cm1, to_bf16x16(v1));
         }
     }
     if (saved.palette) _tile_loadconfig(&saved);
@@ -229,12 +233,18 @@ _geometry: dict[int, tuple[weakref.ref, int, int]] = {}
 
 def _packed_geometry(packed: torch.Tensor, out_features: int) -> tuple[int, int]:
     """(data address, K) of a packed weight; K is 0 when its size is not N (padded to ``BLOCK``) x K x 2 bytes."""
-    g = _geometry.get(id(packed))
+    key = id(packed)
+    g = _geometry.get(key)
     if g is None or g[0]() is not packed:
         n_pad = (out_features + BLOCK - 1) // BLOCK * BLOCK
         nbytes = torch.ops.mkldnn._nbytes(packed)
         k = nbytes // (2 * n_pad) if nbytes % (2 * n_pad) == 0 else 0
-        g = _geometry[id(packed)] = (weakref.ref(packed), torch.ops.mkldnn.data_ptr(packed), k)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:  # the weight is gone: drop its entry, not a newer one
+            if _geometry.get(key, (None,))[0] is ref:
+                del _geometry[key]
+
+        g = _geometry[key] = (weakref.ref(packed, forget), torch.ops.mkldnn.data_ptr(packed), k)
     return g[1], g[2]
 
 

@@ -65,7 +65,7 @@ def plan(meta, pool, query: torch.Tensor) -> DecodeStep | None:
             query.device.type != "cpu":
         return None
     H, D = query.shape[1], query.shape[3]
-    if pool.kv_dtype != query.dtype or \
+    if pool.kv_dtype != query.dtype or pool.head_dim != D or \
             not cpu_paged_decode.supported(query.dtype, pool.kv_dtype, H, pool.num_kv_heads, D):
         return None
     lib = cpu_paged_decode.load()

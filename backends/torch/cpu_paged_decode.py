@@ -5,7 +5,8 @@ torch has no paged attention on CPU: the torch_native path gathers each request'
 matmuls then copy the gathered K/V again; at 3.9k cached tokens that was ~13 ms of a 28 ms llama-small bf16 step,
 against ~4 MB of K/V per layer to read. This kernel reads each K and V row once, straight from the pool.
 The same library holds the row softmax of bf16 prefill attention (``softmax_rows_bf16``, used by
-cpu_blocked_attention.py), so one build, one cache file and one switch serve both.
+cpu_blocked_attention.py) and ``paged_decode_step`` (cpu_decode_step.py: a decode-only step's layer in one call, its
+new K/V stored first), so one build, one cache file and one switch serve them all.
 
 Numerics: bf16 follows transformers' bf16 eager attention, so bf16 outputs stay those of transformers' bf16
 model: scores are rounded to bf16 (the matmul's output), scaled and rounded again, softmax runs in float32, the

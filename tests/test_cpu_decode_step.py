@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_cpu_paged_decode import decode_inputs
 
 from tierlm.backends.torch import cpu_decode_step, cpu_paged_decode
 from tierlm.backends.torch import paged_attention as pa
@@ -21,23 +22,8 @@ class _Layer:
 
 
 def _setup(heads, D, page_size, cached, dtype, seed=0, q_transposed=True):
-    H, Hkv = heads
-    g = torch.Generator().manual_seed(seed)
-    kv_lens = np.asarray(cached) + 1
-    R, P = len(cached), -(-int(kv_lens.max()) // page_size)
-    num_pages = R * P + 3
-    table = np.random.default_rng(seed).permutation(num_pages)[: R * P].reshape(R, P).astype(np.int32)
-    pool = TorchKVPool(3, num_pages, page_size, Hkv, D, dtype, torch.device("cpu"))
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(dtype))
-    if q_transposed:  # the projection's layout: [1, R, H, D] viewed as [1, H, R, D]
-        q = torch.randn(1, R, H, D, generator=g).to(dtype).transpose(1, 2)
-    else:
-        q = torch.randn(1, H, R, D, generator=g).to(dtype)
-    k = torch.randn(1, R, Hkv, D, generator=g).to(dtype).transpose(1, 2)
-    v = torch.randn(1, Hkv, R, D, generator=g).to(dtype)
-    meta = pa.StepMeta(np.ones(R, np.int64), kv_lens, np.asarray(cached, np.int64), table, page_size,
-                       torch.device("cpu"))
-    return pool, meta, q, k, v
+    return decode_inputs(heads, D, page_size, cached, dtype, seed, layers=3, q_transposed=q_transposed,
+                         k_transposed=True)
 
 
 def _step(pool, meta, q, k, v, layers=(0, 2), **kw):

@@ -41,19 +41,31 @@ def run_step(meta, pool, q, k, v, scale: float, monkeypatch) -> torch.Tensor:
     return out
 
 
-def _decode(heads, D, page_size, cached, use_kernel, monkeypatch, seed=0, dtype=torch.bfloat16):
-    """paged_attention over one decode step of requests with ``cached`` tokens before their new one."""
+def decode_inputs(heads, D, page_size, cached, dtype, seed=0, layers=2, q_transposed=True, k_transposed=False):
+    """One decode step of requests with ``cached`` tokens before their new one, over scattered pages of a random
+    pool: (pool, StepMeta, q [1, H, R, D], k, v [1, Hkv, R, D]); q and k optionally the projections' transposed
+    views of [1, R, heads, D]."""
     H, Hkv = heads
     g = torch.Generator().manual_seed(seed)
     kv_lens = np.asarray(cached) + 1
     R, P = len(cached), -(-int(kv_lens.max()) // page_size)
     num_pages = R * P + 3
     table = np.random.default_rng(seed).permutation(num_pages)[: R * P].reshape(R, P).astype(np.int32)
-    pool = TorchKVPool(2, num_pages, page_size, Hkv, D, dtype, torch.device("cpu"))
+    pool = TorchKVPool(layers, num_pages, page_size, Hkv, D, dtype, torch.device("cpu"))
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(dtype))
-    q = torch.randn(1, R, H, D, generator=g).to(dtype).transpose(1, 2)
-    k = torch.randn(1, Hkv, R, D, generator=g).to(dtype)
+    q = torch.randn(1, R, H, D, generator=g).to(dtype).transpose(1, 2) if q_transposed else \
+        torch.randn(1, H, R, D, generator=g).to(dtype)
+    k = torch.randn(1, R, Hkv, D, generator=g).to(dtype).transpose(1, 2) if k_transposed else \
+        torch.randn(1, Hkv, R, D, generator=g).to(dtype)
     v = torch.randn(1, Hkv, R, D, generator=g).to(dtype)
+    meta = pa.StepMeta(np.ones(R, np.int64), kv_lens, np.asarray(cached, np.int64), table, page_size,
+                       torch.device("cpu"))
+    return pool, meta, q, k, v
+
+
+def _decode(heads, D, page_size, cached, use_kernel, monkeypatch, seed=0, dtype=torch.bfloat16):
+    """paged_attention over one decode step of requests with ``cached`` tokens before their new one."""
+    pool, meta, q, k, v = decode_inputs(heads, D, page_size, cached, dtype, seed)
     calls = []
     # the general path's kernel call (tests/test_cpu_decode_step.py compares the one-call step with it)
     monkeypatch.setattr(cpu_decode_step, "ENABLED", False)
@@ -62,8 +74,6 @@ def _decode(heads, D, page_size, cached, use_kernel, monkeypatch, seed=0, dtype=
     else:
         real = cpu_paged_decode.paged_decode
         monkeypatch.setattr(cpu_paged_decode, "paged_decode", lambda *a: calls.append(1) or real(*a))
-    meta = pa.StepMeta(np.ones(R, np.int64), kv_lens, np.asarray(cached, np.int64), table, page_size,
-                       torch.device("cpu"))
     out = run_step(meta, pool, q, k, v, D ** -0.5, monkeypatch)
     assert len(calls) == (1 if use_kernel else 0)  # the kernel served the step exactly when asked to
     return out[0].float()

@@ -68,10 +68,6 @@ def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     the graph, reached through paged_attention.CURRENT) and returns [1, T, H, D]."""
     from tierlm.backends.torch import paged_attention
 
-    if not sliding_window and s_aux is None:  # a decode-only CPU step: one C call (cpu_decode_step.py)
-        out = paged_attention.decode_step_attention(layer, query, key, value, scaling)
-        if out is not None:
-            return out
     out, _ = paged_attention.paged_attention(_Layer(layer), query, key, value, None, scaling=scaling,
                                              sliding_window=sliding_window or None, s_aux=s_aux)
     return out.contiguous()

@@ -97,13 +97,13 @@ class StepMeta:
         self.decode_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._groups: list[_Group] | None = None
         self.triton_groups: list[_TritonGroup] = []
+        req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        slots = page_table[req_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size
+        self.slot_mapping = torch.from_numpy(slots).to(device)
         decode = q_lens == 1
         if attention_backend != TRITON and device.type == "cpu" and bool(decode.all()):
-            # One query per request, rows in request order: the slots and the page rows now, the general path's
-            # group (~15 index tensors, ~100 us) only if a layer asks for it (cpu_decode_step.py serves most).
-            slots = page_table[np.arange(len(q_lens)), positions // page_size].astype(np.int64) * page_size + \
-                positions % page_size
-            self.slot_mapping = torch.from_numpy(slots).to(device)
+            # One query per request, rows in request order: the page rows now, the general path's group (~15
+            # index tensors, ~100 us) only if a layer asks for it (cpu_decode_step.py serves most).
             self.single_fresh_prefill, self.identity_rows = False, True
             max_kv = int(kv_lens.max())
             pages = -(-max_kv // page_size)
@@ -111,9 +111,6 @@ class StepMeta:
                                 torch.from_numpy(np.ascontiguousarray(kv_lens, np.int32)).to(device), max_kv)
             self._lazy_decode = (q_lens, kv_lens, page_table)
             return
-        req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
-        slots = page_table[req_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size
-        self.slot_mapping = torch.from_numpy(slots).to(device)
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
         # A step that is one fresh prefill (no cached prefix) can attend over its own K/V directly.
         self.single_fresh_prefill = len(q_lens) == 1 and int(q_lens[0]) == int(kv_lens[0]) and q_lens[0] > 1

@@ -48,6 +48,13 @@ class SegmentCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """transformers 5.25: intermediate states kept for its speculative decoding; tierlm keeps only the last."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers 5.25 counts tokens per state on an in-place decode update; tierlm's scheduler counts them."""
+
     def update_conv_state(self, x: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int = 0,
                           **kw) -> torch.Tensor:
         """As transformers' LinearAttentionLayer: the previous state followed by ``x`` (zero-padded on the left to

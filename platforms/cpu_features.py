@@ -201,6 +201,27 @@ def amx_linear_decision(cpu: CpuFeatures, env: Mapping[str, str]) -> tuple[bool,
     return True, "AMX-BF16"
 
 
+AVX512_LINEAR_ENV = "TIERLM_CPU_AVX512_LINEAR"
+
+
+def avx512_linear_decision(cpu: CpuFeatures, env: Mapping[str, str]) -> tuple[bool, str]:
+    """(whether bf16 products of up to 32 rows may run on tierlm's AVX512-BF16 kernel over oneDNN's packed weight,
+    why not): x86 with AVX512-BF16 whose oneDNN products are AVX512-BF16 dot products too (no AMX, or oneDNN capped
+    below it; not capped below AVX512_CORE_BF16), not ruled out by TIERLM_CPU_AVX512_LINEAR=0
+    (backends/torch/cpu_avx512_linear.py)."""
+    if env.get(AVX512_LINEAR_ENV, "1") == "0":
+        return False, f"off ({AVX512_LINEAR_ENV}=0)"
+    if cpu.arch != "x86_64" or not cpu.has("avx512_bf16", "avx512bw", "avx512vl"):
+        return False, "no AVX512-BF16 on this CPU"
+    onednn_cap = env.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    uncapped = onednn_cap in ("", "ALL", "DEFAULT")
+    if not uncapped and not any(t in onednn_cap for t in ("BF16", "FP16", "AMX", "AVX10")):
+        return False, f"ONEDNN_MAX_CPU_ISA={onednn_cap} rules AVX512-BF16 out of oneDNN"
+    if cpu.has("amx_bf16", "amx_tile") and (uncapped or "AMX" in onednn_cap):
+        return False, "oneDNN multiplies on AMX tiles here (cpu_amx_linear.py reads its layout)"
+    return True, "AVX512-BF16"
+
+
 def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str | None,
                     weight_format: str = "none", env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Which kernel each layer type of the torch backend will run on this CPU, before any model loads (for
@@ -228,6 +249,8 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
         linear = why if prepack else why.replace("torch's plain bf16 linear", "torch F.linear bfloat16")
         if prepack and compiler is not None and amx_linear_decision(cpu, env or {})[0]:
             linear += f"; up to 32 rows on tierlm's AMX kernel over the packed weight, built with {compiler}"
+        elif prepack and compiler is not None and avx512_linear_decision(cpu, env or {})[0]:
+            linear += f"; up to 32 rows on tierlm's AVX512-BF16 kernel over the packed weight, built with {compiler}"
     else:
         linear = f"torch F.linear {dtype} (oneDNN/MKL GEMM)"
     kernels_off = (env or {}).get("TIERLM_CPU_PAGED_DECODE", "1") == "0"  # the C library of both attentions
@@ -360,7 +383,7 @@ def this_cpu() -> CpuFeatures:
     return cpu
 
 
-__all__ = ["AMX_LINEAR_ENV", "CpuFeatures", "CpuIsaError", "ISA_ENV", "amx_linear_decision", "apply_cap",
-           "bf16_prefill_attention", "cpu_kernel_plan", "int8_weights", "detect_cpu", "detect_cpu_or_error",
+__all__ = ["AMX_LINEAR_ENV", "AVX512_LINEAR_ENV", "CpuFeatures", "CpuIsaError", "ISA_ENV", "amx_linear_decision",
+           "apply_cap", "avx512_linear_decision", "bf16_prefill_attention", "cpu_kernel_plan", "int8_weights", "detect_cpu", "detect_cpu_or_error",
            "find_c_compiler", "known_flags", "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu",
            "torch_env_for_cap"]

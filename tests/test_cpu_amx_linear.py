@@ -26,13 +26,13 @@ def _onednn(x, lin):
 def kernel_calls(monkeypatch):
     """How many products the AMX kernel ran."""
     calls = []
-    real = cpu_amx_linear.amx_linear
+    real = cpu_amx_linear.product
 
     def counted(x, *args):
         calls.append(x.shape)
         return real(x, *args)
 
-    monkeypatch.setattr(cpu_amx_linear, "amx_linear", counted)
+    monkeypatch.setattr(cpu_amx_linear, "product", counted)
     return calls
 
 
@@ -66,8 +66,9 @@ def test_a_layout_other_than_the_kernels_is_refused():
 
 @needs_packing
 def test_without_the_kernel_packed_linears_keep_onednns_product(monkeypatch, kernel_calls):
-    """The fallback (no AMX, TIERLM_CPU_AMX_LINEAR=0, another layout): fast_rows 0, oneDNN at every count."""
-    monkeypatch.setattr(cpu_amx_linear, "load", lambda cpu=None: None)
+    """The fallback (no AMX or AVX512-BF16 kernel, both ruled out, another layout): fast_rows 0, oneDNN at every
+    count."""
+    monkeypatch.setattr(cpu_linear, "decode_kernel", lambda: None)
     lin = nn.Linear(64, 96).to(torch.bfloat16)
     packed = PackedLinear(lin)
     assert packed.fast_rows == 0

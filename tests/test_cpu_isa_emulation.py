@@ -75,3 +75,14 @@ def test_torch_capped_alone_is_caught_by_the_reorder_probe(tiny_llama):
     assert out["bfloat16"]["equal"] and not out["bfloat16"]["packed"]
     assert "torch refuses the oneDNN bf16 reorder" in out["bfloat16"]["kernels"]["linear"] \
         or "needs AVX-512 BW/VL/DQ" in out["bfloat16"]["kernels"]["linear"]  # a real AVX2-only machine
+
+
+@pytest.mark.skipif(not this_cpu().has("avx512_bf16", "avx512bw", "avx512vl"), reason="needs AVX512-BF16")
+def test_a_process_capped_at_avx512_bf16_runs_the_avx512_bf16_products(tiny_llama):
+    """On an AMX machine this is the AVX512-BF16 class all the way down: oneDNN packs for its AVX512-BF16 kernels
+    and tierlm's own decode products read that layout; on an AVX512-BF16 machine it is the machine itself."""
+    out = _run(tiny_llama, {"TIERLM_CPU_ISA": "avx512_bf16"})
+    assert out["bfloat16"]["equal"] and out["float32"]["equal"] and out["bfloat16"]["packed"]
+    linear = out["bfloat16"]["kernels"]["linear"]
+    if "no C compiler" not in linear:
+        assert "AVX512-BF16 kernel" in linear, linear

@@ -41,6 +41,20 @@ static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch's fl
     return (uint16_t)(x >> 16);
 }
 """
+# 16 float32 -> bf16 in AVX-512 (after #include <immintrin.h>, in a build with AVX-512): to_bf's bits, 16 at a time.
+TO_BF16X16_C = r"""
+/* 16 float32 -> bf16, round to nearest even, NaN kept a quiet NaN: to_bf's bits, 16 at a time */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf16x16(__m512 f) {
+    const __m512i x = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
+    /* NaN found on the bits (a float compare may be folded away under -ffast-math) */
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, x, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+"""
 # Vectorized sums need reassociated float arithmetic (-ffast-math; each kernel's roundings are its explicit to_bf
 # calls). -fno-semantic-interposition: with plain -fPIC gcc kept a kernel's per-item function behind the
 # PLT-interposable ABI and the call ran 2.5x slower (paged decode at 3.9k keys, 8 heads, float32: 6.1 -> 2.0 ms).

@@ -23,13 +23,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import weakref
 
 import torch
 
-from tierlm.backends.torch import c_kernel_build
+from tierlm.backends.torch import c_kernel_build, onednn_packed_weight
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
-from tierlm.backends.torch.cpu_threads import helper_threads
 from tierlm.platforms.cpu_features import AMX_LINEAR_ENV, CpuFeatures, amx_linear_decision, find_c_compiler
 
 log = logging.getLogger(__name__)
@@ -55,18 +53,7 @@ int amx_linear_request_permission(void) {  /* Linux hands AMX state to a process
    8.4 GB/s (none: 6.1 GB/s; 12 KB: 6.2; prefetching into L2 only or non-temporally: slower). */
 #define AHEAD 6144
 
-/* 16 float32 -> bf16, round to nearest even, NaN kept a quiet NaN: to_bf's bits, 16 at a time */
-__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf16x16(__m512 f) {
-    const __m512i x = _mm512_castps_si512(f);
-    __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                     _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
-    /* NaN found on the bits (a float compare may be folded away under -ffast-math) */
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, x, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
+""" + c_kernel_build.TO_BF16X16_C + r"""
 /* y[M, N] = x[M, K] @ W.T (+ bias) for the 32-column blocks nb0..nb1-1 of W packed [Np/32][K/2][32][2];
    M <= 32, K a multiple of 32, x rows lda elements apart (a split's half: no copy), bias NULL or [N]. Tiles: 0-1
    C of rows 0-15 (columns 0-15, 16-31), 2-3 C of rows 16-31, 4-5 A of those rows, 6-7 B (the block's two column
@@ -134,9 +121,7 @@ CFLAGS = c_kernel_build.CFLAGS
 # Activation rows the kernel takes: decode batches and short extends (the compiled steps' limit too).
 MAX_ROWS = 32
 BLOCK = 32  # output columns per packed block, and the input multiple
-CHECKED_BLOCKS = 64  # blocks of a weight compared with the expected layout at packing
-# Below this many weights per thread a product stays on the calling thread (a hand-off costs ~30 us).
-MIN_WEIGHTS_PER_THREAD = 1 << 20
+NAME = "AMX"  # in logs and reports
 ENV = AMX_LINEAR_ENV
 
 _NAME = "amx_linear"
@@ -186,36 +171,12 @@ def describe() -> dict[str, str | None]:
 
 def expected_layout(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] as the kernel reads it: [Np/32, Kp/2, 32, 2], zero-padded to multiples of 32."""
-    n, k = weight.shape
-    np_, kp = -(-n // BLOCK) * BLOCK, -(-k // BLOCK) * BLOCK
-    padded = torch.nn.functional.pad(weight, (0, kp - k, 0, np_ - n))
-    return padded.view(np_ // BLOCK, BLOCK, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def packed_bytes_view(packed: torch.Tensor) -> torch.Tensor:
-    """The bytes of oneDNN's packed (opaque) tensor as a flat bf16 tensor sharing its memory."""
-    ptr, nbytes = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
-    buf = (ctypes.c_uint16 * (nbytes // 2)).from_address(ptr)
-    return torch.frombuffer(buf, dtype=torch.bfloat16)
+    return onednn_packed_weight.expected_layout(weight, BLOCK)
 
 
 def layout_matches(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether oneDNN packed ``weight`` the way the kernel reads it, and K suits the kernel: the packed size, then
-    ``CHECKED_BLOCKS`` 32-column blocks spread over the weight (the first and the last, padding included) byte for
-    byte (all of them for a smaller weight). A Qwen2.5-0.5B lm_head: 14 ms; comparing all of it took 1.1 s, 4.5x
-    its reorder."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[1] % BLOCK:
-        return False
-    n, k = weight.shape
-    blocks = -(-n // BLOCK)
-    if torch.ops.mkldnn._nbytes(packed) != blocks * BLOCK * k * 2:
-        return False
-    raw = packed_bytes_view(packed).view(torch.int16).view(blocks, BLOCK * k)
-    picked = sorted({round(i * (blocks - 1) / (CHECKED_BLOCKS - 1)) for i in range(CHECKED_BLOCKS)}) \
-        if blocks > CHECKED_BLOCKS else range(blocks)
-    w = weight.detach()
-    return all(torch.equal(raw[b], expected_layout(w[b * BLOCK:(b + 1) * BLOCK]).view(-1).view(torch.int16))
-               for b in picked)
+    """Whether oneDNN packed ``weight`` in the kernel's layout (onednn_packed_weight.layout_matches)."""
+    return onednn_packed_weight.layout_matches(weight, packed, BLOCK)
 
 
 def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
@@ -226,59 +187,18 @@ def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     return MAX_ROWS
 
 
-# id(packed) -> (a weak reference to it, its data address, its K): the two oneDNN queries cost ~6 us of a ~16 us
-# call, and a decode step makes ~40 of them over the same weights. The reference tells a reused id from the weight.
-_geometry: dict[int, tuple[weakref.ref, int, int]] = {}
-
-
-def _packed_geometry(packed: torch.Tensor, out_features: int) -> tuple[int, int]:
-    """(data address, K) of a packed weight; K is 0 when its size is not N (padded to ``BLOCK``) x K x 2 bytes."""
-    key = id(packed)
-    g = _geometry.get(key)
-    if g is None or g[0]() is not packed:
-        n_pad = (out_features + BLOCK - 1) // BLOCK * BLOCK
-        nbytes = torch.ops.mkldnn._nbytes(packed)
-        k = nbytes // (2 * n_pad) if nbytes % (2 * n_pad) == 0 else 0
-
-        def forget(ref: weakref.ref, key: int = key) -> None:  # the weight is gone: drop its entry, not a newer one
-            if _geometry.get(key, (None,))[0] is ref:
-                del _geometry[key]
-
-        g = _geometry[key] = (weakref.ref(packed, forget), torch.ops.mkldnn.data_ptr(packed), k)
-    return g[1], g[2]
-
-
 def fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
     """Whether x's width is the packed weight's K (the kernel trusts it; a wrong one goes to oneDNN, which says)."""
-    k = x.shape[-1]
-    return k % BLOCK == 0 and _packed_geometry(packed, out_features)[1] == k
+    return onednn_packed_weight.fits(x, packed, out_features, BLOCK)
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 with at most ``MAX_ROWS`` rows, ``packed`` a weight ``fast_rows`` accepted and ``fits``
     x -> [..., N]; the same bits as ``torch.ops.mkldnn._linear_pointwise``. Lean: ~40 calls a decode step."""
     K, N = x.shape[-1], out_features
-    if x.is_contiguous():
-        lda = K
-    elif x.stride(-1) == 1 and (x.dim() == 2 or x.dim() == 3 and (x.shape[0] == 1 or
-                                                                  x.stride(0) == x.shape[1] * x.stride(1))):
-        lda = x.stride(-2)  # rows a fixed stride apart (gate|up's gate half after the activation): read in place
-    else:
-        x, lda = x.contiguous(), K
+    x, lda = onednn_packed_weight.rows_in_place(x)
     y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
-    args = (x.data_ptr(), y.numel() // N, K, lda, _packed_geometry(packed, N)[0],
+    args = (x.data_ptr(), y.numel() // N, K, lda, onednn_packed_weight.packed_geometry(packed, N, BLOCK)[0],
             None if bias is None else bias.data_ptr(), y.data_ptr(), N)
-    blocks = (N + BLOCK - 1) // BLOCK
-    lib = _kernel.lib
-    threads = min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD, blocks)
-    if threads <= 1:
-        lib.amx_linear_bf16(*args, 0, blocks)
-        return y
-    # slices of whole blocks, the caller running the first
-    cuts = [blocks * t // threads for t in range(threads)] + [blocks]
-    futures = [helper_threads(threads - 1).submit(lib.amx_linear_bf16, *args, cuts[t], cuts[t + 1])
-               for t in range(1, threads)]
-    lib.amx_linear_bf16(*args, cuts[0], cuts[1])
-    for f in futures:
-        f.result()
+    onednn_packed_weight.run_in_block_slices(_kernel.lib.amx_linear_bf16, args, (N + BLOCK - 1) // BLOCK, N * K)
     return y

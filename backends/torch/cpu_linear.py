@@ -10,8 +10,9 @@ bit-identical to ``F.linear`` (tests/test_cpu_linear.py).
 Packed only where oneDNN's bf16 reorder runs (platforms/cpu_features.py: AVX-512 BW/VL/DQ or AVX-NE-CONVERT on
 x86); elsewhere (AVX2-only x86, aarch64) torch's plain bf16 ``F.linear`` serves, as transformers' own model does.
 
-Decode-sized products (at most 32 rows) run on cpu_amx_linear.py's AMX tile kernel where the CPU has AMX and
-oneDNN packed the weight in the layout that kernel reads: the same bits, the weights streamed ~1.7x faster.
+Decode-sized products (at most 32 rows) run on tierlm's own kernel over the same packed weight where oneDNN packed
+it in the layout that kernel reads, with the same bits: cpu_amx_linear.py's tile kernel on AMX CPUs (the weights
+streamed ~1.7x faster), cpu_avx512_linear.py's dot products on AVX512-BF16 CPUs without AMX (~1.7x at one row).
 
 Not packed: float32 (the reference dtype, which must stay exact against transformers). A tied lm_head (its weight
 shared with the embedding, which still needs the plain rows) is packed as a second copy of the largest matrix:
@@ -29,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from tierlm.backends.torch import cpu_amx_linear
+from tierlm.backends.torch import cpu_amx_linear, cpu_avx512_linear
 from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
                              persistent=False)
         self.bias = linear.bias
-        # rows up to this many take the AMX tile kernel (0: oneDNN's product at every count)
-        self.fast_rows = cpu_amx_linear.fast_rows(w, self.packed_weight) \
-            if self.bias is None or self.bias.dtype == torch.bfloat16 else 0
+        # rows up to this many take tierlm's decode-product kernel (0: oneDNN's product at every count)
+        kernel = decode_kernel()
+        self.fast_rows = kernel.fast_rows(w, self.packed_weight) \
+            if kernel is not None and (self.bias is None or self.bias.dtype == torch.bfloat16) else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # --enable-torch-compile: an op with a shape rule (compiled_decode.py)
@@ -89,15 +91,28 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                "packed=oneDNN" + \
-            (f", AMX kernel up to {self.fast_rows} rows" if self.fast_rows else "")
+            (f", {decode_kernel().NAME} kernel up to {self.fast_rows} rows" if self.fast_rows else "")
+
+
+def decode_kernel():
+    """The module of tierlm's decode-product kernel that runs in this process (cpu_amx_linear where the CPU has AMX,
+    cpu_avx512_linear where it has AVX512-BF16 and oneDNN does not use AMX), or None: oneDNN serves every product."""
+    for kernel in (cpu_amx_linear, cpu_avx512_linear):
+        if kernel.load() is not None:
+            return kernel
+    return None
 
 
 def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                    fast_rows: int) -> torch.Tensor:
-    """x @ W.T (+ bias) over a packed weight: the AMX tile kernel for at most ``fast_rows`` rows, else oneDNN."""
-    if fast_rows and 0 < x.numel() <= fast_rows * x.shape[-1] and x.dtype == torch.bfloat16 and \
-            cpu_amx_linear.fits(x, packed_weight, out_features):
-        return cpu_amx_linear.amx_linear(x, packed_weight, bias, out_features)
+    """x @ W.T (+ bias) over a packed weight: tierlm's decode-product kernel for at most ``fast_rows`` rows, else
+    (or where that kernel declines a row count) oneDNN."""
+    if fast_rows and 0 < x.numel() <= fast_rows * x.shape[-1] and x.dtype == torch.bfloat16:
+        kernel = decode_kernel()
+        if kernel is not None and kernel.fits(x, packed_weight, out_features):
+            y = kernel.product(x, packed_weight, bias, out_features)
+            if y is not None:
+                return y
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -136,8 +151,9 @@ def pack_linears(model: nn.Module, cpu: CpuFeatures | None = None, pack_tied: bo
         setattr(parent, attr, PackedLinear(m))
     if swaps:
         fast = sum(bool(model.get_submodule(name).fast_rows) for name, _m in swaps)
+        kernel = decode_kernel() or cpu_amx_linear
         log.info("CPU bf16: %d linear layers use oneDNN-prepacked weights; %d of them run decode-sized products on "
-                 "AMX tiles (%s)", len(swaps), fast, cpu_amx_linear.describe()["why"])
+                 "tierlm's %s kernel (%s)", len(swaps), fast, kernel.NAME, kernel.describe()["why"])
     if copies:
         log.info("CPU bf16: tied lm_head packed as a copy next to the embedding (+%.0f MiB; %s=0 keeps it plain)",
                  copies / 2**20, PACK_TIED_ENV)

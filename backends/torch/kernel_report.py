@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.backends.torch import (cpu_amx_linear, cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode,
+from tierlm.backends.torch import (cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode,
                                    cpu_paged_extend, paged_attention)
-from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
+from tierlm.backends.torch.cpu_linear import PackedLinear, decode_kernel, packing_available
 from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
 
@@ -51,9 +51,11 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     elif packed:
         linear = f"oneDNN-prepacked {name} ({packed} layers" + (f"; {plain} shared/tied plain)" if plain else ")")
         fast = [m.fast_rows for m in model.modules() if isinstance(m, PackedLinear) and m.fast_rows]
-        if fast:
-            linear += (f"; up to {max(fast)} rows on AMX tiles over the packed weight in {len(fast)} of them "
-                       f"(cpu_amx_linear.py, built for {cpu_amx_linear.describe()['level']})")
+        kernel = decode_kernel()
+        if fast and kernel is not None:
+            linear += (f"; up to {max(fast)} rows on tierlm's {kernel.NAME} kernel over the packed weight in "
+                       f"{len(fast)} of them ({kernel.__name__.rpartition('.')[2]}.py, built for "
+                       f"{kernel.describe()['level']})")
     elif dtype == torch.bfloat16:
         linear = f"torch F.linear {name} ({packing_available()[1]})"
     else:

@@ -1,0 +1,193 @@
+"""The AVX512-BF16 kernel for decode-sized bf16 products (backends/torch/cpu_avx512_linear.py): it reads oneDNN's
+packed weight only where the layout was checked byte for byte, sums K in the chunks the probe found oneDNN to use,
+gives oneDNN's bits for every row count it takes, and leaves the rest (larger products, other layouts, widths that
+are not whole blocks, row counts the probe could not match, other CPUs) to oneDNN. On an AMX machine it runs in
+tests/test_cpu_isa_emulation.py (a process capped at avx512_bf16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.backends.torch import cpu_avx512_linear, cpu_linear
+from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
+from tierlm.platforms.cpu_features import avx512_linear_decision, parse_cpuinfo
+
+PACKS, PACK_WHY = packing_available()
+needs_packing = pytest.mark.skipif(not PACKS, reason=PACK_WHY)
+needs_kernel = pytest.mark.skipif(cpu_avx512_linear.load() is None,
+                                  reason=cpu_avx512_linear.describe()["why"] or "")
+
+AVX512_BF16 = "fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16"
+
+
+def _onednn(x, lin):
+    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), cpu_linear.PACK_BATCH_HINT)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The products the kernel was asked for (shapes)."""
+    calls = []
+    real = cpu_avx512_linear.product
+
+    def counted(x, *args):
+        calls.append(tuple(x.shape))
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_avx512_linear, "product", counted)
+    return calls
+
+
+def test_expected_layout_is_blocks_of_64_columns_with_inputs_in_pairs():
+    """Runs everywhere: the layout the kernel reads, from a weight whose values name their place."""
+    n, k = 70, 64
+    w = (torch.arange(n)[:, None] * 100 + torch.arange(k)[None, :]).float()
+    lay = cpu_avx512_linear.expected_layout(w)
+    assert lay.shape == (2, 32, 64, 2)  # N 70 -> 128, padded with zeros
+    for (b, p, c, e) in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 63, 1), (0, 5, 7, 0), (1, 17, 5, 1), (1, 3, 6, 0)]:
+        col, row = b * 64 + c, 2 * p + e
+        assert lay[b, p, c, e] == (w[col, row] if col < n else 0)
+
+
+@pytest.mark.parametrize("flags,env,ok,why", [
+    (AVX512_BF16, {}, True, "AVX512-BF16"),
+    ("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512dq", {}, False, "no AVX512-BF16"),
+    (AVX512_BF16, {"TIERLM_CPU_AVX512_LINEAR": "0"}, False, "TIERLM_CPU_AVX512_LINEAR=0"),
+    (AVX512_BF16, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False, "ONEDNN_MAX_CPU_ISA=AVX512_CORE"),
+    (AVX512_BF16 + " amx_bf16 amx_tile", {}, False, "AMX tiles"),
+    (AVX512_BF16 + " amx_bf16 amx_tile", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True, "AVX512-BF16"),
+])
+def test_the_kernel_runs_where_onednns_own_products_are_avx512_bf16_ones(flags, env, ok, why):
+    cpu = parse_cpuinfo(f"flags\t: {flags}\nmodel name\t: some CPU\n", "x86_64")
+    decided, reason = avx512_linear_decision(cpu, env)
+    assert decided == ok and why in reason
+
+
+@needs_packing
+@needs_kernel
+def test_a_layout_other_than_the_kernels_and_partial_blocks_are_refused():
+    w = torch.randn(128, 64).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT)
+    assert cpu_avx512_linear.layout_matches(w, packed)
+    assert not cpu_avx512_linear.layout_matches(torch.randn(128, 64).to(torch.bfloat16), packed)  # other bytes
+    changed = w.clone()
+    changed[-1, 3] += 1
+    assert not cpu_avx512_linear.layout_matches(changed, packed)
+    partial = nn.Linear(64, 100).to(torch.bfloat16)  # 100 columns: not whole blocks of 64, oneDNN keeps it
+    assert PackedLinear(partial).fast_rows == 0
+    assert PackedLinear(nn.Linear(64, 128).to(torch.bfloat16)).fast_rows == cpu_avx512_linear.MAX_ROWS
+
+
+@needs_packing
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(128, 64), (192, 512), (1024, 1408), (256, 4864), (896, 896)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 32])
+def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
+    """K of 1408, 4864 (and 896 at one row) are summed by oneDNN in several chunks; 7 and 13 rows take uneven
+    passes of the kernel's 6-row groups."""
+    torch.manual_seed(n + k + rows)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.fast_rows == cpu_avx512_linear.MAX_ROWS
+    x = torch.randn(1, rows, k).to(torch.bfloat16)
+    out = packed(x)
+    assert out.shape == (1, rows, n) and kernel_calls == [(1, rows, k)]
+    assert torch.equal(out, _onednn(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_packing
+@needs_kernel
+def test_the_probe_tells_the_chunkings_apart():
+    """Only one candidate chunking reproduces oneDNN's bits on the probe at each row count: a probe that let two
+    pass could pick the wrong one."""
+    k = 1408
+    found = cpu_avx512_linear.chunk_sizes(k, torch.get_num_threads())
+    assert all(found[1:]), found
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(cpu_avx512_linear.PROBE_COLUMNS, k, generator=gen)
+    x = torch.randn(cpu_avx512_linear.MAX_ROWS, k, generator=gen)
+    w[:, 0], w[:, -1], x[:, 0], x[:, -1] = 2.0 ** 24, -2.0 ** 24, 1.0, 1.0
+    w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    ptr = torch.ops.mkldnn.data_ptr(packed)
+    for rows in (1, 2, 8):
+        want = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
+        matching = [c for c in [k, *cpu_avx512_linear.CHUNK_CANDIDATES] if c <= k and torch.equal(
+            cpu_avx512_linear._run(x[:rows], k, ptr, None, cpu_avx512_linear.PROBE_COLUMNS, c), want)]
+        assert matching == [found[rows]]
+
+
+@needs_packing
+@needs_kernel
+def test_a_row_count_the_probe_could_not_match_keeps_onednn(monkeypatch, kernel_calls):
+    lin = nn.Linear(512, 128, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    real = cpu_avx512_linear.chunk_sizes(512, torch.get_num_threads())
+    no_match_at_3 = real[:3] + (0,) + real[4:]
+    monkeypatch.setattr(cpu_avx512_linear, "chunk_sizes", lambda k, threads: no_match_at_3)
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert torch.equal(packed(x), _onednn(x, lin)) and kernel_calls == [(3, 512)]  # asked, declined
+    assert torch.equal(packed(x[:2]), _onednn(x[:2], lin))
+
+
+@needs_packing
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 20])
+def test_rows_a_stride_apart_are_read_in_place(rows, kernel_calls):
+    torch.manual_seed(rows)
+    lin = nn.Linear(256, 128, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    wide = torch.randn(1, rows, 640).to(torch.bfloat16)
+    half = wide[..., 128:384]  # stride 640 between rows
+    assert torch.equal(packed(half), _onednn(half.contiguous(), lin))
+    flat = wide[0, :, :256]
+    assert torch.equal(packed(flat), _onednn(flat.contiguous(), lin))
+    assert len(kernel_calls) == 2
+
+
+@needs_packing
+@needs_kernel
+def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
+    lin = nn.Linear(64, 64, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.bias[3] = float("nan")
+        lin.bias[33] = float("inf")
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    x[1, 5] = float("nan")
+    out, ref = packed(x), _onednn(x, lin)
+    assert kernel_calls
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()
+    assert out[0, 33].isinf() and torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+
+
+@needs_packing
+@needs_kernel
+def test_larger_products_and_wrong_widths_stay_with_onednn(kernel_calls):
+    lin = nn.Linear(64, 128).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    x = torch.randn(cpu_avx512_linear.MAX_ROWS + 1, 64).to(torch.bfloat16)
+    assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias)) and not kernel_calls
+    with pytest.raises(RuntimeError):  # a wrong width: oneDNN's error, never a read past the weight
+        packed(torch.randn(1, 96).to(torch.bfloat16))
+    assert not kernel_calls
+
+
+@needs_packing
+@needs_kernel
+def test_threads_split_the_columns_without_changing_a_bit(kernel_calls):
+    torch.manual_seed(0)
+    lin = nn.Linear(1408, 3072, bias=False).to(torch.bfloat16)  # 4.3 M weights: three threads' worth, 48 blocks
+    packed = PackedLinear(lin)
+    x = torch.randn(5, 1408).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        threaded = packed(x)
+    finally:
+        torch.set_num_threads(before)
+    assert kernel_calls == [(5, 1408)] and torch.equal(threaded, _onednn(x, lin))

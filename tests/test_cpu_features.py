@@ -136,11 +136,13 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
     # the linear kernel named is the one the CPU decision allows
     assert ("oneDNN-prepacked" in kernels["linear"]) == (cpu["onednn_bf16_prepack"] and
                                                          "refuses" not in kernels["linear"])
-    from tierlm.backends.torch import cpu_amx_linear
+    from tierlm.backends.torch.cpu_linear import decode_kernel
 
-    # tiny_llama's widths are multiples of 32: every packed weight takes the kernel where it runs
-    amx = "oneDNN-prepacked" in kernels["linear"] and cpu_amx_linear.load() is not None
-    assert ("rows on AMX tiles over the packed weight" in kernels["linear"]) == amx
+    # tiny_llama's projections are whole blocks of 64 columns: they take the decode-product kernel where it runs
+    kernel = decode_kernel() if "oneDNN-prepacked" in kernels["linear"] else None
+    assert ("kernel over the packed weight" in kernels["linear"]) == (kernel is not None)
+    if kernel is not None:
+        assert f"rows on tierlm's {kernel.NAME} kernel" in kernels["linear"]
     layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
     assert f"q/k/v fused in {layers} layers, gate/up in {layers}" in kernels["linear"]  # fused_projections.py
     from tierlm.backends.torch import cpu_paged_decode
@@ -198,6 +200,26 @@ def test_doctor_plans_decode_sized_bf16_products_on_the_amx_kernel_where_amx_run
     if amx:  # oneDNN capped at an AMX level still runs tiles
         env = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}
         assert kernel in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", env=env)["linear"]
+
+
+@pytest.mark.parametrize("name, cap, avx512", [
+    ("amd-epyc-zen4-avx512bf16.txt", None, True),
+    ("intel-xeon-sapphire-rapids-amx.txt", None, False),  # oneDNN packs for AMX tiles: the AMX kernel's
+    ("intel-xeon-sapphire-rapids-amx.txt", "avx512_bf16", True),  # the cap rules AMX out
+    ("intel-xeon-skylake-avx512.txt", None, False),  # no AVX512-BF16
+    ("amd-epyc-zen3-avx2.txt", None, False),
+])
+def test_doctor_plans_decode_sized_bf16_products_on_the_avx512_bf16_kernel_where_it_runs(name, cap, avx512):
+    from tierlm.platforms.cpu_features import cpu_kernel_plan
+
+    cpu = apply_cap(recorded(name, "x86_64"), cap)
+    assert cpu.level == (cap or cpu.level)
+    kernel = "AVX512-BF16 kernel over the packed weight"
+    assert (kernel in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc")["linear"]) == avx512
+    assert kernel not in cpu_kernel_plan(cpu, "float32", "float32", "cc")["linear"]
+    assert kernel not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", None)["linear"]  # no compiler
+    for env in ({"TIERLM_CPU_AVX512_LINEAR": "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}):
+        assert kernel not in cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", env=env)["linear"]
 
 
 @pytest.mark.parametrize("name, arch, cap, expected", [

@@ -187,18 +187,17 @@ def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     return MAX_ROWS
 
 
-def fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
-    """Whether x's width is the packed weight's K (the kernel trusts it; a wrong one goes to oneDNN, which says)."""
-    return onednn_packed_weight.fits(x, packed, out_features, BLOCK)
-
-
-def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 with at most ``MAX_ROWS`` rows, ``packed`` a weight ``fast_rows`` accepted and ``fits``
-    x -> [..., N]; the same bits as ``torch.ops.mkldnn._linear_pointwise``. Lean: ~40 calls a decode step."""
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+            ) -> torch.Tensor | None:
+    """x [..., K] bf16 with at most ``MAX_ROWS`` rows over a weight ``fast_rows`` accepted -> [..., N], the same
+    bits as ``torch.ops.mkldnn._linear_pointwise``; None when x's width is not the weight's K (oneDNN then says).
+    Lean: ~40 calls a decode step."""
     K, N = x.shape[-1], out_features
+    address = onednn_packed_weight.address_if_fits(x, packed, N, BLOCK)
+    if not address:
+        return None
     x, lda = onednn_packed_weight.rows_in_place(x)
     y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
-    args = (x.data_ptr(), y.numel() // N, K, lda, onednn_packed_weight.packed_geometry(packed, N, BLOCK)[0],
-            None if bias is None else bias.data_ptr(), y.data_ptr(), N)
+    args = (x.data_ptr(), y.numel() // N, K, lda, address, None if bias is None else bias.data_ptr(), y.data_ptr(), N)
     onednn_packed_weight.run_in_block_slices(_kernel.lib.amx_linear_bf16, args, (N + BLOCK - 1) // BLOCK, N * K)
     return y

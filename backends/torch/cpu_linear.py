@@ -94,13 +94,16 @@ class PackedLinear(nn.Module):
             (f", {decode_kernel().NAME} kernel up to {self.fast_rows} rows" if self.fast_rows else "")
 
 
+_decode_kernel: list = []  # [the module or None] once decided
+
+
 def decode_kernel():
     """The module of tierlm's decode-product kernel that runs in this process (cpu_amx_linear where the CPU has AMX,
-    cpu_avx512_linear where it has AVX512-BF16 and oneDNN does not use AMX), or None: oneDNN serves every product."""
-    for kernel in (cpu_amx_linear, cpu_avx512_linear):
-        if kernel.load() is not None:
-            return kernel
-    return None
+    cpu_avx512_linear where it has AVX512-BF16 and oneDNN does not use AMX), or None: oneDNN serves every product.
+    Decided on the first call (each kernel's load is once per process too)."""
+    if not _decode_kernel:
+        _decode_kernel.append(next((k for k in (cpu_amx_linear, cpu_avx512_linear) if k.load() is not None), None))
+    return _decode_kernel[0]
 
 
 def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
@@ -109,10 +112,9 @@ def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     (or where that kernel declines a row count) oneDNN."""
     if fast_rows and 0 < x.numel() <= fast_rows * x.shape[-1] and x.dtype == torch.bfloat16:
         kernel = decode_kernel()
-        if kernel is not None and kernel.fits(x, packed_weight, out_features):
-            y = kernel.product(x, packed_weight, bias, out_features)
-            if y is not None:
-                return y
+        y = None if kernel is None else kernel.product(x, packed_weight, bias, out_features)
+        if y is not None:
+            return y
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 

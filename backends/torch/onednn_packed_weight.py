@@ -78,10 +78,14 @@ def packed_geometry(packed: torch.Tensor, out_features: int, block: int) -> tupl
     return g[1], g[2]
 
 
-def fits(x: torch.Tensor, packed: torch.Tensor, out_features: int, block: int) -> bool:
-    """Whether x's width is the packed weight's K (the kernels trust it; a wrong one goes to oneDNN, which says)."""
+def address_if_fits(x: torch.Tensor, packed: torch.Tensor, out_features: int, block: int) -> int:
+    """The packed weight's data address when x's width is its K, else 0 (the kernels trust K; a wrong width goes
+    to oneDNN, which says)."""
     k = x.shape[-1]
-    return k % K_MULTIPLE == 0 and packed_geometry(packed, out_features, block)[1] == k
+    if k % K_MULTIPLE:
+        return 0
+    address, packed_k = packed_geometry(packed, out_features, block)
+    return address if packed_k == k else 0
 
 
 def rows_in_place(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.backends.torch import cpu_avx512_linear, cpu_linear
+from tierlm.backends.torch import cpu_avx512_linear, cpu_linear, onednn_packed_weight
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.platforms.cpu_features import avx512_linear_decision, parse_cpuinfo
 
@@ -29,13 +29,14 @@ def _onednn(x, lin):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The products the kernel was asked for (shapes)."""
+    """The products the kernel was asked for: (x's shape, whether the kernel served it rather than declining)."""
     calls = []
     real = cpu_avx512_linear.product
 
     def counted(x, *args):
-        calls.append(tuple(x.shape))
-        return real(x, *args)
+        y = real(x, *args)
+        calls.append((tuple(x.shape), y is not None))
+        return y
 
     monkeypatch.setattr(cpu_avx512_linear, "product", counted)
     return calls
@@ -95,7 +96,7 @@ def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     assert packed.fast_rows == cpu_avx512_linear.MAX_ROWS
     x = torch.randn(1, rows, k).to(torch.bfloat16)
     out = packed(x)
-    assert out.shape == (1, rows, n) and kernel_calls == [(1, rows, k)]
+    assert out.shape == (1, rows, n) and kernel_calls == [((1, rows, k), True)]
     assert torch.equal(out, _onednn(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
 
 
@@ -105,20 +106,42 @@ def test_the_probe_tells_the_chunkings_apart():
     """Only one candidate chunking reproduces oneDNN's bits on the probe at each row count: a probe that let two
     pass could pick the wrong one."""
     k = 1408
-    found = cpu_avx512_linear.chunk_sizes(k, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    found = cpu_avx512_linear.chunk_sizes(k, threads)
     assert all(found[1:]), found
-    gen = torch.Generator().manual_seed(k)
-    w = torch.randn(cpu_avx512_linear.PROBE_COLUMNS, k, generator=gen)
-    x = torch.randn(cpu_avx512_linear.MAX_ROWS, k, generator=gen)
-    w[:, 0], w[:, -1], x[:, 0], x[:, -1] = 2.0 ** 24, -2.0 ** 24, 1.0, 1.0
-    w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-    ptr = torch.ops.mkldnn.data_ptr(packed)
+    x, w, packed = cpu_avx512_linear._probe(k, threads)
+    ptr, n = torch.ops.mkldnn.data_ptr(packed), w.shape[0]
     for rows in (1, 2, 8):
         want = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
         matching = [c for c in [k, *cpu_avx512_linear.CHUNK_CANDIDATES] if c <= k and torch.equal(
-            cpu_avx512_linear._run(x[:rows], k, ptr, None, cpu_avx512_linear.PROBE_COLUMNS, c), want)]
+            cpu_avx512_linear._run(x[:rows], k, ptr, None, n, c), want)]
         assert matching == [found[rows]]
+
+
+@needs_packing
+@needs_kernel
+def test_with_more_threads_the_probe_widens_to_onednns_layout(kernel_calls):
+    """oneDNN packs a weight with few columns per thread in narrower blocks (128 columns at 3 threads): the probe
+    widens until its layout is the kernel's, and a weight packed another way keeps oneDNN's product."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        found = cpu_avx512_linear.chunk_sizes(512, 4)
+        assert all(found[1:]), found
+        assert cpu_avx512_linear._probe(512, 4)[1].shape[0] >= 64 * 4
+        torch.manual_seed(4)
+        wide = nn.Linear(512, 1024, bias=True).to(torch.bfloat16)
+        packed = PackedLinear(wide)
+        x = torch.randn(3, 512).to(torch.bfloat16)
+        if packed.fast_rows:  # oneDNN packed this width in the kernel's layout at 4 threads
+            assert torch.equal(packed(x), _onednn(x, wide)) and kernel_calls == [((3, 512), True)]
+        narrow = nn.Linear(512, 128).to(torch.bfloat16)
+        narrow_packed = PackedLinear(narrow)
+        if not cpu_avx512_linear.layout_matches(narrow.weight.detach(), narrow_packed.packed_weight):
+            assert narrow_packed.fast_rows == 0
+        assert torch.equal(narrow_packed(x), _onednn(x, narrow))
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_packing
@@ -130,7 +153,7 @@ def test_a_row_count_the_probe_could_not_match_keeps_onednn(monkeypatch, kernel_
     no_match_at_3 = real[:3] + (0,) + real[4:]
     monkeypatch.setattr(cpu_avx512_linear, "chunk_sizes", lambda k, threads: no_match_at_3)
     x = torch.randn(3, 512).to(torch.bfloat16)
-    assert torch.equal(packed(x), _onednn(x, lin)) and kernel_calls == [(3, 512)]  # asked, declined
+    assert torch.equal(packed(x), _onednn(x, lin)) and kernel_calls == [((3, 512), False)]  # asked, declined
     assert torch.equal(packed(x[:2]), _onednn(x[:2], lin))
 
 
@@ -146,7 +169,7 @@ def test_rows_a_stride_apart_are_read_in_place(rows, kernel_calls):
     assert torch.equal(packed(half), _onednn(half.contiguous(), lin))
     flat = wide[0, :, :256]
     assert torch.equal(packed(flat), _onednn(flat.contiguous(), lin))
-    assert len(kernel_calls) == 2
+    assert kernel_calls == [((1, rows, 256), True), ((rows, 256), True)]
 
 
 @needs_packing
@@ -160,7 +183,7 @@ def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
     x = torch.randn(3, 64).to(torch.bfloat16)
     x[1, 5] = float("nan")
     out, ref = packed(x), _onednn(x, lin)
-    assert kernel_calls
+    assert kernel_calls == [((3, 64), True)]
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()
     assert out[0, 33].isinf() and torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
 
@@ -174,20 +197,24 @@ def test_larger_products_and_wrong_widths_stay_with_onednn(kernel_calls):
     assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias)) and not kernel_calls
     with pytest.raises(RuntimeError):  # a wrong width: the kernel declines, oneDNN's error, no read past the weight
         packed(torch.randn(1, 96).to(torch.bfloat16))
-    assert kernel_calls == [(1, 96)]
+    assert kernel_calls == [((1, 96), False)]
 
 
 @needs_packing
 @needs_kernel
-def test_threads_split_the_columns_without_changing_a_bit(kernel_calls):
+def test_threads_split_the_columns_without_changing_a_bit(kernel_calls, monkeypatch):
     torch.manual_seed(0)
-    lin = nn.Linear(1408, 3072, bias=False).to(torch.bfloat16)  # 4.3 M weights: three threads' worth, 48 blocks
-    packed = PackedLinear(lin)
+    lin = nn.Linear(1408, 3072, bias=False).to(torch.bfloat16)  # 4.3 M weights: two threads' worth, 48 blocks
     x = torch.randn(5, 1408).to(torch.bfloat16)
+    helpers = onednn_packed_weight.helper_threads
+    handed_off = []
+    monkeypatch.setattr(onednn_packed_weight, "helper_threads", lambda n: handed_off.append(n) or helpers(n))
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(3)
+        torch.set_num_threads(2)
+        packed = PackedLinear(lin)  # packed at 2 threads, as a server computing with 2 threads packs it
         threaded = packed(x)
     finally:
         torch.set_num_threads(before)
-    assert kernel_calls == [(5, 1408)] and torch.equal(threaded, _onednn(x, lin))
+    assert kernel_calls == [((5, 1408), True)] and handed_off == [1]  # one slice on a helper, one on the caller
+    assert torch.equal(threaded, _onednn(x, lin))

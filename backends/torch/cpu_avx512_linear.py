@@ -122,7 +122,10 @@ MAX_ROWS = 32
 BLOCK = 64  # output columns per packed block
 # Chunk sizes tried by the probe, after "all of K in one chunk": oneDNN's choices first.
 CHUNK_CANDIDATES = (512, 1024, 256, 768, 1536, 2048, 128, 384, 640, 896, 1280, 4096)
+# The probe's width: at least 64 per intra-op thread, doubled until oneDNN packs it in the kernel's layout (oneDNN
+# picks narrower blocks for a weight with few columns per thread: 128 columns at 3 threads, 512 at 16).
 PROBE_COLUMNS = 128
+MAX_PROBE_COLUMNS = 8192
 NAME = "AVX512-BF16"  # in logs and reports
 ENV = AVX512_LINEAR_ENV
 
@@ -185,27 +188,47 @@ def _run(x: torch.Tensor, lda: int, packed_ptr: int, bias: torch.Tensor | None, 
     return y
 
 
+def _probe(k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(x [MAX_ROWS, k], w [n, k], w packed) for the chunk probe, n the narrowest width from PROBE_COLUMNS that oneDNN
+    packs in the kernel's layout at ``threads`` threads; None if none up to MAX_PROBE_COLUMNS does. Every output sums
+    a 2^24 term at the first input and its negative at the last, so the small products between are rounded at
+    different places under any other chunking and the bf16 outputs differ (a plain random probe left several
+    chunkings equal)."""
+    n = max(PROBE_COLUMNS, BLOCK * threads)
+    while n <= MAX_PROBE_COLUMNS:
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(MAX_ROWS, k, generator=gen)
+        w = torch.randn(n, k, generator=gen)
+        w[:, 0], w[:, -1], x[:, 0], x[:, -1] = 2.0 ** 24, -2.0 ** 24, 1.0, 1.0
+        w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        if layout_matches(w, packed):
+            return x, w, packed
+        n *= 2
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def chunk_sizes(k: int, threads: int) -> tuple[int, ...]:
     """For each row count 0..MAX_ROWS, the K chunk that gives oneDNN's bits for inputs of width ``k`` at ``threads``
-    intra-op threads (0: none found, oneDNN's product serves that count). The probe: every output sums a 2^24 term
-    at the first input and its negative at the last, so the small products between are rounded at different places
-    under any other chunking and the bf16 outputs differ (a plain random probe left several chunkings equal)."""
-    gen = torch.Generator().manual_seed(k)
-    w = torch.randn(PROBE_COLUMNS, k, generator=gen)
-    x = torch.randn(MAX_ROWS, k, generator=gen)
-    w[:, 0], w[:, -1], x[:, 0], x[:, -1] = 2.0 ** 24, -2.0 ** 24, 1.0, 1.0
-    w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-    if not layout_matches(w, packed):
-        return (0,) * (MAX_ROWS + 1)
-    ptr = torch.ops.mkldnn.data_ptr(packed)
+    intra-op threads (the current count: the probe runs under it), 0 where none does (oneDNN's product serves that
+    count). Called with the current thread count, so a changed count probes again."""
+    none = (0,) * (MAX_ROWS + 1)
+    if load() is None:
+        return none
+    probe = _probe(k, threads)
+    if probe is None:
+        log.info("AVX512-BF16 products, K=%d: oneDNN packs no probe of up to %d columns in the kernel's layout at %d "
+                 "threads; oneDNN serves these products", k, MAX_PROBE_COLUMNS, threads)
+        return none
+    x, w, packed = probe
+    ptr, n = torch.ops.mkldnn.data_ptr(packed), w.shape[0]
     candidates = [k] + [c for c in CHUNK_CANDIDATES if c < k]
     found = [0]
     for rows in range(1, MAX_ROWS + 1):
         xr = x[:rows]
         want = torch.ops.mkldnn._linear_pointwise(xr, packed, None, "none", [], "")
-        found.append(next((c for c in candidates if torch.equal(_run(xr, k, ptr, None, PROBE_COLUMNS, c), want)), 0))
+        found.append(next((c for c in candidates if torch.equal(_run(xr, k, ptr, None, n, c), want)), 0))
     missing = [r for r in range(1, MAX_ROWS + 1) if not found[r]]
     log.info("AVX512-BF16 products, K=%d: oneDNN's K chunk by row count %s%s", k,
              sorted({(c, r) for r, c in enumerate(found) if c and (r == 1 or c != found[r - 1])}),
@@ -220,8 +243,8 @@ def fast_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     bias, 8 rows), so those widths (no model's projection we know of) keep oneDNN."""
     if load() is None or weight.shape[0] % BLOCK or not layout_matches(weight, packed):
         return 0
-    chunk_sizes(weight.shape[1], torch.get_num_threads())  # probed once per K at load, not on the first request
-    return MAX_ROWS
+    # probed once per K at load, not on the first request; no chunking matched at any row count: oneDNN's product
+    return MAX_ROWS if any(chunk_sizes(weight.shape[1], torch.get_num_threads())[1:]) else 0
 
 
 def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int

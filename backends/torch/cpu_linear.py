@@ -153,9 +153,11 @@ def pack_linears(model: nn.Module, cpu: CpuFeatures | None = None, pack_tied: bo
         setattr(parent, attr, PackedLinear(m))
     if swaps:
         fast = sum(bool(model.get_submodule(name).fast_rows) for name, _m in swaps)
-        kernel = decode_kernel() or cpu_amx_linear
+        kernel = decode_kernel()
+        why = kernel.describe()["why"] if kernel else \
+            "; ".join(f"{k.NAME}: {k.describe()['why']}" for k in (cpu_amx_linear, cpu_avx512_linear))
         log.info("CPU bf16: %d linear layers use oneDNN-prepacked weights; %d of them run decode-sized products on "
-                 "tierlm's %s kernel (%s)", len(swaps), fast, kernel.NAME, kernel.describe()["why"])
+                 "tierlm's %s kernel (%s)", len(swaps), fast, kernel.NAME if kernel else "own", why)
     if copies:
         log.info("CPU bf16: tied lm_head packed as a copy next to the embedding (+%.0f MiB; %s=0 keeps it plain)",
                  copies / 2**20, PACK_TIED_ENV)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packed_kernels import onednn_product, record_products
+
 from tierlm.backends.torch import cpu_amx_linear, cpu_linear
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.platforms.cpu_features import parse_cpuinfo
@@ -17,23 +19,9 @@ needs_packing = pytest.mark.skipif(not PACKS, reason=PACK_WHY)
 needs_kernel = pytest.mark.skipif(cpu_amx_linear.load() is None, reason=cpu_amx_linear.describe()["why"] or "")
 
 
-def _onednn(x, lin):
-    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), cpu_linear.PACK_BATCH_HINT)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """How many products the AMX kernel ran."""
-    calls = []
-    real = cpu_amx_linear.product
-
-    def counted(x, *args):
-        calls.append(x.shape)
-        return real(x, *args)
-
-    monkeypatch.setattr(cpu_amx_linear, "product", counted)
-    return calls
+    return record_products(monkeypatch, cpu_amx_linear)
 
 
 def test_expected_layout_is_blocks_of_32_columns_with_inputs_in_pairs():
@@ -106,8 +94,8 @@ def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     assert packed.fast_rows == cpu_amx_linear.MAX_ROWS
     x = torch.randn(1, rows, k).to(torch.bfloat16)
     out = packed(x)
-    assert out.shape == (1, rows, n) and kernel_calls == [(1, rows, k)]
-    assert torch.equal(out, _onednn(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
+    assert out.shape == (1, rows, n) and kernel_calls == [((1, rows, k), True)]
+    assert torch.equal(out, onednn_product(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
 
 
 @needs_packing
@@ -122,12 +110,12 @@ def test_rows_a_stride_apart_are_read_in_place(rows, kernel_calls):
     wide = torch.randn(1, rows, 640).to(torch.bfloat16)
     half = wide[..., 128:384]  # stride 640 between rows
     assert half.is_contiguous() == (rows == 1)  # one row is contiguous whatever the stride
-    assert torch.equal(packed(half), _onednn(half.contiguous(), lin))
+    assert torch.equal(packed(half), onednn_product(half.contiguous(), lin))
     flat = wide[0, :, :256]  # 2-D, the same stride
-    assert torch.equal(packed(flat), _onednn(flat.contiguous(), lin))
+    assert torch.equal(packed(flat), onednn_product(flat.contiguous(), lin))
     batched = torch.randn(3, rows, 512).to(torch.bfloat16)[:, :, ::2]  # every other input: copied first
     if 3 * rows <= cpu_amx_linear.MAX_ROWS:
-        assert torch.equal(packed(batched), _onednn(batched.contiguous(), lin))
+        assert torch.equal(packed(batched), onednn_product(batched.contiguous(), lin))
     assert len(kernel_calls) == (3 if 3 * rows <= cpu_amx_linear.MAX_ROWS else 2)
 
 
@@ -142,7 +130,7 @@ def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
     packed = PackedLinear(lin)
     x = torch.randn(3, 64).to(torch.bfloat16)
     x[1, 5] = float("nan")
-    out, ref = packed(x), _onednn(x, lin)
+    out, ref = packed(x), onednn_product(x, lin)
     assert kernel_calls
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()
     assert torch.equal(out[[0, 2]][:, 33], ref[[0, 2]][:, 33]) and out[0, 33].isinf()
@@ -152,14 +140,14 @@ def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
 
 @needs_packing
 @needs_kernel
-def test_larger_products_stay_with_onednn(kernel_calls):
+def test_larger_products_stay_withonednn_product(kernel_calls):
     lin = nn.Linear(64, 96).to(torch.bfloat16)
     packed = PackedLinear(lin)
     x = torch.randn(cpu_amx_linear.MAX_ROWS + 1, 64).to(torch.bfloat16)
     assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias)) and not kernel_calls
     with pytest.raises(RuntimeError):  # a wrong width: the kernel declines, oneDNN's error, no read past the weight
         packed(torch.randn(1, 96).to(torch.bfloat16))
-    assert kernel_calls == [(1, 96)]
+    assert kernel_calls == [((1, 96), False)]
     assert torch.equal(packed(x[:0]), x[:0] @ lin.weight.T) and len(kernel_calls) == 1  # no rows: nothing to stream
 
 
@@ -177,7 +165,7 @@ def test_threads_split_the_columns_without_changing_a_bit(kernel_calls):
         threaded = packed(x)
     finally:
         torch.set_num_threads(before)
-    assert kernel_calls == [(5, 1024)] and torch.equal(threaded, _onednn(x, lin))
+    assert kernel_calls == [((5, 1024), True)] and torch.equal(threaded, onednn_product(x, lin))
 
 
 @needs_packing

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packed_kernels import onednn_product, record_products
+
 from tierlm.backends.torch import cpu_avx512_linear, cpu_linear, onednn_packed_weight
 from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
 from tierlm.platforms.cpu_features import avx512_linear_decision, parse_cpuinfo
@@ -22,24 +24,9 @@ needs_kernel = pytest.mark.skipif(cpu_avx512_linear.load() is None,
 AVX512_BF16 = "fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16"
 
 
-def _onednn(x, lin):
-    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), cpu_linear.PACK_BATCH_HINT)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The products the kernel was asked for: (x's shape, whether the kernel served it rather than declining)."""
-    calls = []
-    real = cpu_avx512_linear.product
-
-    def counted(x, *args):
-        y = real(x, *args)
-        calls.append((tuple(x.shape), y is not None))
-        return y
-
-    monkeypatch.setattr(cpu_avx512_linear, "product", counted)
-    return calls
+    return record_products(monkeypatch, cpu_avx512_linear)
 
 
 def test_expected_layout_is_blocks_of_64_columns_with_inputs_in_pairs():
@@ -97,7 +84,7 @@ def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     x = torch.randn(1, rows, k).to(torch.bfloat16)
     out = packed(x)
     assert out.shape == (1, rows, n) and kernel_calls == [((1, rows, k), True)]
-    assert torch.equal(out, _onednn(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
+    assert torch.equal(out, onednn_product(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
 
 
 @needs_packing
@@ -110,11 +97,10 @@ def test_the_probe_tells_the_chunkings_apart():
     found = cpu_avx512_linear.chunk_sizes(k, threads)
     assert all(found[1:]), found
     x, w, packed = cpu_avx512_linear._probe(k, threads)
-    ptr, n = torch.ops.mkldnn.data_ptr(packed), w.shape[0]
     for rows in (1, 2, 8):
         want = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
         matching = [c for c in [k, *cpu_avx512_linear.CHUNK_CANDIDATES] if c <= k and torch.equal(
-            cpu_avx512_linear._run(x[:rows], k, ptr, None, n, c), want)]
+            cpu_avx512_linear._product_at(x[:rows], packed, w.shape[0], c), want)]
         assert matching == [found[rows]]
 
 
@@ -134,27 +120,27 @@ def test_with_more_threads_the_probe_widens_to_onednns_layout(kernel_calls):
         packed = PackedLinear(wide)
         x = torch.randn(3, 512).to(torch.bfloat16)
         if packed.fast_rows:  # oneDNN packed this width in the kernel's layout at 4 threads
-            assert torch.equal(packed(x), _onednn(x, wide)) and kernel_calls == [((3, 512), True)]
+            assert torch.equal(packed(x), onednn_product(x, wide)) and kernel_calls == [((3, 512), True)]
         narrow = nn.Linear(512, 128).to(torch.bfloat16)
         narrow_packed = PackedLinear(narrow)
         if not cpu_avx512_linear.layout_matches(narrow.weight.detach(), narrow_packed.packed_weight):
             assert narrow_packed.fast_rows == 0
-        assert torch.equal(narrow_packed(x), _onednn(x, narrow))
+        assert torch.equal(narrow_packed(x), onednn_product(x, narrow))
     finally:
         torch.set_num_threads(before)
 
 
 @needs_packing
 @needs_kernel
-def test_a_row_count_the_probe_could_not_match_keeps_onednn(monkeypatch, kernel_calls):
+def test_a_row_count_the_probe_could_not_match_keepsonednn_product(monkeypatch, kernel_calls):
     lin = nn.Linear(512, 128, bias=True).to(torch.bfloat16)
     packed = PackedLinear(lin)
     real = cpu_avx512_linear.chunk_sizes(512, torch.get_num_threads())
     no_match_at_3 = real[:3] + (0,) + real[4:]
     monkeypatch.setattr(cpu_avx512_linear, "chunk_sizes", lambda k, threads: no_match_at_3)
     x = torch.randn(3, 512).to(torch.bfloat16)
-    assert torch.equal(packed(x), _onednn(x, lin)) and kernel_calls == [((3, 512), False)]  # asked, declined
-    assert torch.equal(packed(x[:2]), _onednn(x[:2], lin))
+    assert torch.equal(packed(x), onednn_product(x, lin)) and kernel_calls == [((3, 512), False)]  # asked, declined
+    assert torch.equal(packed(x[:2]), onednn_product(x[:2], lin))
 
 
 @needs_packing
@@ -166,9 +152,9 @@ def test_rows_a_stride_apart_are_read_in_place(rows, kernel_calls):
     packed = PackedLinear(lin)
     wide = torch.randn(1, rows, 640).to(torch.bfloat16)
     half = wide[..., 128:384]  # stride 640 between rows
-    assert torch.equal(packed(half), _onednn(half.contiguous(), lin))
+    assert torch.equal(packed(half), onednn_product(half.contiguous(), lin))
     flat = wide[0, :, :256]
-    assert torch.equal(packed(flat), _onednn(flat.contiguous(), lin))
+    assert torch.equal(packed(flat), onednn_product(flat.contiguous(), lin))
     assert kernel_calls == [((1, rows, 256), True), ((rows, 256), True)]
 
 
@@ -182,7 +168,7 @@ def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
     packed = PackedLinear(lin)
     x = torch.randn(3, 64).to(torch.bfloat16)
     x[1, 5] = float("nan")
-    out, ref = packed(x), _onednn(x, lin)
+    out, ref = packed(x), onednn_product(x, lin)
     assert kernel_calls == [((3, 64), True)]
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()
     assert out[0, 33].isinf() and torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
@@ -190,7 +176,7 @@ def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
 
 @needs_packing
 @needs_kernel
-def test_larger_products_and_wrong_widths_stay_with_onednn(kernel_calls):
+def test_larger_products_and_wrong_widths_stay_withonednn_product(kernel_calls):
     lin = nn.Linear(64, 128).to(torch.bfloat16)
     packed = PackedLinear(lin)
     x = torch.randn(cpu_avx512_linear.MAX_ROWS + 1, 64).to(torch.bfloat16)
@@ -217,4 +203,4 @@ def test_threads_split_the_columns_without_changing_a_bit(kernel_calls, monkeypa
     finally:
         torch.set_num_threads(before)
     assert kernel_calls == [((5, 1408), True)] and handed_off == [1]  # one slice on a helper, one on the caller
-    assert torch.equal(threaded, _onednn(x, lin))
+    assert torch.equal(threaded, onednn_product(x, lin))

@@ -192,12 +192,7 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     """x [..., K] bf16 with at most ``MAX_ROWS`` rows over a weight ``fast_rows`` accepted -> [..., N], the same
     bits as ``torch.ops.mkldnn._linear_pointwise``; None when x's width is not the weight's K (oneDNN then says).
     Lean: ~40 calls a decode step."""
-    K, N = x.shape[-1], out_features
-    address = onednn_packed_weight.address_if_fits(x, packed, N, BLOCK)
+    address = onednn_packed_weight.address_if_fits(x, packed, out_features, BLOCK)
     if not address:
         return None
-    x, lda = onednn_packed_weight.rows_in_place(x)
-    y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
-    args = (x.data_ptr(), y.numel() // N, K, lda, address, None if bias is None else bias.data_ptr(), y.data_ptr(), N)
-    onednn_packed_weight.run_in_block_slices(_kernel.lib.amx_linear_bf16, args, (N + BLOCK - 1) // BLOCK, N * K)
-    return y
+    return onednn_packed_weight.run_product(_kernel.lib.amx_linear_bf16, x, address, bias, out_features, BLOCK)

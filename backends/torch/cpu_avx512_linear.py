@@ -179,13 +179,10 @@ def layout_matches(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     return onednn_packed_weight.layout_matches(weight, packed, BLOCK)
 
 
-def _run(x: torch.Tensor, lda: int, packed_ptr: int, bias: torch.Tensor | None, n: int, kc: int) -> torch.Tensor:
-    """The kernel over all blocks on the calling thread (the probe's product)."""
-    rows, k = x.numel() // x.shape[-1], x.shape[-1]
-    y = torch.empty((rows, n), dtype=torch.bfloat16)
-    _kernel.lib.avx512_linear_bf16(x.data_ptr(), rows, k, lda, packed_ptr, None if bias is None else bias.data_ptr(),
-                                   y.data_ptr(), n, kc, 0, -(-n // BLOCK))
-    return y
+def _product_at(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int) -> torch.Tensor:
+    """The kernel's product over a packed weight with K chunked by ``kc`` (the probe's candidates)."""
+    return onednn_packed_weight.run_product(_kernel.lib.avx512_linear_bf16, x, torch.ops.mkldnn.data_ptr(packed),
+                                            None, n, BLOCK, kc)
 
 
 def _probe(k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -222,13 +219,12 @@ def chunk_sizes(k: int, threads: int) -> tuple[int, ...]:
                  "threads; oneDNN serves these products", k, MAX_PROBE_COLUMNS, threads)
         return none
     x, w, packed = probe
-    ptr, n = torch.ops.mkldnn.data_ptr(packed), w.shape[0]
     candidates = [k] + [c for c in CHUNK_CANDIDATES if c < k]
     found = [0]
     for rows in range(1, MAX_ROWS + 1):
         xr = x[:rows]
         want = torch.ops.mkldnn._linear_pointwise(xr, packed, None, "none", [], "")
-        found.append(next((c for c in candidates if torch.equal(_run(xr, k, ptr, None, n, c), want)), 0))
+        found.append(next((c for c in candidates if torch.equal(_product_at(xr, packed, w.shape[0], c), want)), 0))
     missing = [r for r in range(1, MAX_ROWS + 1) if not found[r]]
     log.info("AVX512-BF16 products, K=%d: oneDNN's K chunk by row count %s%s", k,
              sorted({(c, r) for r, c in enumerate(found) if c and (r == 1 or c != found[r - 1])}),
@@ -252,14 +248,9 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     """x [..., K] bf16 with at most ``MAX_ROWS`` rows over a weight ``fast_rows`` accepted -> [..., N], the same
     bits as ``torch.ops.mkldnn._linear_pointwise``; None when x's width is not the weight's K (oneDNN then says) or
     the probe found no chunking for this row count (the caller runs oneDNN)."""
-    K, N = x.shape[-1], out_features
-    kc = chunk_sizes(K, torch.get_num_threads())[x.numel() // K]
-    address = onednn_packed_weight.address_if_fits(x, packed, N, BLOCK) if kc else 0
+    k = x.shape[-1]
+    kc = chunk_sizes(k, torch.get_num_threads())[x.numel() // k]
+    address = onednn_packed_weight.address_if_fits(x, packed, out_features, BLOCK) if kc else 0
     if not address:
         return None
-    x, lda = onednn_packed_weight.rows_in_place(x)
-    y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
-    args = (x.data_ptr(), y.numel() // N, K, lda, address, None if bias is None else bias.data_ptr(), y.data_ptr(), N,
-            kc)
-    onednn_packed_weight.run_in_block_slices(_kernel.lib.avx512_linear_bf16, args, (N + BLOCK - 1) // BLOCK, N * K)
-    return y
+    return onednn_packed_weight.run_product(_kernel.lib.avx512_linear_bf16, x, address, bias, out_features, BLOCK, kc)

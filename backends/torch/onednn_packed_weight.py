@@ -100,6 +100,20 @@ def rows_in_place(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), k
 
 
+def run_product(kernel: Callable[..., None], x: torch.Tensor, address: int, bias: torch.Tensor | None,
+                out_features: int, block: int, *extra: int) -> torch.Tensor:
+    """y = x @ W.T (+ bias) by ``kernel(x, M, K, lda, W, bias, y, N, *extra, first_block, end_block)`` over the
+    packed weight at ``address`` (blocks of ``block`` columns): x's rows read in place, the blocks split between
+    threads. The calling convention both kernels share."""
+    k, n = x.shape[-1], out_features
+    x, lda = rows_in_place(x)
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    args = (x.data_ptr(), y.numel() // n, k, lda, address, None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+            *extra)
+    run_in_block_slices(kernel, args, -(-n // block), n * k)
+    return y
+
+
 def run_in_block_slices(kernel: Callable[..., None], args: tuple, blocks: int, weights: int) -> None:
     """``kernel(*args, first_block, end_block)`` over ``blocks`` column blocks, split in slices of whole blocks
     between torch's intra-op thread count (the caller running the first) when ``weights`` is large enough."""

@@ -24,6 +24,22 @@ logger = logging.getLogger("tierlm.launch")
 FORCE_EXIT_AFTER_S = 10.0  # if uvicorn does not stop by itself after a failed load, exit anyway
 
 
+def http_implementation() -> tuple[str, str]:
+    """uvicorn's (loop, http): uvloop and httptools (C) where installed, else asyncio and h11 (pure Python), logged.
+    The event loop shares the GIL with the scheduler thread, and every streamed token costs it a wake-up, an SSE
+    event and a socket write: with asyncio + h11 ~0.3 ms of Python a token at one stream, all of it time the
+    scheduler may wait for the GIL."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    if (loop, http) != ("uvloop", "httptools"):
+        logger.info("HTTP: %s event loop, %s parser (pip install uvloop httptools for the faster C ones)", loop, http)
+    else:
+        logger.info("HTTP: uvloop event loop, httptools parser")
+    return loop, http
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", force=True)
@@ -115,8 +131,9 @@ def run_server(args: ServerArgs) -> None:
     engine = Engine(args)
     app = create_app(engine, shutdown_engine_on_exit=True)
     # access_log off: server/request_log.py writes one richer line per request
+    loop, http = http_implementation()
     config = uvicorn.Config(app, log_config=None, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=30, loop=loop, http=http)
     server = uvicorn.Server(config)
     loader = ModelLoader(engine, server, args)
     loader.start()

@@ -73,10 +73,11 @@ def test_a_layout_other_than_the_kernels_and_partial_blocks_are_refused():
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", [(128, 64), (192, 512), (1024, 1408), (256, 4864), (896, 896)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 10, 11, 13, 32])
 def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
-    """K of 1408, 4864 (and 896 at one row) are summed by oneDNN in several chunks; 7 and 13 rows take uneven
-    passes of the kernel's 6-row groups."""
+    """K of 1408, 4864 (and 896 at one row) are summed by oneDNN in several chunks; 7-10 rows go span by span (3 + 4
+    to 5 + 5 rows, K=64 shorter than a span, K=1408's second chunk not a whole number of spans); 11 and 13 rows take
+    uneven whole-block passes of the kernel's 6-row groups."""
     torch.manual_seed(n + k + rows)
     lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     packed = PackedLinear(lin)
@@ -166,8 +167,14 @@ def test_nan_and_inf_sums_stay_nan_and_inf(kernel_calls):
         lin.bias[3] = float("nan")
         lin.bias[33] = float("inf")
     packed = PackedLinear(lin)
-    x = torch.randn(3, 64).to(torch.bfloat16)
+    x = torch.randn(8, 64).to(torch.bfloat16)  # 8 rows: the span-by-span path (3 rows: whole-block passes below)
     x[1, 5] = float("nan")
+    out, ref = packed(x), onednn_product(x, lin)
+    assert kernel_calls == [((8, 64), True)]
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()
+    assert out[0, 33].isinf() and torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+    kernel_calls.clear()
+    x = x[:3].clone()
     out, ref = packed(x), onednn_product(x, lin)
     assert kernel_calls == [((3, 64), True)]
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan()[1].all() and out.isnan()[:, 3].all()

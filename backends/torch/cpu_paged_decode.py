@@ -123,6 +123,23 @@ static inline const uint16_t *kv_row(const uint16_t *base, const int32_t *pages,
     return base + (slot * Hkv + kh) * D;
 }
 
+/* Requests of at most SHORT_KV tokens have their K and V rows prefetched into L2 a request ahead: their rows sit
+   on a few scattered pages (8 streams of ~100 tokens: ~6 pages of K and of V each per layer) that the hardware
+   prefetcher barely gets going on, and they fit in L2 (256 tokens of 4 x 64 bf16: 256 KB of K and V). Longer
+   requests stream their ascending pages, which the hardware prefetcher follows (software prefetch ran 5-35 %
+   slower there). llama-small, 8 streams of 128 tokens: 0.95-0.98 -> 0.82-0.85 ms of attention a step. */
+#define SHORT_KV 256
+static inline void prefetch_short_rows(const uint16_t *base, const int32_t *pages, int L, int page_size, int Hkv,
+                                       int D) {
+    if (L > SHORT_KV) return;
+    const long row = (long)Hkv * D * 2;
+    for (int t0 = 0; t0 < L; t0 += page_size) {  /* a page's rows are contiguous */
+        const int tn = L - t0 < page_size ? L - t0 : page_size;
+        const char *p = (const char *)(base + (long)pages[t0 / page_size] * page_size * Hkv * D);
+        for (long b = 0; b < tn * row; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+}
+
 static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
         const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
         const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens, int R, int H, int Hkv,
@@ -135,6 +152,10 @@ static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
     for (int r = 0; r < R; r++) {
         const int L = kv_lens[r];
         const int32_t *pages = table + (long)r * table_stride;
+        if (r == 0) prefetch_short_rows(k, pages, L, page_size, Hkv, D);
+        prefetch_short_rows(v, pages, L, page_size, Hkv, D);  /* read after this request's K pass */
+        if (r + 1 < R)
+            prefetch_short_rows(k, table + (long)(r + 1) * table_stride, kv_lens[r + 1], page_size, Hkv, D);
         for (int i = 0; i < H * D; i += 16) _mm512_storeu_ps(qf + i, load_bf16x16(q + (long)r * H * D + i, 0xffff));
         __m512 vmx[MAX_HEADS];  /* each head's running max */
         for (int h = 0; h < H; h++) vmx[h] = _mm512_set1_ps(-FLT_MAX);
@@ -142,6 +163,8 @@ static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
         for (int t0 = 0; t0 < L; t0 += 16) {
             const int tn = L - t0 < 16 ? L - t0 : 16;
             const __mmask16 m = first(tn);
+            const uint16_t *krow[16];  /* the block's token rows, found once for every head (no division per head) */
+            for (int tt = 0; tt < tn; tt++) krow[tt] = kv_row(k, pages, t0 + tt, page_size, Hkv, D, 0);
             for (int kh = 0; kh < Hkv; kh++) {
                 for (int j0 = 0; j0 < n; j0 += HC) {
                     const int hc = n - j0 < HC ? n - j0 : HC;
@@ -150,7 +173,7 @@ static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
                     for (int tt = 0; tt < 16; tt++) {
                         const int slot = SUM16_SLOT[tt];
                         if (tt >= tn) { for (int j = 0; j < hc; j++) part[j][slot] = _mm512_setzero_ps(); continue; }
-                        const uint16_t *kr = kv_row(k, pages, t0 + tt, page_size, Hkv, D, kh);
+                        const uint16_t *kr = krow[tt] + (long)kh * D;
                         __m512 kx[DV];
                         for (int i = 0; i < dv; i++) kx[i] = load_bf16x16(kr + 16 * i, 0xffff);
                         for (int j = 0; j < hc; j++) {
@@ -182,6 +205,8 @@ static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
         for (int i = 0; i < H * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
         for (int t0 = 0; t0 < L; t0 += 16) {
             const int tn = L - t0 < 16 ? L - t0 : 16;
+            const uint16_t *vrow[16];
+            for (int tt = 0; tt < tn; tt++) vrow[tt] = kv_row(v, pages, t0 + tt, page_size, Hkv, D, 0);
             for (int kh = 0; kh < Hkv; kh++) {
                 for (int j0 = 0; j0 < n; j0 += HC) {
                     const int hc = n - j0 < HC ? n - j0 : HC;
@@ -190,7 +215,7 @@ static inline __attribute__((always_inline)) void decode_bf16_avx512_body(
                     for (int j = 0; j < hc; j++)
                         for (int i = 0; i < dv; i++) a[j][i] = _mm512_loadu_ps(acc + (long)(h0 + j) * D + 16 * i);
                     for (int tt = 0; tt < tn; tt++) {
-                        const uint16_t *vr = kv_row(v, pages, t0 + tt, page_size, Hkv, D, kh);
+                        const uint16_t *vr = vrow[tt] + (long)kh * D;
                         __m512 vx[DV];
                         for (int i = 0; i < dv; i++) vx[i] = load_bf16x16(vr + 16 * i, 0xffff);
                         for (int j = 0; j < hc; j++) {

@@ -10,6 +10,8 @@ load).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from backend_driver import run_greedy
@@ -24,7 +26,7 @@ NEW_TOKENS = 12
 PAGE_SIZE = 4
 
 
-def _greedy_outputs(model_dir, dtype: str, compile_max_bs: int):
+def _greedy_outputs(model_dir, dtype: str, compile_max_bs: int, stats_out: dict | None = None):
     """Greedy outputs of PROMPTS through a fresh compiled backend, its step shapes and its compiled-step count."""
     from tierlm.backends.torch.backend import TorchBackend
 
@@ -41,6 +43,8 @@ def _greedy_outputs(model_dir, dtype: str, compile_max_bs: int):
         backend.init_kv_pool = real_init
     stats = backend.torch_compile_stats()
     assert stats["recompiles"] == 0  # the graphs of the first step serve every batch size
+    if stats_out is not None:
+        stats_out.update(stats)
     return outs, drivers[0].batch_shapes, stats["compiled_steps"]
 
 
@@ -80,7 +84,7 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     from tierlm.backends.base import ForwardBatch, SamplingBatch
     from tierlm.backends.torch.backend import TorchBackend
 
-    from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS
+    from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS, cpp_wrapper_choice
 
     backend = TorchBackend(compiled_family, dtype="bfloat16")
     backend.init_kv_pool(6 + SHORT_STEP_TOKENS // PAGE_SIZE, PAGE_SIZE)
@@ -109,8 +113,43 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     compiled = [backend.forward_logits(b) for b in steps]  # rewrite the same K/V into the same slots
     stats = backend.torch_compile_stats()
     assert stats["compiled_steps"] == 3 and stats["graphs"] >= 1
+    # the C++ wrapper where Python's headers are (this machine's interpreter has them: the step ran through it)
+    assert stats["wrapper"] == ("C++" if cpp_wrapper_choice(os.environ)[0] else "Python"), stats["wrapper_why"]
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+def test_the_wrapper_choice_follows_the_switch_and_pythons_headers(tmp_path):
+    from tierlm.backends.torch.compiled_decode import CPP_WRAPPER_ENV, cpp_wrapper_choice
+
+    (tmp_path / "Python.h").write_text("")
+    assert cpp_wrapper_choice({}, str(tmp_path))[0]
+    off, why = cpp_wrapper_choice({CPP_WRAPPER_ENV: "0"}, str(tmp_path))
+    assert not off and CPP_WRAPPER_ENV in why
+    empty = tmp_path / "no-headers"
+    empty.mkdir()
+    missing, why = cpp_wrapper_choice({}, str(empty))
+    assert not missing and "Python.h" in why and "python3-dev" in why
+
+
+@pytest.mark.parametrize("how", ["switched off", "fails to build"])
+def test_the_python_wrapper_serves_where_the_cpp_wrapper_does_not(tiny_llama, monkeypatch, how):
+    """TIERLM_CPU_COMPILE_CPP_WRAPPER=0, or a C++ wrapper whose build fails: the compiled step still serves, through
+    inductor's Python wrapper, with the reference output, and the stats say which wrapper and why."""
+    from tierlm.backends.torch import compiled_decode
+
+    if how == "switched off":
+        monkeypatch.setenv(compiled_decode.CPP_WRAPPER_ENV, "0")
+    else:
+        if not compiled_decode.cpp_wrapper_choice(os.environ)[0]:
+            pytest.skip("no C++ wrapper here to fail (no Python.h)")
+        # an option inductor does not have: its config patch raises as a failed build would
+        monkeypatch.setattr(compiled_decode, "CPP_WRAPPER_PATCHES", {"cpp_wrapper": True, "no_such_option": 1})
+    outs, _, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4, stats_out=(stats := {}))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS)
+    assert steps > 0 and stats["wrapper"] == "Python"
+    assert ("=0" if how == "switched off" else "failed to build") in stats["wrapper_why"]
 
 
 def test_one_request_limit_still_compiles_the_graph_of_short_steps_before_serving(tiny_llama):

@@ -271,13 +271,15 @@ class Engine:
                 msg = self._inbox.get_nowait() if sched.has_work() else self._inbox.get()
             except queue.Empty:
                 msg = None
-            while msg is not None:
-                self._handle(msg)
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    msg = None
-            self._send_outputs()
+            try:
+                while msg is not None:
+                    self._handle(msg)
+                    try:
+                        msg = self._inbox.get_nowait()
+                    except queue.Empty:
+                        msg = None
+            finally:  # what the handled messages emitted, even if one of them raised
+                self._send_outputs()
             if self._stop.is_set():
                 break
             self._step_started = time.monotonic()

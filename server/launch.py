@@ -29,15 +29,24 @@ def http_implementation() -> tuple[str, str]:
     The event loop shares the GIL with the scheduler thread, and every streamed token costs it a wake-up, an SSE
     event and a socket write: with asyncio + h11 ~0.3 ms of Python a token at one stream, all of it time the
     scheduler may wait for the GIL."""
-    import importlib.util
-
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if _imports("uvloop") else "asyncio"
+    http = "httptools" if _imports("httptools") else "h11"
     if (loop, http) != ("uvloop", "httptools"):
         logger.info("HTTP: %s event loop, %s parser (pip install uvloop httptools for the faster C ones)", loop, http)
     else:
         logger.info("HTTP: uvloop event loop, httptools parser")
     return loop, http
+
+
+def _imports(module: str) -> bool:
+    """Whether ``module`` imports (installed is not enough: a wheel built for another Python fails here, not later)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any failure means: use the pure-Python one
+        return False
+    return True
 
 
 def configure_logging(level: str) -> None:

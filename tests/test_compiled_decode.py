@@ -143,13 +143,20 @@ def test_the_python_wrapper_serves_where_the_cpp_wrapper_does_not(tiny_llama, mo
     else:
         if not compiled_decode.cpp_wrapper_choice(os.environ)[0]:
             pytest.skip("no C++ wrapper here to fail (no Python.h)")
-        # an option inductor does not have: its config patch raises as a failed build would
-        monkeypatch.setattr(compiled_decode, "CPP_WRAPPER_PATCHES", {"cpp_wrapper": True, "no_such_option": 1})
+        import torch._inductor.codecache as codecache
+        import torch._inductor.config as inductor_config
+
+        def no_build(*args, **kwargs):  # what a C++ wrapper that does not compile raises, mid-build
+            raise RuntimeError("CppCompileError: simulated: Python.h: No such file or directory")
+
+        monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # build now, not load an earlier build
+        monkeypatch.setattr(codecache.CppWrapperCodeCache, "load_pybinding_async", no_build)
     outs, _, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4, stats_out=(stats := {}))
     for prompt, out in zip(PROMPTS, outs):
         assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS)
     assert steps > 0 and stats["wrapper"] == "Python"
     assert ("=0" if how == "switched off" else "failed to build") in stats["wrapper_why"]
+    assert stats["graphs"] == 2  # one token, several tokens: a failed C++ build is not counted as a graph
 
 
 def test_one_request_limit_still_compiles_the_graph_of_short_steps_before_serving(tiny_llama):

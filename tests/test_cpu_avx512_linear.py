@@ -76,8 +76,8 @@ def test_a_layout_other_than_the_kernels_and_partial_blocks_are_refused():
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 10, 11, 13, 32])
 def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     """K of 1408, 4864 (and 896 at one row) are summed by oneDNN in several chunks; 7-10 rows go span by span (3 + 4
-    to 5 + 5 rows, K=64 shorter than a span, K=1408's second chunk not a whole number of spans); 11 and 13 rows take
-    uneven whole-block passes of the kernel's 6-row groups."""
+    to 5 + 5 rows; K=64 shorter than a span); 11 and 13 rows take uneven whole-block passes of the kernel's 6-row
+    groups."""
     torch.manual_seed(n + k + rows)
     lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     packed = PackedLinear(lin)
@@ -86,6 +86,23 @@ def test_kernel_gives_onednns_bits(bias, n, k, rows, kernel_calls):
     out = packed(x)
     assert out.shape == (1, rows, n) and kernel_calls == [((1, rows, k), True)]
     assert torch.equal(out, onednn_product(x, lin)) and torch.equal(out, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_packing
+@needs_kernel
+@pytest.mark.parametrize("kc", [126, 200, 1408])
+def test_span_by_span_rows_equal_the_whole_block_passes(kc):
+    """7-10 rows (span by span) against the same rows inside an 11-row product (whole-block passes): the same bits,
+    with K chunks that end inside a span (126, 200) and one chunk of all K; strided rows, a bias-free weight."""
+    torch.manual_seed(kc)
+    w = torch.randn(192, 1408).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    if not cpu_avx512_linear.layout_matches(w, packed):
+        pytest.skip("oneDNN packed this weight in another layout here")
+    x = torch.randn(11, 2000).to(torch.bfloat16)[:, 100:1508]  # rows 2000 elements apart
+    whole = cpu_avx512_linear._product_at(x, packed, 192, kc)
+    for rows in (7, 8, 9, 10):
+        assert torch.equal(cpu_avx512_linear._product_at(x[:rows], packed, 192, kc), whole[:rows])
 
 
 @needs_packing

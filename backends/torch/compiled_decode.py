@@ -183,6 +183,7 @@ class CompiledDecode:
         self._compiled_for: set[str] = set()
         self._seen_class = False
         self.cpp_wrapper, self.wrapper_why = cpp_wrapper_choice(os.environ)
+        self.wrappers: set[str] = set()  # the wrappers the graphs were built with ("C++", "Python")
         log.info("torch.compile: inductor's %s wrapper (%s)", "C++" if self.cpp_wrapper else "Python",
                  self.wrapper_why)
         self._compiled: Callable = torch.compile(self._eager, dynamic=True, backend=self._inductor)
@@ -195,19 +196,24 @@ class CompiledDecode:
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        self.graphs += 1
-        self.recompiles += self._seen_class
+        compiled, wrapper = None, "Python"
         if self.cpp_wrapper:
             from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
             try:
-                return compile_fx(gm, example_inputs, config_patches=CPP_WRAPPER_PATCHES)
+                compiled, wrapper = compile_fx(gm, example_inputs, config_patches=CPP_WRAPPER_PATCHES), "C++"
             except (RestartAnalysis, SkipFrame):  # dynamo's own control flow (it traces again), not a failed build
                 raise
             except Exception as e:  # noqa: BLE001 - the Python wrapper below serves the same kernels
                 self.cpp_wrapper, self.wrapper_why = False, f"the C++ wrapper failed to build ({_first_line(e)})"
                 log.warning("torch.compile: %s; inductor's Python wrapper serves the step", self.wrapper_why)
-        return compile_fx(gm, example_inputs)
+        if compiled is None:
+            compiled = compile_fx(gm, example_inputs)
+        # counted once built: a restart of dynamo's analysis raised above is not a graph
+        self.graphs += 1
+        self.recompiles += self._seen_class
+        self.wrappers.add(wrapper)
+        return compiled
 
     def accepts(self, batch: ForwardBatch) -> bool:
         n, tokens = len(batch.q_lens), len(batch.input_ids)
@@ -258,7 +264,7 @@ class CompiledDecode:
 
     def info(self) -> dict:
         return {"state": self.state, "max_bs": self.max_bs, "compiled_steps": self.steps, "graphs": self.graphs,
-                "wrapper": "C++" if self.cpp_wrapper else "Python", "wrapper_why": self.wrapper_why,
+                "wrapper": _wrapper_name(self.wrappers, self.cpp_wrapper), "wrapper_why": self.wrapper_why,
                 "recompiles": self.recompiles, "compile_s": round(self.compile_s, 1),
                 "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
 
@@ -280,6 +286,14 @@ def cpp_wrapper_choice(env, include_dir: str | None = None) -> tuple[bool, str]:
         return False, (f"no Python.h in {include_dir or 'the interpreter include folder'}: the C++ wrapper builds as a "
                        "Python extension (install the Python development headers, e.g. python3-dev)")
     return True, f"the step in one C++ function; {CPP_WRAPPER_ENV}=0 keeps the Python wrapper"
+
+
+def _wrapper_name(built: set[str], cpp_wrapper: bool) -> str:
+    """What the graphs run through: "C++", "Python", or "mixed" when one size class fell back and the other not;
+    before any graph, the wrapper the next one will be built with."""
+    if not built:
+        return "C++" if cpp_wrapper else "Python"
+    return next(iter(built)) if len(built) == 1 else "mixed"
 
 
 def _first_line(e: BaseException) -> str:

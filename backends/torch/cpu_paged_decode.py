@@ -123,16 +123,17 @@ static inline const uint16_t *kv_row(const uint16_t *base, const int32_t *pages,
     return base + (slot * Hkv + kh) * D;
 }
 
-/* Requests of at most SHORT_KV tokens have their K and V rows prefetched into L2 a request ahead: their rows sit
-   on a few scattered pages (8 streams of ~100 tokens: ~6 pages of K and of V each per layer) that the hardware
-   prefetcher barely gets going on, and they fit in L2 (256 tokens of 4 x 64 bf16: 256 KB of K and V). Longer
-   requests stream their ascending pages, which the hardware prefetcher follows (software prefetch ran 5-35 %
-   slower there). llama-small, 8 streams of 128 tokens: 0.95-0.98 -> 0.82-0.85 ms of attention a step. */
-#define SHORT_KV 256
+/* Requests whose K (or V) rows of a layer take at most SHORT_KV_BYTES have them prefetched into L2 a request
+   ahead: their rows sit on a few scattered pages (8 streams of ~100 tokens: ~6 pages of K and of V each per layer)
+   that the hardware prefetcher barely gets going on, and the current V plus the next K fit in L2 (256 KB; 256
+   tokens of llama-small's 4 x 64 bf16). Longer requests stream their ascending pages, which the hardware
+   prefetcher follows (software prefetch ran 5-35 % slower there). llama-small, 8 streams of 128 tokens:
+   0.95-0.98 -> 0.82-0.85 ms of attention a step. */
+#define SHORT_KV_BYTES (128L * 1024)
 static inline void prefetch_short_rows(const uint16_t *base, const int32_t *pages, int L, int page_size, int Hkv,
                                        int D) {
-    if (L > SHORT_KV) return;
     const long row = (long)Hkv * D * 2;
+    if (L * row > SHORT_KV_BYTES) return;
     for (int t0 = 0; t0 < L; t0 += page_size) {  /* a page's rows are contiguous */
         const int tn = L - t0 < page_size ? L - t0 : page_size;
         const char *p = (const char *)(base + (long)pages[t0 / page_size] * page_size * Hkv * D);

@@ -38,6 +38,23 @@ _SOURCE = c_kernel_build.BF16_C + r"""
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 """ + c_kernel_build.TO_BF16X16_C + r"""
+/* Input pair k of a block (four 16-column vectors at wk, 256 bytes) into the sums of R rows (R <= 6): each row's
+   pair broadcast to the four vectors, one vdpbf16ps each. The inner step of both kinds of pass below. */
+static inline __attribute__((always_inline)) void pair_x_rows(
+        const int R, const uint16_t *restrict x, long lda, long k, const uint16_t *restrict wk, __m512 acc[6][4]) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int r = 0; r < R; r++) {
+        uint32_t pair;
+        memcpy(&pair, x + r * lda + k, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, w3);
+    }
+}
+
 /* R rows (R <= 6) x the 64 columns of one block: sums over K in chunks of kc inputs, each chunk from zero and added
    to the total in order (oneDNN's order); then the bias, then one rounding. The first pass over a block reads it
    from memory with no software prefetch: the hardware prefetcher follows that stream better (one row: 3.3-4.3 ms a
@@ -55,17 +72,7 @@ static inline __attribute__((always_inline)) void rows_x_block(
             const uint16_t *wk = w + k * 64;  /* one input pair of 64 columns: 256 bytes */
             if (next_block)
                 for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)(wk + K * 64) + l, _MM_HINT_T1);
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
-                           w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-            for (int r = 0; r < R; r++) {
-                uint32_t pair;
-                memcpy(&pair, x + r * lda + k, 4);
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
-                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
-                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, w3);
-            }
+            pair_x_rows(R, x, lda, k, wk, acc);
         }
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) tot[r][j] = k0 ? _mm512_add_ps(tot[r][j], acc[r][j]) : acc[r][j];
@@ -91,17 +98,7 @@ static inline __attribute__((always_inline)) void rows_x_span(
     for (long k = s0; k < s1; k += 2) {
         const uint16_t *wk = w + k * 64;
         for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)wk + SPAN_AHEAD + l, _MM_HINT_T1);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
-                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;
-            memcpy(&pair, x + r * lda + k, 4);
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, w0);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], b, w1);
-            a[r][2] = _mm512_dpbf16_ps(a[r][2], b, w2);
-            a[r][3] = _mm512_dpbf16_ps(a[r][3], b, w3);
-        }
+        pair_x_rows(R, x, lda, k, wk, a);
     }
     for (int r = 0; r < R; r++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + r * 64 + 16 * j, a[r][j]);
 }

@@ -28,6 +28,7 @@ from tierlm.backends.weight_format import (FP8_MATMUL_CAPABILITY, WeightFormatEr
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
 from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler, this_cpu
+from tierlm.platforms.huge_pages import this_machine as huge_page_plan
 from tierlm.runtime.engine_setup import check_context_length, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
@@ -193,6 +194,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"],
                                                 find_c_compiler(env), sizes.get("weight_format") or "none", env)
         report["cpu_kernels"]["decode_step"] = _decode_step_plan(report, args, env)
+        report["cpu_kernels"]["weight_pages"] = huge_page_plan(env).why
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
@@ -304,7 +306,7 @@ def render_text(report: dict[str, Any]) -> str:
                          + ("verified on " + d["backend"] if a["verified"]
                             else f"NOT verified on {d['backend']} (docs/models.md)"))
         labels = {"linear": "linear", "prefill_attention": "prefill attn", "decode_attention": "decode attn",
-                  "decode_step": "decode step"}
+                  "decode_step": "decode step", "weight_pages": "weight pages"}
         for layer, kernel in (report.get("cpu_kernels") or {}).items():
             lines.append(f"  {labels.get(layer, layer):<17}{kernel}")
     else:

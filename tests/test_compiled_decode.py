@@ -115,8 +115,59 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     assert stats["compiled_steps"] == 3 and stats["graphs"] >= 1
     # the C++ wrapper where Python's headers are (this machine's interpreter has them: the step ran through it)
     assert stats["wrapper"] == ("C++" if cpp_wrapper_choice(os.environ)[0] else "Python"), stats["wrapper_why"]
+    assert stats["guards"] == "inputs only", stats["guards_why"]  # the steps after compile_now skipped the rest
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(tiny_llama, tiny_models_root):
+    """Dynamo keys graphs by code object, and transformers' forward wrapper is one code object for every model: each
+    compiled stack compiles through entries of its own, so with the guards skipped after compile_now, interleaved
+    steps of two llama models of different shapes (a graph of one would fail the other's weights) each give their
+    own eager logits, bit for bit."""
+    import numpy as np
+    import torch
+
+    from model_factory import build_tiny_model
+    from tierlm.backends.base import ForwardBatch, SamplingBatch
+    from tierlm.backends.torch.backend import TorchBackend
+
+    other = build_tiny_model("llama", tiny_models_root / "llama-3-layers-wide", num_hidden_layers=3,
+                             intermediate_size=96)
+    backends = [TorchBackend(d, dtype="bfloat16") for d in (tiny_llama, other)]
+    prompt = [5, 9, 13, 2, 7]
+    n = len(prompt)
+    prefill = ForwardBatch(np.asarray(prompt, np.int64), np.arange(n, dtype=np.int64), np.asarray([n], np.int32),
+                           np.asarray([n], np.int32), np.asarray([[0, 1]], np.int32), np.asarray([n - 1], np.int64),
+                           SamplingBatch.greedy(1), PAGE_SIZE)
+    steps = [ForwardBatch(np.asarray([t], np.int64), np.asarray([n], np.int64), np.ones(1, np.int32),
+                          np.asarray([n + 1], np.int32), np.asarray([[0, 1]], np.int32), np.zeros(1, np.int64),
+                          SamplingBatch.greedy(1), PAGE_SIZE) for t in (3, 4)]
+    eager = []
+    for b in backends:
+        b.init_kv_pool(2, PAGE_SIZE)
+        b.forward(prefill)
+        eager.append([b.forward_logits(s).clone() for s in steps])
+    for b in backends:
+        b.init_torch_compile(max_bs=2)
+        assert b.torch_compile_stats()["guards"] == "inputs only"
+    for i in range(len(steps)):  # A, B, A, B: each call after the other model's
+        for b, want in zip(backends, eager):
+            assert torch.equal(b.forward_logits(steps[i]), want[i])
+    for b in backends:
+        stats = b.torch_compile_stats()
+        assert stats["graphs"] == 2 and stats["recompiles"] == 0
+        assert b.compiled.graphs_per_entry() == {"one token": 1, "several tokens": 1}
+
+
+def test_the_guards_are_skipped_only_for_tested_families_and_not_when_switched_off():
+    from tierlm.backends.torch.compiled_decode import SKIP_GUARDS_ENV, skip_guards_choice
+
+    assert skip_guards_choice({}, "Qwen2ForCausalLM")[0]
+    off, why = skip_guards_choice({SKIP_GUARDS_ENV: "0"}, "LlamaForCausalLM")
+    assert not off and SKIP_GUARDS_ENV in why
+    other, why = skip_guards_choice({}, "Qwen3NextForCausalLM")
+    assert not other and "Qwen3NextForCausalLM" in why
 
 
 def test_the_wrapper_choice_follows_the_switch_and_pythons_headers(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import cpu_int8_gemv, cpu_paged_decode, paged_attention
+from tierlm.backends.torch import cpu_int8_gemv, cpu_paged_decode, huge_pages, paged_attention
 from tierlm.backends.torch.compiled_decode import CompiledDecode
 from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
 from tierlm.backends.torch.cpu_linear import packed_bytes
@@ -30,6 +31,7 @@ from tierlm.backends.torch.sampler import row_argmax, sample
 from tierlm.backends.torch.weight_quant import tensor_bytes
 from tierlm.backends.verified_architectures import check_architecture
 from tierlm.backends.weight_format import EMBEDDING_SUFFIX, WeightQuant, weight_format_label
+from tierlm.platforms.huge_pages import this_machine as huge_page_plan
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +56,14 @@ class TorchBackend(ModelBackend):
             log.warning(self.architecture_check.warning)
         self.torch_device = torch.device(device)
         self.device = self.torch_device.type
-        if self.device == "cpu":
+        pages = huge_page_plan(os.environ) if self.device == "cpu" else None
+        if pages is not None:
             configure_cpu_threads()  # before any kernel runs: one core left to the server (cpu_threads.py)
+            huge_pages.ask_at_allocation(pages)  # large weights born on huge pages (huge_pages.py)
         self.dtype = resolve_dtype(dtype, self.torch_device)
         self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code, weight_quant)
+        # the rest of the weights moved there once packed: one core streams them ~1.3-1.8x faster
+        self.huge_pages = huge_pages.place_model(self.model, pages) if pages is not None else None
         cfg = self.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         num_heads = text_cfg.num_attention_heads
@@ -191,8 +197,11 @@ class TorchBackend(ModelBackend):
     def kernels(self) -> dict[str, str]:
         text_cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
             else self.model.config
-        return kernel_report(self.model, self.device, self.dtype, self.kv_torch_dtype, self.attention_backend,
-                             text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim)
+        report = kernel_report(self.model, self.device, self.dtype, self.kv_torch_dtype, self.attention_backend,
+                               text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim)
+        if self.huge_pages is not None:
+            report["weight_pages"] = self.huge_pages.summary()
+        return report
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         if keep.numel() == 0 and self.info.weight_format.startswith("torchao:"):

@@ -1,0 +1,138 @@
+"""A CPU model's weights on transparent huge pages (why and when: platforms/huge_pages.py).
+
+Two steps, both asking the kernel through ``madvise``:
+- before the weights load, ``ask_at_allocation`` turns on torch's own switch (``THP_MEM_ALLOC_ENABLE``): c10's
+  allocator advises every allocation of 2 MB or more onto huge pages as it is made, so large weights (and the KV
+  pool) are born there and nothing is copied. c10 reads the switch once, at its first large allocation: a process
+  that made one before (an earlier model, a test) keeps 4 KB pages for its new allocations.
+- once the weights are loaded and packed, ``move_onto_huge_pages`` advises every huge-page-sized range that holds
+  weight bytes and moves it with ``MADV_COLLAPSE``: the weights smaller than 2 MB (llama-small's q/k/v and o are
+  1 and 0.5 MB), the edges of larger ones, and all of them where the switch came too late. A range may hold other
+  memory of the process beside the weights; its contents never change, only the page size that maps them.
+  Ranges that cross two mappings are not moved by the kernel (EINVAL/ENOMEM) and stay on 4 KB pages: the report says
+  how many weight bytes made it.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from typing import Iterable, MutableMapping
+
+import torch
+from torch import nn
+
+from tierlm.platforms.huge_pages import HugePagePlan
+
+log = logging.getLogger(__name__)
+
+ALLOC_ENV = "THP_MEM_ALLOC_ENABLE"
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+PROGRESS_RANGES = 512  # a progress bar from this many ranges (1 GiB of 2 MiB pages)
+
+
+@dataclasses.dataclass
+class HugePageReport:
+    weight_bytes: int = 0
+    on_huge_pages: int = 0  # weight bytes in ranges the kernel moved (or advised, without MADV_COLLAPSE)
+    ranges: int = 0
+    not_moved: int = 0  # ranges the kernel would not move (they cross two mappings)
+    seconds: float = 0.0
+    why: str = ""
+
+    def summary(self) -> str:
+        mib = 2 ** 20
+        if not self.ranges:
+            return self.why
+        return (f"{self.on_huge_pages / mib:.1f} of {self.weight_bytes / mib:.1f} MiB of weights on huge pages "
+                f"({self.not_moved} of {self.ranges} ranges stayed on 4 KB pages; {self.seconds:.2f} s): {self.why}")
+
+
+def ask_at_allocation(plan: HugePagePlan, env: MutableMapping[str, str] = os.environ) -> None:
+    """torch's allocator puts allocations of 2 MB and more on huge pages from now on, unless the user set the
+    switch (to anything) or the plan says no."""
+    if plan.use:
+        env.setdefault(ALLOC_ENV, "1")
+
+
+def tensor_regions(module: nn.Module) -> list[tuple[int, int]]:
+    """(address, bytes) of each CPU parameter and buffer's memory once: a oneDNN-packed weight's opaque buffer, a
+    plain tensor's whole storage. Tensor subclasses without one storage (torchao's) are left out."""
+    regions: dict[int, int] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.device.type != "cpu":
+            continue
+        try:
+            if t.is_mkldnn:
+                address, nbytes = torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t)
+            else:
+                storage = t.untyped_storage()
+                address, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass: no storage of its own
+            continue
+        if address and nbytes:
+            regions[address] = max(nbytes, regions.get(address, 0))
+    return sorted(regions.items())
+
+
+def page_ranges(regions: Iterable[tuple[int, int]], page: int) -> list[int]:
+    """The start addresses of the ``page``-aligned ranges that hold any byte of ``regions``."""
+    return sorted({r for address, nbytes in regions for r in range(address // page * page, address + nbytes, page)})
+
+
+def bytes_inside(regions: Iterable[tuple[int, int]], ranges: set[int], page: int) -> int:
+    """How many bytes of ``regions`` lie in the ranges starting at ``ranges``."""
+    total = 0
+    for address, nbytes in regions:
+        for r in range(address // page * page, address + nbytes, page):
+            if r in ranges:
+                total += min(address + nbytes, r + page) - max(address, r)
+    return total
+
+
+def move_onto_huge_pages(regions: list[tuple[int, int]], plan: HugePagePlan) -> HugePageReport:
+    report = HugePageReport(weight_bytes=sum(n for _, n in regions), why=plan.why)
+    if not plan.use or not regions:
+        return report
+    madvise = _madvise()
+    if madvise is None:
+        report.why = "no madvise in this C library: weights stay on 4 KB pages"
+        return report
+    page = plan.page_bytes
+    ranges = page_ranges(regions, page)
+    t0 = time.perf_counter()
+    done: set[int] = set()
+    steps = ranges
+    if len(ranges) >= PROGRESS_RANGES:
+        from tqdm import tqdm
+
+        steps = tqdm(ranges, desc="weights onto huge pages", unit="MiB", unit_scale=page / 2 ** 20)
+    for r in steps:
+        if madvise(r, page, MADV_HUGEPAGE) == 0 and (not plan.collapse or madvise(r, page, MADV_COLLAPSE) == 0):
+            done.add(r)
+    report.ranges, report.not_moved = len(ranges), len(ranges) - len(done)
+    report.on_huge_pages = bytes_inside(regions, done, page)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def place_model(model: nn.Module, plan: HugePagePlan) -> HugePageReport:
+    """The loaded (and packed) model's weights onto huge pages, as far as the kernel lets; logged."""
+    report = move_onto_huge_pages(tensor_regions(model), plan)
+    log.info("CPU weights: %s", report.summary())
+    return report
+
+
+def _madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn

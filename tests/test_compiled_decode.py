@@ -116,6 +116,7 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     # the C++ wrapper where Python's headers are (this machine's interpreter has them: the step ran through it)
     assert stats["wrapper"] == ("C++" if cpp_wrapper_choice(os.environ)[0] else "Python"), stats["wrapper_why"]
     assert stats["guards"] == "inputs only", stats["guards_why"]  # the steps after compile_now skipped the rest
+    assert stats["call"] == "direct", stats["call_why"]  # and called the graphs without dynamo
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
 
@@ -158,6 +159,80 @@ def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(ti
         stats = b.torch_compile_stats()
         assert stats["graphs"] == 2 and stats["recompiles"] == 0
         assert b.compiled.graphs_per_entry() == {"one token": 1, "several tokens": 1}
+
+
+def test_a_direct_call_that_differs_from_dynamos_is_dropped_before_serving(tiny_llama, monkeypatch):
+    """compile_now runs its steps a second time, each through the direct call and through dynamo: a direct call
+    whose hidden states differ (here: shifted by one) is dropped, and the steps serve through dynamo with the
+    reference output."""
+    from tierlm.backends.torch import compiled_direct_call
+
+    real_plan = compiled_direct_call.plan
+
+    def off_by_one(gm, example_inputs, compiled, output):
+        call, why = real_plan(gm, example_inputs, compiled, output)
+        if call is not None:
+            call.compiled = lambda *args: (compiled(*args)[0] + 1,)
+        return call, why
+
+    monkeypatch.setattr(compiled_direct_call, "plan", off_by_one)
+    outs, _, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4, stats_out=(stats := {}))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS)
+    assert steps > 0 and stats["call"] == "dynamo" and "differed" in stats["call_why"]
+
+
+def test_the_direct_call_takes_only_the_traced_arguments_and_only_graphs_of_the_steps_inputs():
+    import torch
+
+    from tierlm.backends.torch.compiled_direct_call import plan
+
+    def stack(l_kwargs_input_ids_, s27, l_kwargs_position_ids_, l_fn_self_weight):
+        return ((l_kwargs_input_ids_ + l_kwargs_position_ids_).float() * l_fn_self_weight,)
+
+    gm = torch.fx.symbolic_trace(stack)
+    weight = torch.tensor(3.0)
+    ids, pos = torch.tensor([[1, 2]]), torch.tensor([[0, 1]])
+    call, why = plan(gm, [ids, 2, pos, weight], gm, lambda h: h)
+    assert call is None and "s27" in why  # a plain int where a symbolic size belongs: not this graph's input
+
+    def stack_without_size(l_kwargs_input_ids_, l_kwargs_position_ids_, l_fn_self_weight):
+        return ((l_kwargs_input_ids_ + l_kwargs_position_ids_).float() * l_fn_self_weight,)
+
+    gm = torch.fx.symbolic_trace(stack_without_size)
+    call, why = plan(gm, [ids, pos, weight], gm, lambda h: h)
+    assert why == "" and torch.equal(call(torch.tensor([[5]]), torch.tensor([[7]])), torch.tensor([[36.0]]))
+    assert call.takes({"input_ids": ids, "position_ids": pos, "use_cache": False, "cache": None})
+    assert not call.takes({"input_ids": ids, "position_ids": pos, "inputs_embeds": torch.ones(1)})
+    assert not call.takes({"input_ids": ids, "position_ids": pos, "use_cache": True})
+    assert not call.takes({"input_ids": ids, "position_ids": pos, "output_hidden_states": True})
+
+    def two_outputs(l_kwargs_input_ids_, l_kwargs_position_ids_, l_fn_self_weight):
+        return (l_kwargs_input_ids_ * 1, l_fn_self_weight * 2)
+
+    assert "more than the hidden states" in plan(torch.fx.symbolic_trace(two_outputs), [ids, pos, weight], None,
+                                                 lambda h: h)[1]
+
+    def foreign(l_kwargs_input_ids_, l_kwargs_position_ids_, l_g_something):
+        return (l_kwargs_input_ids_ * l_g_something,)
+
+    assert "l_g_something" in plan(torch.fx.symbolic_trace(foreign), [ids, pos, weight], None, lambda h: h)[1]
+
+
+def test_the_direct_call_is_off_when_switched_off_or_where_rope_changes_during_a_forward():
+    from types import SimpleNamespace
+
+    from tierlm.backends.torch.compiled_direct_call import ENV, choice
+
+    assert choice({}, SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4}))[0]
+    assert choice({}, SimpleNamespace(rope_parameters={"rope_type": "llama3", "factor": 8.0}))[0]
+    off, why = choice({ENV: "0"}, SimpleNamespace(rope_parameters=None))
+    assert not off and ENV in why
+    dynamic, why = choice({}, SimpleNamespace(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    assert not dynamic and "dynamic" in why
+    per_layer = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "longrope"},
+                                                 "sliding_attention": {"rope_type": "default"}})
+    assert not choice({}, per_layer)[0]
 
 
 def test_the_guards_are_skipped_only_for_tested_families_and_not_when_switched_off():

@@ -34,11 +34,11 @@ not check, as custom_op did).
   code object; transformers' forward wrapper is one for every model), so each entry holds exactly one graph of one
   model. Once ``compile_now`` built them, steps of the families tests check bit for bit run with
   ``skip_guard_eval_unsafe``: dynamo runs only the guards on the input tensors (dtype, device, shape) instead of
-  all ~1,000 on the model's modules and parameters, which nothing changes while serving. llama-small, in process,
-  alternated: one stream 4.88 -> 4.61 ms a step, 8 streams 7.26 -> 6.70. ``TIERLM_CPU_COMPILE_SKIP_GUARDS=0`` runs
-  every guard. Beyond that, ready steps call each class's graph straight, past dynamo's frame hook and
-  aot_autograd's wrapper (compiled_direct_call.py: 4.92 -> 4.53 ms, 7.5 -> 6.7), once compile_now found the direct
-  call equal to dynamo's on its own steps.
+  all ~1,200 on the model's modules, parameters and config, which nothing changes while serving. llama-small, in
+  process, alternated: one stream 4.88 -> 4.61 ms a step, 8 streams 7.26 -> 6.70.
+  ``TIERLM_CPU_COMPILE_SKIP_GUARDS=0`` runs every guard. Beyond that, ready steps call each class's graph
+  straight, past dynamo's frame hook and aot_autograd's wrapper (compiled_direct_call.py: 4.92 -> 4.53 ms,
+  7.5 -> 6.7), once compile_now found the direct call equal to dynamo's on its own steps.
 - inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR``, under tierlm's cache folder unless
   set), so a restart on the same model and torch loads it in seconds instead of compiling again.
 """
@@ -313,7 +313,8 @@ class CompiledDecode:
         try:
             if self.ready and self.skip_guards:
                 # The entry holds one graph, built by compile_now: dynamo runs only the guards on the step's input
-                # tensors (dtype, device, shape) instead of all ~1,000 (0.3-0.5 ms a step on llama-small).
+                # tensors (dtype, device, shape) instead of all ~1,200 (every module, parameter and config value the
+                # stack reads: 0.3-0.5 ms a step on llama-small).
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     out = run_step()
             else:

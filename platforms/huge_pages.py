@@ -21,6 +21,9 @@ from typing import Mapping
 THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
 SWITCH_ENV = "TIERLM_HUGE_PAGES"
 DEFAULT_PAGE_BYTES = 2 << 20
+# Larger huge pages (512 MiB on aarch64 kernels with 64 KB base pages) are not asked for: a collapse fills every
+# untouched page of its range, which would be up to that much memory the plan never counted.
+MAX_PAGE_BYTES = 2 << 20
 COLLAPSE_SINCE = (6, 1)  # MADV_COLLAPSE: a synchronous move of mapped pages onto huge pages
 
 
@@ -30,9 +33,6 @@ class HugePagePlan:
     page_bytes: int  # the huge page size (PMD): 2 MiB on x86_64 and on aarch64 with 4 KB base pages
     collapse: bool  # weights already on 4 KB pages can be moved now (else the kernel's khugepaged may, later)
     why: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def thp_mode(enabled_text: str | None) -> str | None:
@@ -64,6 +64,9 @@ def plan(env: Mapping[str, str], system: str, release: str, enabled_text: str | 
                             "transparent huge pages are off in this kernel (never): weights stream from 4 KB pages, "
                             "~1.3x slower decode here; `echo madvise | sudo tee "
                             "/sys/kernel/mm/transparent_hugepage/enabled` lets tierlm ask for them")
+    if page > MAX_PAGE_BYTES:
+        return HugePagePlan(False, page, False, f"huge pages here are {page >> 20} MiB (64 KB base pages): too coarse "
+                                                "to ask for around the weights; they stay on base pages")
     collapse = kernel_version(release) >= COLLAPSE_SINCE
     how = "moved onto them after loading (MADV_COLLAPSE)" if collapse else \
         f"advised only: Linux {release} has no MADV_COLLAPSE (6.1+), khugepaged moves them when it gets to them"

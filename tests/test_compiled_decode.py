@@ -121,17 +121,23 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
         assert torch.equal(e, c)
 
 
-def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(tiny_llama, tiny_models_root):
+@pytest.mark.parametrize("call", ["direct", "dynamo"])
+def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(tiny_llama, tiny_models_root,
+                                                                             monkeypatch, call):
     """Dynamo keys graphs by code object, and transformers' forward wrapper is one code object for every model: each
     compiled stack compiles through entries of its own, so with the guards skipped after compile_now, interleaved
-    steps of two llama models of different shapes (a graph of one would fail the other's weights) each give their
-    own eager logits, bit for bit."""
+    one- and two-token steps of two llama models of different shapes (a graph of one would fail the other's
+    weights) each give their own eager logits, bit for bit: called straight, and through dynamo."""
     import numpy as np
     import torch
 
     from model_factory import build_tiny_model
     from tierlm.backends.base import ForwardBatch, SamplingBatch
+    from tierlm.backends.torch import compiled_direct_call
     from tierlm.backends.torch.backend import TorchBackend
+
+    if call == "dynamo":
+        monkeypatch.setenv(compiled_direct_call.ENV, "0")
 
     other = build_tiny_model("llama", tiny_models_root / "llama-3-layers-wide", num_hidden_layers=3,
                              intermediate_size=96)
@@ -144,6 +150,9 @@ def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(ti
     steps = [ForwardBatch(np.asarray([t], np.int64), np.asarray([n], np.int64), np.ones(1, np.int32),
                           np.asarray([n + 1], np.int32), np.asarray([[0, 1]], np.int32), np.zeros(1, np.int64),
                           SamplingBatch.greedy(1), PAGE_SIZE) for t in (3, 4)]
+    steps.append(ForwardBatch(np.asarray([6, 8], np.int64), np.asarray([n, n + 1], np.int64),
+                              np.asarray([2], np.int32), np.asarray([n + 2], np.int32), np.asarray([[0, 1]], np.int32),
+                              np.arange(2, dtype=np.int64), SamplingBatch.greedy(2), PAGE_SIZE))
     eager = []
     for b in backends:
         b.init_kv_pool(2, PAGE_SIZE)
@@ -151,7 +160,8 @@ def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(ti
         eager.append([b.forward_logits(s).clone() for s in steps])
     for b in backends:
         b.init_torch_compile(max_bs=2)
-        assert b.torch_compile_stats()["guards"] == "inputs only"
+        stats = b.torch_compile_stats()
+        assert stats["guards"] == "inputs only" and stats["call"] == call, stats["call_why"]
     for i in range(len(steps)):  # A, B, A, B: each call after the other model's
         for b, want in zip(backends, eager):
             assert torch.equal(b.forward_logits(steps[i]), want[i])
@@ -206,6 +216,9 @@ def test_the_direct_call_takes_only_the_traced_arguments_and_only_graphs_of_the_
     assert not call.takes({"input_ids": ids, "position_ids": pos, "inputs_embeds": torch.ones(1)})
     assert not call.takes({"input_ids": ids, "position_ids": pos, "use_cache": True})
     assert not call.takes({"input_ids": ids, "position_ids": pos, "output_hidden_states": True})
+    assert not call.takes({"input_ids": ids.int(), "position_ids": pos})  # inductor's code reads int64 unchecked
+    assert not call.takes({"input_ids": torch.tensor([[1, 2, 3, 4]])[:, ::2], "position_ids": pos})  # strided
+    assert not call.takes({"input_ids": ids, "position_ids": pos[:, :1]})  # ids and positions of other lengths
 
     def two_outputs(l_kwargs_input_ids_, l_kwargs_position_ids_, l_fn_self_weight):
         return (l_kwargs_input_ids_ * 1, l_fn_self_weight * 2)

@@ -25,8 +25,8 @@ def test_the_plan_follows_the_thp_mode_and_the_kernel_version():
     assert plan({}, "Linux", "6.1.0-27-amd64", ALWAYS, "2097152\n").collapse
     old = plan({}, "Linux", "5.15.0-119-generic", MADVISE, "2097152\n")  # Ubuntu 22.04: asks, cannot move
     assert old.use and not old.collapse and "khugepaged" in old.why
-    # aarch64 with 64 KB base pages: a PMD maps 512 MiB
-    assert plan({}, "Linux", "6.8.0-1010-nvidia-64k", MADVISE, "536870912\n").page_bytes == 512 * MIB
+    # aarch64 with 16 KB base pages: a PMD maps 32 MiB, more than tierlm asks for
+    assert plan({}, "Linux", "6.8.0", MADVISE, "33554432\n").page_bytes == 32 * MIB
 
 
 @pytest.mark.parametrize("env,system,enabled,said", [
@@ -41,13 +41,33 @@ def test_no_huge_pages_says_why(env, system, enabled, said):
 
 
 def test_ranges_and_the_bytes_inside_them():
-    from tierlm.backends.torch.huge_pages import bytes_inside, page_ranges
+    from tierlm.backends.torch.huge_pages import bytes_per_range
 
     page = 2 * MIB
-    regions = [(3 * MIB, 2 * MIB), (10 * MIB + 100, 100)]  # 3-5 MiB crosses the 4 MiB boundary
-    assert page_ranges(regions, page) == [2 * MIB, 4 * MIB, 10 * MIB]
-    assert bytes_inside(regions, {4 * MIB}, page) == MIB
-    assert bytes_inside(regions, {2 * MIB, 4 * MIB, 10 * MIB}, page) == 2 * MIB + 100
+    regions = [(3 * MIB, 2 * MIB), (5 * MIB, MIB), (10 * MIB + 100, 100)]  # 3-5 MiB crosses the 4 MiB boundary
+    assert bytes_per_range(regions, page) == {2 * MIB: MIB, 4 * MIB: 2 * MIB, 10 * MIB: 100}
+
+
+def test_huge_pages_larger_than_2_mib_are_not_asked_for():
+    p = plan({}, "Linux", "6.8.0-1010-nvidia-64k", MADVISE, "536870912\n")  # aarch64, 64 KB base pages
+    assert not p.use and "512 MiB" in p.why
+
+
+def test_sparse_ranges_are_advised_not_collapsed_and_without_collapse_the_report_says_advised(monkeypatch):
+    from tierlm.backends.torch import huge_pages
+
+    calls = []
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda addr, n, advice: calls.append((addr, advice)) or 0)
+    page = 2 * MIB
+    regions = [(page, page + 100)]  # one full range, then 100 bytes of the next
+    report = huge_pages.move_onto_huge_pages(regions, HugePagePlan(True, page, True, ""))
+    assert calls == [(page, huge_pages.MADV_HUGEPAGE), (page, huge_pages.MADV_COLLAPSE),
+                     (2 * page, huge_pages.MADV_HUGEPAGE)]
+    assert report.on_huge_pages == page and report.not_moved == 1 and "on huge pages" in report.summary()
+    calls.clear()
+    advised = huge_pages.move_onto_huge_pages(regions, HugePagePlan(True, page, False, ""))
+    assert [a for _, a in calls] == [huge_pages.MADV_HUGEPAGE] * 2
+    assert advised.on_huge_pages == page + 100 and "advised onto huge pages" in advised.summary()
 
 
 def test_the_switch_for_torchs_allocator_is_set_unless_the_user_set_it():
@@ -95,12 +115,12 @@ def test_memory_moved_onto_huge_pages_keeps_its_contents():
         _set_madvise_hugepage(was)
     copy = data.copy()
     address = data.ctypes.data
-    before = _anon_huge_kib(address) * 1024
     report = move_onto_huge_pages([(address, data.nbytes)], machine)
     assert report.weight_bytes == data.nbytes
     # at least the whole pages inside the array moved (the edge ranges may cross into another mapping)
     assert report.on_huge_pages >= data.nbytes - 2 * machine.page_bytes
-    assert _anon_huge_kib(address) * 1024 >= before + report.on_huge_pages - 2 * machine.page_bytes
+    # (with THP mode always the array may have been on huge pages before: the mapping holds at least what moved)
+    assert _anon_huge_kib(address) * 1024 >= report.on_huge_pages - 2 * machine.page_bytes
     assert np.array_equal(data, copy)
 
 
@@ -118,8 +138,8 @@ def test_the_backend_reports_its_weight_pages_and_the_switch_keeps_4k_pages(tiny
     if switch == "off":
         assert report.on_huge_pages == 0 and f"{SWITCH_ENV}=0" in said
     elif machine.use and machine.collapse:
-        # the tiny model's weights lie among other allocations: most of their ranges move
-        assert report.on_huge_pages > 0 and "on huge pages" in said
+        # the tiny model's weights lie among other allocations; how many ranges the kernel moves depends on them
+        assert report.ranges > 0 and "of weights on huge pages" in said
     else:
         assert report.on_huge_pages == 0 and said == machine.why
 

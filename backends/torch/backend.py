@@ -179,8 +179,9 @@ class TorchBackend(ModelBackend):
         page-table entries name it, so any page size holds the two positions): they compile the graph for one token
         and the symbolic one for several, whatever --torch-compile-max-bs allows."""
         ps, scratch = self.pool.page_size, self.scratch_page
-        for n in (1, 2):
-            self.forward(ForwardBatch(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.asarray([n], np.int32),
+        for n in (1, 2):  # ids unlike their positions: the direct call's check would see two inputs swapped
+            self.forward(ForwardBatch(np.arange(3, 3 + n, dtype=np.int64) % self.info.vocab_size,
+                                      np.arange(n, dtype=np.int64), np.asarray([n], np.int32),
                                       np.asarray([n], np.int32), np.full((1, 2), scratch, np.int32),
                                       np.asarray([n - 1], np.int64), SamplingBatch.greedy(1), ps))
 

@@ -33,12 +33,14 @@ not check, as custom_op did).
 - Guards: each size class compiles through an entry function with a code object of its own (dynamo keys graphs by
   code object; transformers' forward wrapper is one for every model), so each entry holds exactly one graph of one
   model. Once ``compile_now`` built them, steps of the families tests check bit for bit run with
-  ``skip_guard_eval_unsafe``: dynamo runs only the guards on the input tensors (dtype, device, shape) instead of
-  all ~1,200 on the model's modules, parameters and config, which nothing changes while serving. llama-small, in
+  ``skip_guard_eval_unsafe``: dynamo runs only the tensor guards of what is not a parameter (the step's inputs and
+  the model's buffers: dtype, device, shape) instead of all ~1,200 on the model's modules, parameters and config,
+  which nothing changes while serving (``set_stance`` is process-wide: one thread runs the steps). llama-small, in
   process, alternated: one stream 4.88 -> 4.61 ms a step, 8 streams 7.26 -> 6.70.
-  ``TIERLM_CPU_COMPILE_SKIP_GUARDS=0`` runs every guard. Beyond that, ready steps call each class's graph
-  straight, past dynamo's frame hook and aot_autograd's wrapper (compiled_direct_call.py: 4.92 -> 4.53 ms,
-  7.5 -> 6.7), once compile_now found the direct call equal to dynamo's on its own steps.
+  ``TIERLM_CPU_COMPILE_SKIP_GUARDS=0`` runs every guard (and turns the direct call off). Beyond that, ready steps
+  call each class's compiled function straight, past dynamo's frame hook, guards and input gathering
+  (compiled_direct_call.py: 4.92 -> 4.53 ms, 7.5 -> 6.7), once compile_now found the direct call equal to
+  dynamo's on its own steps.
 - inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR``, under tierlm's cache folder unless
   set), so a restart on the same model and torch loads it in seconds instead of compiling again.
 """
@@ -179,6 +181,12 @@ class CompiledDecode:
 
         # bf16/fp16: round where eager rounds, so compiled outputs equal transformers' own (not "more precise").
         inductor_config.emulate_precision_casts = True
+        import torch._dynamo.config as dynamo_config
+
+        # A model that breaks the graph (another architecture under --enable-torch-compile) compiles the rest in
+        # functions of transformers' code objects, shared by every model of the process: several backends (tests,
+        # in-process benchmarks) would reach dynamo's default limit of 8 and silently run those parts eagerly.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         self.inner = model.model  # the decoder stack; the lm_head (and logits_to_keep) stays eager
         self.max_bs = max_bs
         self._eager = self.inner.forward
@@ -233,8 +241,11 @@ class CompiledDecode:
         self.recompiles += self._seen_class
         self.wrappers.add(wrapper)
         if self.direct and self._class_now is not None:
-            call, why = compiled_direct_call.plan(gm, example_inputs, compiled, _stack_output) \
-                if not self._seen_class else (None, f"the step for {self._class_now} compiled a second graph")
+            try:  # an optional speed-up: whatever goes wrong planning it leaves the step to dynamo
+                call, why = compiled_direct_call.plan(gm, example_inputs, compiled, _stack_output) \
+                    if not self._seen_class else (None, f"the step for {self._class_now} compiled a second graph")
+            except Exception as e:  # noqa: BLE001
+                call, why = None, f"planning the direct call failed ({type(e).__name__}: {_first_line(e)})"
             if call is None:
                 self._direct.pop(self._class_now, None)
                 self.direct_why = why
@@ -260,13 +271,19 @@ class CompiledDecode:
 
     def _verify(self, size_class: str, call, through_dynamo, kwargs):
         """compile_now's second pass: the direct call must give dynamo's hidden states bit for bit."""
-        direct = call(kwargs["input_ids"], kwargs["position_ids"])
-        if not torch.equal(direct.last_hidden_state, through_dynamo.last_hidden_state):
-            self._direct.pop(size_class, None)
-            self.direct_why = f"the direct call differed from dynamo's on the step for {size_class}"
-            log.warning("torch.compile: %s; the step goes through dynamo", self.direct_why)
-        else:
+        try:
+            direct = call(kwargs["input_ids"], kwargs["position_ids"])
+            same, why = torch.equal(direct.last_hidden_state, through_dynamo.last_hidden_state), \
+                f"the direct call differed from dynamo's on the step for {size_class}"
+        except Exception as e:  # noqa: BLE001 - the step has dynamo's result; the direct call is dropped
+            same, why = False, f"the direct call failed on the step for {size_class} ({type(e).__name__}: " \
+                               f"{_first_line(e)})"
+        if same:
             self._verified.add(size_class)
+        else:
+            self._direct.pop(size_class, None)
+            self.direct_why = why
+            log.warning("torch.compile: %s; the step goes through dynamo", why)
         return through_dynamo
 
     def accepts(self, batch: ForwardBatch) -> bool:
@@ -312,8 +329,8 @@ class CompiledDecode:
         self._class_now = size_class
         try:
             if self.ready and self.skip_guards:
-                # The entry holds one graph, built by compile_now: dynamo runs only the guards on the step's input
-                # tensors (dtype, device, shape) instead of all ~1,200 (every module, parameter and config value the
+                # The entry holds one graph, built by compile_now: dynamo runs only the tensor guards of the step's
+                # inputs and the model's buffers instead of all ~1,200 (every module, parameter and config value the
                 # stack reads: 0.3-0.5 ms a step on llama-small).
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     out = run_step()
@@ -375,6 +392,11 @@ def skip_guards_choice(env, architecture: str) -> tuple[bool, str]:
         return False, f"{SKIP_GUARDS_ENV}=0: dynamo checks every guard on every step"
     if architecture not in GUARD_FREE_FAMILIES:
         return False, f"{architecture or 'this model'} is not among the families tested with the guards skipped"
+    import inspect
+
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None or "skip_guard_eval_unsafe" not in inspect.signature(stance).parameters:
+        return False, f"torch {torch.__version__} cannot skip guards (torch.compiler.set_stance, torch 2.6+)"
     return True, (f"each entry holds one graph: only its input tensors' guards run; {SKIP_GUARDS_ENV}=0 runs them "
                   "all")
 

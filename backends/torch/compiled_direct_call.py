@@ -1,10 +1,10 @@
 """The compiled decoder stack called straight, without dynamo's frame hook (compiled_decode.py uses it).
 
 A compiled call through torch.compile enters dynamo's frame hook, looks up the entry's graph, runs its guards, then
-the transformed bytecode gathers ~50 inputs (the step's tensors and every weight, attribute by attribute) and goes
-through aot_autograd's runtime wrapper to inductor's code. For the stack of a decode step that is ~0.3-0.5 ms: 7 %
-of a llama-small step at one stream and at 8 (4.75 -> 4.41 ms, 6.98 -> 6.42, in process, alternated). vLLM calls
-its compiled graphs the same way, without guards.
+the transformed bytecode gathers ~50 inputs (the step's tensors and every weight, attribute by attribute) before it
+calls the function the backend compiled (aot_autograd's wrapper around inductor's code). For the stack of a decode
+step the part before that call is ~0.3-0.5 ms: 7 % of a llama-small step at one stream and at 8 (4.75 -> 4.41 ms,
+6.98 -> 6.42, in process, alternated). vLLM calls its compiled graphs the same way, without guards.
 
 ``plan`` reads the graph dynamo handed to the backend: each input is the step's ``input_ids`` or ``position_ids``,
 a symbolic size (the step's token count), or a tensor of the model itself (a weight, a rotary buffer) that the
@@ -33,7 +33,7 @@ RUNTIME_ROPE_TYPES = ("dynamic", "longrope")
 
 @dataclasses.dataclass
 class DirectCall:
-    compiled: Callable  # inductor's callable: the graph's inputs as positional arguments, a tuple of outputs
+    compiled: Callable  # what the backend compiled (aot_autograd over inductor): the graph's inputs, its outputs
     inputs: list  # the graph's inputs, the model's tensors bound; the step's slots are filled per call
     ids_at: int
     positions_at: int
@@ -41,10 +41,11 @@ class DirectCall:
     output: Callable[[torch.Tensor], Any]  # the stack's return value around the hidden states
 
     def takes(self, kwargs: Mapping[str, Any]) -> bool:
-        """Whether a call with these keyword arguments is the one the graph was traced for."""
-        return isinstance(kwargs.get("input_ids"), torch.Tensor) and \
-            isinstance(kwargs.get("position_ids"), torch.Tensor) and not kwargs.get("use_cache") and \
-            all(kwargs.get(k) is None for k in UNSET_ARGUMENTS) and \
+        """Whether a call with these keyword arguments is the one the graph was traced for: ids and positions as
+        contiguous [1, T] int64 CPU tensors (inductor's code reads them without checks), nothing else set."""
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        return _step_tensor(ids) and _step_tensor(positions) and ids.shape == positions.shape and \
+            not kwargs.get("use_cache") and all(kwargs.get(k) is None for k in UNSET_ARGUMENTS) and \
             set(kwargs) <= {"input_ids", "position_ids", "use_cache", *UNSET_ARGUMENTS}
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Any:
@@ -53,6 +54,11 @@ class DirectCall:
         for i in self.tokens_at:
             args[i] = input_ids.shape[1]
         return self.output(self.compiled(*args)[0])
+
+
+def _step_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 2 and t.shape[0] == 1 and \
+        t.device.type == "cpu" and t.is_contiguous()
 
 
 def plan(gm: torch.fx.GraphModule, example_inputs: list, compiled: Callable,

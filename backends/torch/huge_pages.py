@@ -3,14 +3,17 @@
 Two steps, both asking the kernel through ``madvise``:
 - before the weights load, ``ask_at_allocation`` turns on torch's own switch (``THP_MEM_ALLOC_ENABLE``): c10's
   allocator advises every allocation of 2 MB or more onto huge pages as it is made, so large weights (and the KV
-  pool) are born there and nothing is copied. c10 reads the switch once, at its first large allocation: a process
-  that made one before (an earlier model, a test) keeps 4 KB pages for its new allocations.
+  pool) are born there and nothing is copied. c10 reads the switch once, at the process's first CPU allocation of
+  any size: a process that allocated a tensor before (``tierlm serve`` does not; tests and notebooks do) keeps its
+  allocations as they are, and the second step does the weights' work alone. The variable stays set for the
+  process and its children.
 - once the weights are loaded and packed, ``move_onto_huge_pages`` advises every huge-page-sized range that holds
-  weight bytes and moves it with ``MADV_COLLAPSE``: the weights smaller than 2 MB (llama-small's q/k/v and o are
-  1 and 0.5 MB), the edges of larger ones, and all of them where the switch came too late. A range may hold other
-  memory of the process beside the weights; its contents never change, only the page size that maps them.
-  Ranges that cross two mappings are not moved by the kernel (EINVAL/ENOMEM) and stay on 4 KB pages: the report says
-  how many weight bytes made it.
+  weight bytes and moves those at least half full of weights with ``MADV_COLLAPSE``: the weights smaller than 2 MB
+  (llama-small's q/k/v and o are 1 and 0.5 MB), and all of them where the switch came too late. A collapse fills
+  the range's untouched pages, so the sparse edges of a weight are only advised. A range may hold other memory of
+  the process beside the weights; its contents never change, only the page size that maps them. The kernel may
+  refuse a range (it crosses two mappings, no huge page could be put together, a memory cgroup's limit, THP off
+  for the process): it stays on 4 KB pages, and the report says how many weight bytes made it.
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ class HugePageReport:
     weight_bytes: int = 0
     on_huge_pages: int = 0  # weight bytes in ranges the kernel moved (or advised, without MADV_COLLAPSE)
     ranges: int = 0
-    not_moved: int = 0  # ranges the kernel would not move (they cross two mappings)
+    not_moved: int = 0  # ranges left on 4 KB pages: too sparse to collapse, or refused by the kernel
+    moved: bool = True  # False where the kernel has no MADV_COLLAPSE: the bytes were advised, khugepaged may move
     seconds: float = 0.0
     why: str = ""
 
@@ -48,7 +52,8 @@ class HugePageReport:
         mib = 2 ** 20
         if not self.ranges:
             return self.why
-        return (f"{self.on_huge_pages / mib:.1f} of {self.weight_bytes / mib:.1f} MiB of weights on huge pages "
+        where = "on huge pages" if self.moved else "advised onto huge pages"
+        return (f"{self.on_huge_pages / mib:.1f} of {self.weight_bytes / mib:.1f} MiB of weights {where} "
                 f"({self.not_moved} of {self.ranges} ranges stayed on 4 KB pages; {self.seconds:.2f} s): {self.why}")
 
 
@@ -79,19 +84,13 @@ def tensor_regions(module: nn.Module) -> list[tuple[int, int]]:
     return sorted(regions.items())
 
 
-def page_ranges(regions: Iterable[tuple[int, int]], page: int) -> list[int]:
-    """The start addresses of the ``page``-aligned ranges that hold any byte of ``regions``."""
-    return sorted({r for address, nbytes in regions for r in range(address // page * page, address + nbytes, page)})
-
-
-def bytes_inside(regions: Iterable[tuple[int, int]], ranges: set[int], page: int) -> int:
-    """How many bytes of ``regions`` lie in the ranges starting at ``ranges``."""
-    total = 0
+def bytes_per_range(regions: Iterable[tuple[int, int]], page: int) -> dict[int, int]:
+    """For each ``page``-aligned range holding any byte of ``regions``: how many of their bytes it holds."""
+    per: dict[int, int] = {}
     for address, nbytes in regions:
         for r in range(address // page * page, address + nbytes, page):
-            if r in ranges:
-                total += min(address + nbytes, r + page) - max(address, r)
-    return total
+            per[r] = per.get(r, 0) + min(address + nbytes, r + page) - max(address, r)
+    return per
 
 
 def move_onto_huge_pages(regions: list[tuple[int, int]], plan: HugePagePlan) -> HugePageReport:
@@ -103,7 +102,8 @@ def move_onto_huge_pages(regions: list[tuple[int, int]], plan: HugePagePlan) -> 
         report.why = "no madvise in this C library: weights stay on 4 KB pages"
         return report
     page = plan.page_bytes
-    ranges = page_ranges(regions, page)
+    per = bytes_per_range(regions, page)
+    ranges = sorted(per)
     t0 = time.perf_counter()
     done: set[int] = set()
     steps = ranges
@@ -112,10 +112,14 @@ def move_onto_huge_pages(regions: list[tuple[int, int]], plan: HugePagePlan) -> 
 
         steps = tqdm(ranges, desc="weights onto huge pages", unit="MiB", unit_scale=page / 2 ** 20)
     for r in steps:
-        if madvise(r, page, MADV_HUGEPAGE) == 0 and (not plan.collapse or madvise(r, page, MADV_COLLAPSE) == 0):
+        if madvise(r, page, MADV_HUGEPAGE) != 0:
+            continue
+        if not plan.collapse:
             done.add(r)
-    report.ranges, report.not_moved = len(ranges), len(ranges) - len(done)
-    report.on_huge_pages = bytes_inside(regions, done, page)
+        elif per[r] * 2 >= page and madvise(r, page, MADV_COLLAPSE) == 0:
+            done.add(r)
+    report.ranges, report.not_moved, report.moved = len(ranges), len(ranges) - len(done), plan.collapse
+    report.on_huge_pages = sum(per[r] for r in done)
     report.seconds = time.perf_counter() - t0
     return report
 

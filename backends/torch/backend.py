@@ -56,9 +56,10 @@ class TorchBackend(ModelBackend):
             log.warning(self.architecture_check.warning)
         self.torch_device = torch.device(device)
         self.device = self.torch_device.type
-        pages = huge_page_plan(os.environ) if self.device == "cpu" else None
-        if pages is not None:
+        pages = None
+        if self.device == "cpu":
             configure_cpu_threads()  # before any kernel runs: one core left to the server (cpu_threads.py)
+            pages = huge_page_plan(os.environ)
             huge_pages.ask_at_allocation(pages)  # large weights born on huge pages (huge_pages.py)
         self.dtype = resolve_dtype(dtype, self.torch_device)
         self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code, weight_quant)

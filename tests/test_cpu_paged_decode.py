@@ -98,11 +98,13 @@ def test_kernel_equals_torch_eager_bf16_attention(heads, D, page_size, cached, m
 @needs_kernel
 @pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_bf16"])
 def test_each_x86_build_of_the_bf16_kernel_equals_torch_eager_attention(level, monkeypatch, tmp_path):
-    """The AVX-512 decode (16 tokens' dot products reduced together, with and without AVX512-BF16's rounding
-    instruction) and the plain loop every other build runs (the AVX2 one here), each loaded as the kernel."""
+    """The AVX-512 decode (16 tokens' float32 dot products reduced together), the AVX512-BF16 one (vdpbf16ps: K
+    transposed in registers, P.V on token pairs; head sizes not a multiple of 32 keep the float32 one) and the plain
+    loop every other build runs (the AVX2 one here), each loaded as the kernel."""
     cpu = skip_unless_this_cpu_runs(level)
     for heads, D, page_size, cached in [((8, 4), 64, 16, [3, 200, 17]), ((14, 2), 64, 16, [1000, 5, 31]),
-                                        ((8, 2), 128, 4, [50]), ((6, 2), 48, 8, [16, 0])]:
+                                        ((8, 2), 128, 4, [50]), ((6, 2), 48, 8, [16, 0]),
+                                        ((16, 1), 96, 16, [40, 0, 7])]:  # 16 heads a KV head, 3 pair chunks
         ref = _decode(heads, D, page_size, cached, False, monkeypatch)
         assert _fresh_load(monkeypatch, tmp_path, apply_cap(cpu, level)) is not None
         assert cpu_paged_decode.describe()["level"] == level

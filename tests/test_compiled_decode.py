@@ -84,6 +84,7 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     from tierlm.backends.base import ForwardBatch, SamplingBatch
     from tierlm.backends.torch.backend import TorchBackend
 
+    from tierlm.backends.torch import cpu_product_op
     from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS, cpp_wrapper_choice
 
     backend = TorchBackend(compiled_family, dtype="bfloat16")
@@ -110,8 +111,15 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     steps = (step, mixed, longest)
     eager = [backend.forward_logits(b).clone() for b in steps]
     backend.init_torch_compile(max_bs=4)
+    served = cpu_product_op.served()
     compiled = [backend.forward_logits(b) for b in steps]  # rewrite the same K/V into the same slots
     stats = backend.torch_compile_stats()
+    # the products ran in the C++ op where it builds (this machine: a C++ compiler and torch's headers)
+    fast = any(getattr(m, "fast_rows", 0) for m in backend.model.modules())
+    if fast and cpu_product_op.find_cxx_compiler(os.environ):
+        assert stats["products"] == "C++ op" and cpu_product_op.served() > served, stats["products_why"]
+    else:
+        assert stats["products"] == "Python op", stats["products_why"]
     assert stats["compiled_steps"] == 3 and stats["graphs"] >= 1
     # the C++ wrapper where Python's headers are (this machine's interpreter has them: the step ran through it)
     assert stats["wrapper"] == ("C++" if cpp_wrapper_choice(os.environ)[0] else "Python"), stats["wrapper_why"]

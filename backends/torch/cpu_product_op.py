@@ -1,0 +1,248 @@
+"""The compiled decode step's packed bf16 product as a C++ operator: inductor's C++ wrapper calls it through the
+dispatcher, and it calls tierlm's decode-product kernel (cpu_avx512_linear.py, cpu_amx_linear.py) with no Python
+in between.
+
+Why: compiled, every product is a call of the ``tierlm::packed_linear`` op (compiled_decode.py), whose kernel is a
+Python function: ~3.4 us from the dispatcher into Python and ~5.7 us of Python (shapes, the chunk table, ctypes)
+around a kernel that runs 10-300 us. A decode step makes one per linear layer: 33 in llama-small, 97 in
+Qwen2.5-0.5B.
+
+How: a small C++ library built against torch's headers (g++ or clang++, ~6 s once; cached per source, compiler and
+torch) defines ``tierlm_native::packed_linear`` with the same schema. It serves the common case itself: bf16 rows
+at most the weight's ``fast_rows``, read in place, one thread's share of work (the rule of
+onednn_packed_weight.run_in_block_slices), the K chunk the probe found for this row count (cpu_avx512_linear
+.chunk_sizes, handed over per K and thread count), the packed weight's address and size from oneDNN's own ops.
+Anything else (more rows, another dtype, a product big enough for helper threads, a K or thread count with no
+chunk table) goes to ``tierlm::packed_linear``, the Python op, so the outputs are those of cpu_linear
+.packed_product bit for bit in every case.
+
+Without a C++ compiler or torch's headers, or with ``TIERLM_CPU_PRODUCT_OP=0``, the Python op serves (logged, and
+in /server_info's compile stats).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tierlm.backends.torch import c_kernel_build, cpu_avx512_linear, cpu_linear
+from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
+from tierlm.platforms.cpu_features import CpuFeatures
+
+log = logging.getLogger(__name__)
+
+ENV = "TIERLM_CPU_PRODUCT_OP"
+_NAME = "product_op"
+_FALLBACK = "compiled steps call the products through the Python op"
+
+_SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// the two kernels' signatures (cpu_avx512_linear.py: with the K chunk; cpu_amx_linear.py: without)
+using ChunkedKernel = void (*)(const void *, long, long, long, const void *, const void *, void *, long, long, long,
+                               long);
+using PlainKernel = void (*)(const void *, long, long, long, const void *, const void *, void *, long, long, long);
+using Product = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &, int64_t,
+                           int64_t);
+
+void *kernel = nullptr;
+int64_t block = 0;
+int64_t served = 0;  // products this op ran itself (tests; one serving thread calls it)
+bool chunked = false;
+std::mutex chunks_lock;
+std::map<std::pair<int64_t, int64_t>, std::vector<int64_t>> chunks;  // (K, threads) -> K chunk by row count
+
+constexpr int64_t kMinWeightsPerThread = 1 << 20;  // onednn_packed_weight.MIN_WEIGHTS_PER_THREAD
+constexpr int64_t kKMultiple = 32;                 // onednn_packed_weight.K_MULTIPLE
+
+at::Tensor python_op(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias, int64_t n,
+                     int64_t fast_rows) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tierlm::packed_linear", "").typed<Product>();
+    return op.call(x, w, bias, n, fast_rows);
+}
+
+int64_t chunk_for(int64_t k, int64_t threads, int64_t rows) {
+    std::lock_guard<std::mutex> guard(chunks_lock);
+    const auto it = chunks.find({k, threads});
+    return it == chunks.end() || rows >= (int64_t)it->second.size() ? 0 : it->second[rows];
+}
+
+at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias, int64_t n,
+                         int64_t fast_rows) {
+    if (kernel == nullptr || fast_rows <= 0 || x.scalar_type() != at::kBFloat16 || x.layout() != at::kStrided ||
+        x.device().type() != c10::DeviceType::CPU || x.dim() < 1 || n <= 0)
+        return python_op(x, w, bias, n, fast_rows);
+    const int64_t k = x.size(-1), numel = x.numel();
+    if (k <= 0 || k % kKMultiple || numel == 0 || numel > fast_rows * k)
+        return python_op(x, w, bias, n, fast_rows);
+    if (bias.has_value() && (bias->scalar_type() != at::kBFloat16 || !bias->is_contiguous() || bias->numel() != n))
+        return python_op(x, w, bias, n, fast_rows);
+    const int64_t blocks = (n + block - 1) / block, threads = at::get_num_threads();
+    if (std::min({threads, n * k / kMinWeightsPerThread, blocks}) > 1)  // the Python op splits it between threads
+        return python_op(x, w, bias, n, fast_rows);
+    const int64_t rows = numel / k;
+    const int64_t kc = chunked ? chunk_for(k, threads, rows) : 0;
+    if (chunked && kc == 0)
+        return python_op(x, w, bias, n, fast_rows);
+    static auto nbytes_op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "")
+                                .typed<int64_t(const at::Tensor &)>();
+    static auto address_op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "")
+                                 .typed<int64_t(const at::Tensor &)>();
+    const int64_t n_pad = blocks * block, nbytes = nbytes_op.call(w);
+    if (nbytes % (2 * n_pad) || nbytes / (2 * n_pad) != k)  // not this width: oneDNN says what is wrong
+        return python_op(x, w, bias, n, fast_rows);
+    // rows read in place where they sit a fixed stride apart (onednn_packed_weight.rows_in_place)
+    at::Tensor xr = x;
+    int64_t lda = k;
+    if (!x.is_contiguous()) {
+        if (x.stride(-1) == 1 && (x.dim() == 2 || (x.dim() == 3 && (x.size(0) == 1 ||
+                                                                     x.stride(0) == x.size(1) * x.stride(1)))))
+            lda = x.stride(-2);
+        else
+            xr = x.contiguous();
+    }
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n;
+    at::Tensor y = at::empty(sizes, x.options());
+    const void *weights = reinterpret_cast<const void *>(address_op.call(w));
+    const void *b = bias.has_value() ? bias->data_ptr() : nullptr;
+    if (chunked)
+        reinterpret_cast<ChunkedKernel>(kernel)(xr.data_ptr(), rows, k, lda, weights, b, y.data_ptr(), n, kc, 0,
+                                                blocks);
+    else
+        reinterpret_cast<PlainKernel>(kernel)(xr.data_ptr(), rows, k, lda, weights, b, y.data_ptr(), n, 0, blocks);
+    served++;
+    return y;
+}
+
+void set_product_kernel(int64_t address, int64_t block_columns, bool takes_chunk) {
+    block = block_columns;
+    chunked = takes_chunk;
+    kernel = reinterpret_cast<void *>(address);
+}
+
+void set_chunks(int64_t k, int64_t threads, std::vector<int64_t> by_rows) {
+    std::lock_guard<std::mutex> guard(chunks_lock);
+    chunks[{k, threads}] = std::move(by_rows);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tierlm_native, m) {
+    m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, int fast_rows) -> Tensor");
+    m.def("set_product_kernel(int address, int block, bool chunked) -> ()", &set_product_kernel);
+    m.def("set_chunks(int k, int threads, int[] by_rows) -> ()", &set_chunks);
+    m.def("served() -> int", [] { return served; });
+}
+
+TORCH_LIBRARY_IMPL(tierlm_native, CompositeExplicitAutograd, m) {
+    m.impl("packed_linear", &packed_linear);
+}
+"""
+
+
+def find_cxx_compiler(env) -> str | None:
+    """$CXX, else c++, g++, clang++ (None: none installed)."""
+    return next((c for c in (env.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)), None)
+
+
+def _build(cxx: str, cache_dir: Path) -> Path:
+    """The library's path, compiled first when the cache does not hold it (keyed by the source, the compiler, torch
+    and its headers' ABI)."""
+    from torch.utils import cpp_extension
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+             *(f"-I{p}" for p in cpp_extension.include_paths())]
+    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+    key = "\0".join((_SOURCE, c_kernel_build.compiler_identity(cxx), torch.__version__, torch_lib, " ".join(flags)))
+    path = cache_dir / f"{_NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, built = Path(tmp) / f"{_NAME}.cpp", Path(tmp) / path.name
+            src.write_text(_SOURCE)
+            subprocess.run([cxx, *flags, str(src), "-o", str(built), *libs], check=True, capture_output=True,
+                           timeout=300)
+            os.replace(built, path)  # atomic: a concurrent server never loads half a file
+    return path
+
+
+def _load(cpu: CpuFeatures) -> KernelBuild:
+    if os.environ.get(ENV, "1") == "0":
+        return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
+    kernel = cpu_linear.decode_kernel()
+    if kernel is None:
+        return KernelBuild(None, None, f"no decode-product kernel runs here; {_FALLBACK}")
+    cxx = find_cxx_compiler(os.environ)
+    if cxx is None:
+        return KernelBuild(None, None, f"no C++ compiler (c++/g++/clang++); {_FALLBACK}")
+    from torch.utils import cpp_extension
+
+    if not any((Path(p) / "torch" / "library.h").exists() for p in cpp_extension.include_paths()):
+        return KernelBuild(None, None, f"this torch has no C++ headers; {_FALLBACK}")
+    try:
+        path = _build(cxx, default_cache_dir())
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
+        return KernelBuild(None, None, f"could not build it ({e} {detail}); {_FALLBACK}")
+    torch.ops.load_library(str(path))
+    chunked = kernel is cpu_avx512_linear
+    fn = kernel.load().avx512_linear_bf16 if chunked else kernel.load().amx_linear_bf16
+    torch.ops.tierlm_native.set_product_kernel(ctypes.cast(fn, ctypes.c_void_p).value, kernel.BLOCK, chunked)
+    torch.library.register_fake("tierlm_native::packed_linear")(
+        lambda x, packed_weight, bias, out_features, fast_rows: x.new_empty((*x.shape[:-1], out_features)))
+    # LoadOnce keeps ``lib`` as "it loaded": the library lives in torch.ops, not in a ctypes handle
+    return KernelBuild(True, cpu.level, f"the {kernel.NAME} kernel called from C++, built with {cxx}: {path}")
+
+
+_op = c_kernel_build.LoadOnce(_load, "CPU compiled-step products", _FALLBACK, warn_when_missing=False)
+
+
+def ready(model: torch.nn.Module) -> tuple[bool, str]:
+    """(whether the C++ op serves ``model``'s packed products in compiled steps, why): built and loaded once per
+    process, then handed the chunk table of each of the model's widths at the current thread count."""
+    if not any(isinstance(m, cpu_linear.PackedLinear) and m.fast_rows for m in model.modules()):
+        return False, "no product of this model runs on tierlm's decode-product kernel"
+    if _op() is None:
+        return False, _op.build.why
+    if cpu_linear.decode_kernel() is cpu_avx512_linear:
+        threads = torch.get_num_threads()
+        for k in sorted({m.in_features for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)}):
+            torch.ops.tierlm_native.set_chunks(k, threads, list(cpu_avx512_linear.chunk_sizes(k, threads)))
+    return True, _op.build.why
+
+
+def loaded() -> bool:
+    """Whether ``tierlm_native::packed_linear`` exists in this process (``ready`` loads it)."""
+    return _op.lib is not None
+
+
+def served() -> int:
+    """Products the C++ op has run itself in this process (not handed to the Python op)."""
+    return int(torch.ops.tierlm_native.served()) if loaded() else 0
+
+
+def describe() -> dict[str, str | None]:
+    """The op as loaded (for /server_info and doctor): the level and why, or why not."""
+    return _op.describe()

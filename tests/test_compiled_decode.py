@@ -116,7 +116,7 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     stats = backend.torch_compile_stats()
     # the products ran in the C++ op where it builds (this machine: a C++ compiler and torch's headers)
     fast = any(getattr(m, "fast_rows", 0) for m in backend.model.modules())
-    if fast and cpu_product_op.find_cxx_compiler(os.environ):
+    if fast and cpu_product_op.find_cxx_compiler(os.environ) and os.environ.get(cpu_product_op.ENV) != "0":
         assert stats["products"] == "C++ op" and cpu_product_op.served() > served, stats["products_why"]
     else:
         assert stats["products"] == "Python op", stats["products_why"]

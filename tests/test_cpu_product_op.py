@@ -76,13 +76,31 @@ def test_every_other_case_goes_to_the_python_op_with_its_bits(native_op):
                                               m.out_features, m.fast_rows)
 
 
-def test_a_width_or_thread_count_without_a_chunk_table_goes_to_the_python_op(native_op, monkeypatch):
+def test_a_width_or_thread_count_without_a_chunk_table_goes_to_the_python_op(native_op):
     if cpu_linear.decode_kernel().NAME != "AVX512-BF16":
         pytest.skip("the AMX kernel takes no K chunk")
     m = _linear(128, 1024, False, 2)  # K=1024: ready() never handed this width over
+    assert m.fast_rows
     x = torch.randn(3, 1024).bfloat16()
     got, want, served = _both(m, x)
     assert served == 0 and torch.equal(got, want)
+    m = native_op[0]  # a width handed over, at a thread count it was not
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        got, want, served = _both(m, torch.randn(3, m.in_features).bfloat16())
+    finally:
+        torch.set_num_threads(threads)
+    assert served == 0 and torch.equal(got, want)
+
+
+def test_one_row_vectors_and_evenly_spaced_batches_are_served_in_place(native_op):
+    m = native_op[1]
+    got, want, served = _both(m, torch.randn(m.in_features).bfloat16())  # a 1-D row
+    assert served == 1 and got.shape == (m.out_features,) and torch.equal(got, want)
+    rows = torch.randn(2, 3, 2 * m.in_features).bfloat16()[:, :, :m.in_features]  # [2, 3, K], rows 2K apart
+    got, want, served = _both(m, rows)
+    assert served == 1 and got.shape == (2, 3, m.out_features) and torch.equal(got, want)
 
 
 def test_the_op_is_not_built_when_switched_off_or_without_a_cpp_compiler(monkeypatch):

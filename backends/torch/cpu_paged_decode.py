@@ -19,13 +19,13 @@ keys, 2.2x for Qwen2.5-0.5B's 14/2 heads (one core, AMX Xeon). The head size and
 compile-time constants for the common shapes (64 or 128 dims; 1, 2, 4, 7 or 8 heads per KV head), so their loops
 unroll: another 1.3-1.5x at 250-3900 keys (llama-small's 8/4 heads, Qwen2.5-0.5B's 14/2, 16/8 at 128 dims;
 bit-identical). Software prefetch of the next blocks' rows was tried and ran 5-35 % slower (pages are handed out in
-ascending order, which the hardware prefetcher follows). Builds with AVX512-BF16 (Zen 4/5, Cooper Lake, AMX Xeons)
-run ``vdpbf16ps`` instead for head sizes that are a multiple of 32: scores with the 16 tokens in the lanes of one
-vector per head (K rows transposed in registers, no horizontal sums, no conversions), P.V on pairs of tokens; the
-same rounding points, float32 sums in another order. One core of the AVX512-BF16 EPYC, 8 requests, hot / cold
-caches: Qwen2.5-0.5B's 14/2 heads at 200 keys 159 -> 95 / 280 -> 222 us, llama-small's 8/4 84 -> 73 / 256 -> 217
-us, 32/8 heads of 128 dims at 400 keys 1048 -> 756 / 2202 -> 1620 us. Head sizes that are not a multiple of 16, float32 pages and
-every other build run the plain loop.
+ascending order, which the hardware prefetcher follows). Builds with AVX512-BF16 (Zen 4/5, Cooper Lake, AMX
+Xeons) run ``vdpbf16ps`` instead for head sizes that are a multiple of 32: scores with the 16 tokens in the lanes
+of one vector per head (K rows transposed in registers, no horizontal sums, no conversions), P.V on pairs of
+tokens; the same rounding points, float32 sums in another order. One core of the AVX512-BF16 EPYC, 8 requests,
+hot / cold caches: Qwen2.5-0.5B's 14/2 heads at 200 keys 159 -> 95 / 280 -> 222 us, llama-small's 8/4 84 -> 73 /
+256 -> 217 us, 32/8 heads of 128 dims at 400 keys 1048 -> 756 / 2202 -> 1620 us. Head sizes that are not a
+multiple of 16, float32 pages and every other build run the plain loop.
 
 The source below is compiled once per CPU instruction level by c_kernel_build.py (cached per level, compiler and
 CPU model). Without a compiler, or if neither the level's build nor a plain baseline build works, the torch path
@@ -273,7 +273,8 @@ static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) 
    Scores: a block's 16 K rows, 16 input pairs at a time, are transposed in registers so that each pair of inputs
    is one vector over the 16 tokens; each query head then sums its 16 tokens' scores in one vector (no per-token
    horizontal sums, no bf16 -> float32 conversions). P.V: two tokens' V rows interleaved into pairs, each head's
-   two probabilities broadcast as one pair. D % 32 == 0, D <= 128. */
+   two probabilities broadcast as one pair. D % 32 == 0, D <= 128. vdpbf16ps reads subnormal bf16 inputs as zero
+   and flushes subnormal sums: the float32 path differs from it only there. */
 static inline __attribute__((always_inline)) void decode_bf16_dp_body(
         const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
         const int32_t *restrict table, int table_stride, const int32_t *restrict kv_lens, int R, int H, int Hkv,
@@ -311,9 +312,12 @@ static inline __attribute__((always_inline)) void decode_bf16_dp_body(
                             kt[tt] = tt < tn ? _mm512_loadu_si512(krow[tt] + (long)kh * D + 32 * c) : zero;
                         transpose16x16(kt);
                         for (int j = 0; j < gn; j++) {
-                            const uint32_t *qp = (const uint32_t *)(qr + (long)(h0 + j) * D + 32 * c);
-                            for (int p = 0; p < 16; p++)
-                                s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32((int)qp[p]));
+                            const uint16_t *qp = qr + (long)(h0 + j) * D + 32 * c;
+                            for (int p = 0; p < 16; p++) {
+                                uint32_t pair;  /* memcpy: q rows need not be 4-byte aligned */
+                                memcpy(&pair, qp + 2 * p, 4);
+                                s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32((int)pair));
+                            }
                         }
                     }
                     for (int j = 0; j < gn; j++) {  /* the matmul's bf16 score, scaled and rounded again */

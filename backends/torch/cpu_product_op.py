@@ -50,6 +50,7 @@ _SOURCE = r"""
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -66,7 +67,7 @@ using Product = at::Tensor(const at::Tensor &, const at::Tensor &, const std::op
 
 void *kernel = nullptr;
 int64_t block = 0;
-int64_t served = 0;  // products this op ran itself (tests; one serving thread calls it)
+std::atomic<int64_t> served{0};  // products this op ran itself (tests)
 bool chunked = false;
 std::mutex chunks_lock;
 std::map<std::pair<int64_t, int64_t>, std::vector<int64_t>> chunks;  // (K, threads) -> K chunk by row count
@@ -130,7 +131,7 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &w, const std::op
                                                 blocks);
     else
         reinterpret_cast<PlainKernel>(kernel)(xr.data_ptr(), rows, k, lda, weights, b, y.data_ptr(), n, 0, blocks);
-    served++;
+    served.fetch_add(1, std::memory_order_relaxed);
     return y;
 }
 
@@ -151,7 +152,7 @@ TORCH_LIBRARY(tierlm_native, m) {
     m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, int fast_rows) -> Tensor");
     m.def("set_product_kernel(int address, int block, bool chunked) -> ()", &set_product_kernel);
     m.def("set_chunks(int k, int threads, int[] by_rows) -> ()", &set_chunks);
-    m.def("served() -> int", [] { return served; });
+    m.def("served() -> int", [] { return served.load(); });
 }
 
 TORCH_LIBRARY_IMPL(tierlm_native, CompositeExplicitAutograd, m) {
@@ -167,24 +168,31 @@ def find_cxx_compiler(env) -> str | None:
 
 def _build(cxx: str, cache_dir: Path) -> Path:
     """The library's path, compiled first when the cache does not hold it (keyed by the source, the compiler, torch
-    and its headers' ABI)."""
+    and its headers' ABI). C++20 as torch's own build, else C++17 (older compilers: torch's headers still build)."""
     from torch.utils import cpp_extension
 
     torch_lib = str(Path(torch.__file__).parent / "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+    flags = ["-O2", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
     key = "\0".join((_SOURCE, c_kernel_build.compiler_identity(cxx), torch.__version__, torch_lib, " ".join(flags)))
     path = cache_dir / f"{_NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src, built = Path(tmp) / f"{_NAME}.cpp", Path(tmp) / path.name
-            src.write_text(_SOURCE)
-            subprocess.run([cxx, *flags, str(src), "-o", str(built), *libs], check=True, capture_output=True,
-                           timeout=300)
-            os.replace(built, path)  # atomic: a concurrent server never loads half a file
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # beside the cache: os.replace needs one filesystem
+        src, built = Path(tmp) / f"{_NAME}.cpp", Path(tmp) / path.name
+        src.write_text(_SOURCE)
+        for std in ("-std=c++20", "-std=c++17"):
+            try:
+                subprocess.run([cxx, std, *flags, str(src), "-o", str(built), *libs], check=True,
+                               capture_output=True, timeout=300)
+                break
+            except subprocess.CalledProcessError:
+                if std == "-std=c++17":
+                    raise
+        os.replace(built, path)  # atomic: a concurrent server never loads half a file
     return path
 
 
@@ -206,12 +214,14 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
     except (OSError, subprocess.SubprocessError) as e:
         detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
         return KernelBuild(None, None, f"could not build it ({e} {detail}); {_FALLBACK}")
-    torch.ops.load_library(str(path))
+    # once per process: a second TORCH_LIBRARY of the namespace (a reload, another cache folder) would fail
+    if not hasattr(torch.ops.tierlm_native, "packed_linear"):
+        torch.ops.load_library(str(path))
+        torch.library.register_fake("tierlm_native::packed_linear")(
+            lambda x, packed_weight, bias, out_features, fast_rows: x.new_empty((*x.shape[:-1], out_features)))
     chunked = kernel is cpu_avx512_linear
     fn = kernel.load().avx512_linear_bf16 if chunked else kernel.load().amx_linear_bf16
     torch.ops.tierlm_native.set_product_kernel(ctypes.cast(fn, ctypes.c_void_p).value, kernel.BLOCK, chunked)
-    torch.library.register_fake("tierlm_native::packed_linear")(
-        lambda x, packed_weight, bias, out_features, fast_rows: x.new_empty((*x.shape[:-1], out_features)))
     # LoadOnce keeps ``lib`` as "it loaded": the library lives in torch.ops, not in a ctypes handle
     return KernelBuild(True, cpu.level, f"the {kernel.NAME} kernel called from C++, built with {cxx}: {path}")
 
@@ -228,7 +238,8 @@ def ready(model: torch.nn.Module) -> tuple[bool, str]:
         return False, _op.build.why
     if cpu_linear.decode_kernel() is cpu_avx512_linear:
         threads = torch.get_num_threads()
-        for k in sorted({m.in_features for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)}):
+        for k in sorted({m.in_features for m in model.modules()
+                         if isinstance(m, cpu_linear.PackedLinear) and m.fast_rows}):
             torch.ops.tierlm_native.set_chunks(k, threads, list(cpu_avx512_linear.chunk_sizes(k, threads)))
     return True, _op.build.why
 

@@ -99,7 +99,8 @@ def build_library(name: str, source: str, cflags: tuple[str, ...], cc: str, cc_i
     lib_path = cache_dir / library_name(name, source, cflags, level, cc_identity, target_flags)
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
+        # built beside the cache: os.replace cannot move a file across filesystems (/tmp is often its own)
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             src, obj = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.o"
             src.write_text(source)
             built = Path(tmp) / lib_path.name

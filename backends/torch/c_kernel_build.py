@@ -93,26 +93,34 @@ def library_name(name: str, source: str, cflags: tuple[str, ...], level: str, cc
     return f"{name}_{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
+def build_into_cache(lib_path: Path, build: Callable[[Path, Path], None]) -> Path:
+    """``lib_path``, made first by ``build(folder, output)`` when the cache does not hold it: built in a temporary
+    folder beside the cache (os.replace cannot move a file across filesystems, and /tmp is often its own), then
+    moved into place atomically, so a concurrent server never loads half a file."""
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            built = Path(tmp) / lib_path.name
+            build(Path(tmp), built)
+            os.replace(built, lib_path)
+    return lib_path
+
+
 def build_library(name: str, source: str, cflags: tuple[str, ...], cc: str, cc_identity: str, level: str,
                   target_flags: tuple[str, ...], cache_dir: Path) -> Path:
     """The compiled library's path, compiling it first when the cache does not hold it."""
-    lib_path = cache_dir / library_name(name, source, cflags, level, cc_identity, target_flags)
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        # built beside the cache: os.replace cannot move a file across filesystems (/tmp is often its own)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            src, obj = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.o"
-            src.write_text(source)
-            built = Path(tmp) / lib_path.name
-            subprocess.run([cc, *cflags, *target_flags, "-c", "-o", str(obj), str(src)], check=True,
-                           capture_output=True, timeout=120)
-            # Linked without -ffast-math: gcc < 13 would otherwise add crtfastmath.o, whose constructor turns on
-            # flush-to-zero for the whole process (torch's float32 included) when the library loads.
-            vector_math = ["-lmvec"] if b"_ZGV" in obj.read_bytes() else []  # glibc's vector expf
-            subprocess.run([cc, "-shared", "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(built, lib_path)  # atomic: a concurrent server never loads half a file
-    return lib_path
+    def build(folder: Path, built: Path) -> None:
+        src, obj = folder / f"{name}.c", folder / f"{name}.o"
+        src.write_text(source)
+        subprocess.run([cc, *cflags, *target_flags, "-c", "-o", str(obj), str(src)], check=True,
+                       capture_output=True, timeout=120)
+        # Linked without -ffast-math: gcc < 13 would otherwise add crtfastmath.o, whose constructor turns on
+        # flush-to-zero for the whole process (torch's float32 included) when the library loads.
+        vector_math = ["-lmvec"] if b"_ZGV" in obj.read_bytes() else []  # glibc's vector expf
+        subprocess.run([cc, "-shared", "-o", str(built), str(obj), *vector_math, "-lm"], check=True,
+                       capture_output=True, timeout=120)
+
+    return build_into_cache(cache_dir / library_name(name, source, cflags, level, cc_identity, target_flags), build)
 
 
 def build_for_cpu(name: str, source: str, cflags: tuple[str, ...], bind: Callable[[ctypes.CDLL], None],

@@ -396,35 +396,31 @@ void paged_decode_bf16_avx512(const uint16_t *restrict q, const uint16_t *restri
                               int R, int H, int Hkv, int D, int page_size, float scale, uint16_t *restrict out,
                               float *restrict work, int max_len) {
     const int dv = D / 16, n = H / Hkv;
+/* CALL(DV, N) with the common shapes' head size (DV vectors of 16) and query heads per KV head as constants */
+#define COMMON_SHAPES(CALL)                                                                                       \
+    if (dv == 4 && n == 2) CALL(4, 2);                                                                            \
+    else if (dv == 4 && n == 1) CALL(4, 1);                                                                       \
+    else if (dv == 4 && n == 4) CALL(4, 4);                                                                       \
+    else if (dv == 4 && n == 7) CALL(4, 7);                                                                       \
+    else if (dv == 4 && n == 8) CALL(4, 8);                                                                       \
+    else if (dv == 8 && n == 2) CALL(8, 2);                                                                       \
+    else if (dv == 8 && n == 4) CALL(8, 4);                                                                       \
+    else if (dv == 8 && n == 8) CALL(8, 8);                                                                       \
+    else CALL(dv, n);
 #if defined(__AVX512BF16__)
     if (D % 32 == 0) {  /* AVX512-BF16 builds: dot products (decode_bf16_dp_body) */
-#define DP(D_, N_) decode_bf16_dp_body(q, k, v, table, table_stride, kv_lens, R, H, Hkv, D_, page_size, scale, out, \
-                                       work, max_len, N_)
-        if (D == 64 && n == 2) DP(64, 2);
-        else if (D == 64 && n == 1) DP(64, 1);
-        else if (D == 64 && n == 4) DP(64, 4);
-        else if (D == 64 && n == 7) DP(64, 7);
-        else if (D == 64 && n == 8) DP(64, 8);
-        else if (D == 128 && n == 2) DP(128, 2);
-        else if (D == 128 && n == 4) DP(128, 4);
-        else if (D == 128 && n == 8) DP(128, 8);
-        else DP(D, n);
+#define DP(DV_, N_) decode_bf16_dp_body(q, k, v, table, table_stride, kv_lens, R, H, Hkv, 16 * (DV_), page_size, \
+                                        scale, out, work, max_len, N_)
+        COMMON_SHAPES(DP)
 #undef DP
         return;
     }
 #endif
 #define BODY(DV_, N_) decode_bf16_avx512_body(q, k, v, table, table_stride, kv_lens, R, H, Hkv, D, page_size, scale, \
                                               out, work, max_len, DV_, N_)
-    if (dv == 4 && n == 2) BODY(4, 2);
-    else if (dv == 4 && n == 1) BODY(4, 1);
-    else if (dv == 4 && n == 4) BODY(4, 4);
-    else if (dv == 4 && n == 7) BODY(4, 7);
-    else if (dv == 4 && n == 8) BODY(4, 8);
-    else if (dv == 8 && n == 2) BODY(8, 2);
-    else if (dv == 8 && n == 4) BODY(8, 4);
-    else if (dv == 8 && n == 8) BODY(8, 8);
-    else BODY(dv, n);
+    COMMON_SHAPES(BODY)
 #undef BODY
+#undef COMMON_SHAPES
 }
 #endif
 

@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -178,22 +177,20 @@ def _build(cxx: str, cache_dir: Path) -> Path:
     libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
     key = "\0".join((_SOURCE, c_kernel_build.compiler_identity(cxx), torch.__version__, torch_lib, " ".join(flags)))
     path = cache_dir / f"{_NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # beside the cache: os.replace needs one filesystem
-        src, built = Path(tmp) / f"{_NAME}.cpp", Path(tmp) / path.name
+
+    def build(folder: Path, built: Path) -> None:
+        src = folder / f"{_NAME}.cpp"
         src.write_text(_SOURCE)
         for std in ("-std=c++20", "-std=c++17"):
             try:
                 subprocess.run([cxx, std, *flags, str(src), "-o", str(built), *libs], check=True,
                                capture_output=True, timeout=300)
-                break
+                return
             except subprocess.CalledProcessError:
                 if std == "-std=c++17":
                     raise
-        os.replace(built, path)  # atomic: a concurrent server never loads half a file
-    return path
+
+    return c_kernel_build.build_into_cache(path, build)
 
 
 def _load(cpu: CpuFeatures) -> KernelBuild:

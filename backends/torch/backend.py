@@ -13,7 +13,7 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import cpu_int8_gemv, cpu_paged_decode, huge_pages, paged_attention
+from tierlm.backends.torch import cpu_int8_gemv, cpu_paged_decode, huge_pages, last_layer_rows, paged_attention
 from tierlm.backends.torch.compiled_decode import CompiledDecode
 from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
 from tierlm.backends.torch.cpu_linear import packed_bytes
@@ -63,6 +63,9 @@ class TorchBackend(ModelBackend):
             huge_pages.ask_at_allocation(pages)  # large weights born on huge pages (huge_pages.py)
         self.dtype = resolve_dtype(dtype, self.torch_device)
         self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code, weight_quant)
+        # eager forwards: the last layer runs the rows whose logits are read (last_layer_rows.py)
+        self.last_layer_rows = last_layer_rows.install(self.model)
+        self.last_layer_read_rows = last_layer_rows.installed(self.model)
         # the rest of the weights moved there once packed: one core streams them ~1.3-1.8x faster
         self.huge_pages = huge_pages.place_model(self.model, pages) if pages is not None else None
         cfg = self.model.config
@@ -201,17 +204,25 @@ class TorchBackend(ModelBackend):
             else self.model.config
         report = kernel_report(self.model, self.device, self.dtype, self.kv_torch_dtype, self.attention_backend,
                                text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim)
+        report["last_layer"] = self.last_layer_rows
         if self.huge_pages is not None:
             report["weight_pages"] = self.huge_pages.summary()
         return report
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                   read_rows_only: bool = False) -> torch.Tensor:
+        """Logits [len(keep), V] float32. ``read_rows_only`` (eager steps): the last layer computes the ``keep`` rows
+        alone (last_layer_rows.py) where it can and they are fewer than the step's tokens."""
         if keep.numel() == 0 and self.info.weight_format.startswith("torchao:"):
             # A step of prefill chunks only: torchao's dynamic activation quantization fails on an lm_head input
             # of 0 rows, so one row is computed and dropped.
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
             return out.logits[0, :0].float()
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        if read_rows_only and self.last_layer_read_rows and keep.numel() < input_ids.shape[1]:
+            with last_layer_rows.only(keep):  # the model's output is the keep rows, in order
+                out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=0)
+        else:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()
 
     # --- execution ---
@@ -249,7 +260,7 @@ class TorchBackend(ModelBackend):
         try:
             if self.compiled is not None and self.compiled.accepts(batch):
                 return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
-            return self._run_model(input_ids, positions, keep)
+            return self._run_model(input_ids, positions, keep, read_rows_only=True)
         finally:
             paged_attention.CURRENT.meta = None
 

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.backends.torch import paged_attention
+
 log = logging.getLogger(__name__)
 
 ENV = "TIERLM_CPU_FUSED_PROJECTIONS"
@@ -135,9 +137,10 @@ class FusedQKVAttention(nn.Module):
     _family: _Family
     _apply_rope: Callable
     _eager_attention: Callable
+    takes_out_rows = True  # last_layer_rows.py: the queries of these rows only
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
-                **kwargs):
+                out_rows: torch.Tensor | None = None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         if cache is None:  # transformers' deprecated name for it
@@ -166,10 +169,18 @@ class FusedQKVAttention(nn.Module):
                                                                     self._eager_attention)
         if self._family.window is not None:
             kwargs["sliding_window"] = self._family.window(self)
+        rows_inside = out_rows is not None and self.config._attn_implementation == paged_attention.ATTN_IMPLEMENTATION
+        if rows_inside:  # every row's K/V written, these rows' queries attended
+            kwargs["out_rows"] = out_rows
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        if out_rows is None:
+            attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        else:  # [1, R, H, D] -> [1, R, H * D], R may be 0 (a chunk whose rows nobody reads)
+            if not rows_inside:
+                attn_output = attn_output.index_select(1, out_rows)
+            attn_output = attn_output.flatten(2).contiguous()
         return self.o_proj(attn_output), attn_weights
 
 

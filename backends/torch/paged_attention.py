@@ -209,18 +209,31 @@ CURRENT = _Current()
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-                    s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                    s_aux: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D].
 
-    ``s_aux`` [H]: attention sinks (gpt-oss), see ``attend``.
+    ``s_aux`` [H]: attention sinks (gpt-oss), see ``attend``. ``out_rows`` [R] (last_layer_rows.py): every row's
+    K/V are written, the output is [1, R, H, D], these rows' attention only.
     """
     if torch.compiler.is_compiling():  # --enable-torch-compile: the graph records one opaque op (compiled_decode.py)
         return compiled_decode.attention_op(module, query, key, value, scaling, sliding_window, s_aux), None
+    out, only_read_rows = _attend(module, query, key, value, scaling, sliding_window, s_aux, out_rows)
+    if out_rows is not None and not only_read_rows:
+        out = out.index_select(1, out_rows)
+    return out, None
+
+
+def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+            sliding_window: int | None, s_aux: torch.Tensor | None,
+            out_rows: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """(output [1, rows, H, D], whether those rows are only ``out_rows``): every row, except in a fresh prefill's
+    blocked attention, which computes the read rows alone."""
     layer = module.layer_idx
     if sliding_window is None and s_aux is None:
         out = decode_step_attention(layer, query, key, value, scaling)
         if out is not None:
-            return out, None
+            return out, False
     meta, pool = CURRENT.meta, CURRENT.pool
     if meta is None:
         raise RuntimeError("tierlm paged attention called outside a tierlm forward step")
@@ -235,18 +248,21 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         # K/V as the pool holds them (fp8 / bf16 pages round them): a later hit on these pages reads the same.
         key, value = pool.as_stored(key), pool.as_stored(value)
         if cpu_blocked_attention.usable(lib := cpu_paged_decode.load(), q, key):
-            out = cpu_blocked_attention.blocked_attention(lib, q[None], key, value,
-                                                          cpu_blocked_attention.causal_limits(q.shape[1]), scaling)
-            return out.transpose(1, 2), None
+            if out_rows is None:
+                limits = cpu_blocked_attention.causal_limits(q.shape[1])
+            else:  # row i sees keys 0..i: only the read rows' queries
+                q, limits = q.index_select(1, out_rows), (out_rows.numpy() + 1).astype(np.int32)[None, :]
+            out = cpu_blocked_attention.blocked_attention(lib, q[None], key, value, limits, scaling)
+            return out.transpose(1, 2), out_rows is not None
         out = F.scaled_dot_product_attention(q[None], key, value, is_causal=True, scale=scaling,
                                              enable_gqa=q.shape[0] != key.shape[1])
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2), False
 
     H, D = q.shape[0], q.shape[2]
     out = torch.empty((q.shape[1], H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
     if meta.attention_backend == TRITON:
         _triton_groups(meta, pool, layer, q.transpose(0, 1), out, scaling, sliding_window, s_aux)
-        return out[None], None
+        return out[None], False
     k_pages, v_pages = pool.k_pages[layer], pool.v_pages[layer]  # [pages, page_size, Hkv, D]
     for g in meta.groups:
         if g.Q > 1 and s_aux is None and sliding_window is None and \
@@ -282,12 +298,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
         if meta.identity_rows:
-            return og[None], None
+            return og[None], False
         if g.all_valid:
             out.index_copy_(0, g.rows_flat, og)
         else:
             out.index_copy_(0, g.dst_rows, og.index_select(0, g.valid_idx))
-    return out[None], None
+    return out[None], False
 
 
 def decode_step_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -85,6 +85,7 @@ if _FIRST_RUN:
     _LIB.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, int fast_rows) "
                 "-> Tensor")
     _LIB.define("int8_weight_only(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
+    _LIB.define("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
@@ -112,10 +113,18 @@ def _int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return int8_weight_only_product(x, qweight, scales, bias)
 
 
+def _f32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_f32_gemv.F32GemvLinear's product: its C kernel (ctypes, data pointers) cannot be traced."""
+    from tierlm.backends.torch.cpu_f32_gemv import product
+
+    return product(x, weight, bias)
+
+
 def _register_impls(lib: torch.library.Library) -> None:
     lib.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
     lib.impl("packed_linear", _packed_linear_op, "CompositeExplicitAutograd")
     lib.impl("int8_weight_only", _int8_weight_only_op, "CompositeExplicitAutograd")
+    lib.impl("f32_linear", _f32_linear_op, "CompositeExplicitAutograd")
 
     @torch.library.register_fake("tierlm::paged_attention", lib=lib)
     def _(query, key, value, layer, scaling, sliding_window, s_aux):
@@ -128,6 +137,10 @@ def _register_impls(lib: torch.library.Library) -> None:
     @torch.library.register_fake("tierlm::int8_weight_only", lib=lib)
     def _(x, qweight, scales, bias):
         return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    @torch.library.register_fake("tierlm::f32_linear", lib=lib)
+    def _(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 if _FIRST_RUN:
@@ -154,6 +167,10 @@ def packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.T
     """The product the graph records: the C++ op where it loaded (cpu_product_op.py), else the Python one."""
     op = torch.ops.tierlm_native.packed_linear if cpu_product_op.loaded() else torch.ops.tierlm.packed_linear
     return op(x, packed_weight, bias, out_features, fast_rows)
+
+
+def f32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.tierlm.f32_linear(x, weight, bias)
 
 
 def int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.backends.torch import (cpu_blocked_attention, cpu_int8_gemv, cpu_paged_decode,
+from tierlm.backends.torch import (cpu_blocked_attention, cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode,
                                    cpu_paged_extend, paged_attention)
 from tierlm.backends.torch.cpu_linear import PackedLinear, decode_kernel, packing_available
 from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
@@ -42,12 +42,17 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
                  if isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)]
     int8 = sum(isinstance(m, Int8WeightOnlyLinear) for m in model.modules())
     int4 = sum(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())
+    f32 = sum(isinstance(m, cpu_f32_gemv.F32GemvLinear) for m in model.modules())
     if int8 or int4:
         linear = _weight_only(int8, int4, plain, dtype, name)
     elif quantized:
         linear = f"torchao {', '.join(sorted(set(quantized)))} ({len(quantized)} layers, activations {name})"
     elif device != "cpu":
         linear = f"torch F.linear {name} (cuBLAS)"
+    elif f32:
+        linear = (f"float32: up to {cpu_f32_gemv.MAX_ROWS} rows on tierlm's C kernel ({f32} layers; cpu_f32_gemv.py, "
+                  f"built for {cpu_f32_gemv.describe()['level']}), longer products torch F.linear (MKL GEMM)" +
+                  (f"; {plain} plain" if plain else ""))
     elif packed:
         linear = f"oneDNN-prepacked {name} ({packed} layers" + (f"; {plain} shared/tied plain)" if plain else ")")
         fast = [m.fast_rows for m in model.modules() if isinstance(m, PackedLinear) and m.fast_rows]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tierlm.backends.dtypes import serving_dtype
-from tierlm.backends.torch import compressed_tensors, paged_attention
+from tierlm.backends.torch import compressed_tensors, cpu_f32_gemv, paged_attention
 from tierlm.backends.torch.cpu_linear import pack_linears
 from tierlm.backends.torch.fused_projections import fuse_projections
 from tierlm.backends.torch.mxfp4_experts import packed_model_class
@@ -65,6 +65,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
         quantize_model(model, quant)
     elif device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
         pack_linears(model)  # oneDNN-prepacked weights where the CPU runs them: same products, faster decode
+    elif device.type == "cpu" and dtype == torch.float32:
+        cpu_f32_gemv.use_for_linears(model)  # decode rows on tierlm's kernel: MKL's one-row path is slow on AMD
     return model
 
 

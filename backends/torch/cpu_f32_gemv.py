@@ -1,0 +1,230 @@
+"""float32 decode products on x86 CPUs: a few activation rows times a float32 [N, K] weight (a small C kernel).
+
+Why: torch's float32 linear is MKL's, and on AMD CPUs MKL runs its generic code path for the one-row product
+(``mkl_blas_def_xsgemv``: 88 % of a float32 llama-small decode step by perf on an EPYC). It streamed the weights at
+10.7-19 GB/s on one core where the memory reads ~30, and oneDNN's packed float32 product did no better (12-19).
+This kernel multiplies every activation row by 4 weight rows at a time and prefetches the weight two tiles ahead
+into L2 (into L1 it gained less, without any prefetch it ran at MKL's rate). On the EPYC, weights from DRAM, one
+core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-16 GB/s at 8 rows (1.7-2.4x).
+float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
+
+Numerics: float32 products and sums, in another order than MKL's (each output within float32 rounding of
+``F.linear``), plus the bias. Up to ``MAX_ROWS`` rows (decode steps, 8 streams); longer products (prefill) stay
+MKL's GEMM, which is compute-bound there and fast. Built by c_kernel_build.py for this CPU's level; where the
+build has neither AVX-512 nor AVX2 code (ARM, an old x86) MKL / torch serves. ``TIERLM_CPU_F32_GEMV=0`` turns it
+off.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.backends.torch import c_kernel_build
+from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
+from tierlm.backends.torch.cpu_threads import helper_threads
+from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler
+
+log = logging.getLogger(__name__)
+
+ENV = "TIERLM_CPU_F32_GEMV"
+
+_SOURCE = r"""
+#include <stdint.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* The vector width of the code below: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
+int f32_gemv_simd_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+#define NR 4  /* weight rows per tile */
+#if defined(__AVX512F__)
+#define MR 4  /* activation rows per pass over a tile: MR x NR accumulators + NR weights + 1 row in 32 registers */
+#else
+#define MR 2  /* 16 registers */
+#endif
+
+/* out[i][j] = x[i, :] . w[j, :] for mr activation rows and nr <= NR weight rows (both row stride K). The weight
+   stream is prefetched into L2 two tiles (2 * NR rows, contiguous) ahead, a line per 16 floats consumed. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int mr, const float *restrict w,
+                                                        long K, int nr, int prefetch, float out[MR][NR]) {
+    long k = 0;
+    const char *ahead = (const char *)(w + 2 * NR * K);
+#if defined(__AVX512F__)
+    __m512 acc[MR][NR];
+    for (int i = 0; i < MR; i++) for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        if (prefetch) for (int j = 0; j < NR; j++) _mm_prefetch(ahead + (k * NR + 16 * j) * 4, _MM_HINT_T1);
+        __m512 wv[NR];
+        for (int j = 0; j < NR; j++) wv[j] = j < nr ? _mm512_loadu_ps(w + j * K + k) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++) for (int j = 0; j < NR; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#elif defined(__AVX2__)
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; i++) for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        if (prefetch && (k & 15) == 0)
+            for (int j = 0; j < NR; j++) _mm_prefetch(ahead + (k * NR + 16 * j) * 4, _MM_HINT_T1);
+        __m256 wv[NR];
+        for (int j = 0; j < NR; j++) wv[j] = j < nr ? _mm256_loadu_ps(w + j * K + k) : _mm256_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++) for (int j = 0; j < NR; j++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        out[i][j] = _mm_cvtss_f32(s);
+    }
+#else
+    (void)ahead; (void)prefetch;
+    for (int i = 0; i < mr; i++) for (int j = 0; j < NR; j++) out[i][j] = 0.f;
+#endif
+    for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) {  /* the columns past the last full vector */
+        float s = 0.f;
+        for (long kk = k; kk < K; kk++) s += x[i * K + kk] * w[j * K + kk];
+        out[i][j] += s;
+    }
+}
+
+/* y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) for output columns n0..n1-1 (threads split N); bias may be NULL.
+   The prefetch stops two tiles before n1: past it lie another thread's rows or the end of the weight. */
+void f32_linear(const float *restrict x, long M, long K, const float *restrict w, const float *restrict bias,
+                float *restrict y, long N, long n0, long n1) {
+    float out[MR][NR];
+    for (long n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        const int prefetch = n + 3 * NR <= n1;
+        for (long m = 0; m < M; m += MR) {  /* the tile's rows stay in L1/L2 between passes */
+            const int mr = M - m < MR ? (int)(M - m) : MR;
+            switch (mr) {  /* constant row counts: the accumulators stay in registers */
+            case 1: tile(x + m * K, 1, w + n * K, K, nr, prefetch, out); break;
+#if MR > 2
+            case 2: tile(x + m * K, 2, w + n * K, K, nr, prefetch, out); break;
+            case 3: tile(x + m * K, 3, w + n * K, K, nr, prefetch, out); break;
+#endif
+            default: tile(x + m * K, MR, w + n * K, K, nr, prefetch, out); break;
+            }
+            for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++)
+                y[(m + i) * N + n + j] = bias ? out[i][j] + bias[n + j] : out[i][j];
+        }
+    }
+}
+"""
+CFLAGS = ("-O3", "-fPIC", "-fno-semantic-interposition")  # no -ffast-math: the sums stay in the order written
+# Activation rows the kernel takes: decode steps up to 8 streams (past that MKL's GEMM is compute-bound and fast).
+MAX_ROWS = 8
+# Below this many weights per thread a product stays on the calling thread (a hand-off costs ~30 us).
+MIN_WEIGHTS_PER_THREAD = 1 << 20
+
+_NAME = "f32_gemv"
+_FALLBACK = "float32 decode products use torch's F.linear (MKL)"
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.f32_gemv_simd_bits.restype = ctypes.c_int
+    lib.f32_gemv_simd_bits.argtypes = []
+    lib.f32_linear.restype = None
+    lib.f32_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p] + [ctypes.c_long] * 3
+
+
+def _load(cpu: CpuFeatures) -> KernelBuild:
+    if os.environ.get(ENV, "1") == "0":
+        return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
+    if cpu.arch != "x86_64":
+        return KernelBuild(None, None, f"{cpu.arch}: the kernel has AVX-512 and AVX2 code only; {_FALLBACK}")
+    cc = find_c_compiler(os.environ)
+    if cc is None:
+        return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {_FALLBACK}")
+    build = c_kernel_build.build_for_cpu(_NAME, _SOURCE, CFLAGS, _bind, cpu, cc, default_cache_dir(), _FALLBACK)
+    if build.lib is not None and build.lib.f32_gemv_simd_bits() == 0:
+        return KernelBuild(None, None, f"{build.level} build has no AVX2/AVX-512 code; {_FALLBACK}")
+    return build
+
+
+_kernel = c_kernel_build.LoadOnce(_load, "CPU float32 decode-product kernel", _FALLBACK)
+
+
+def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:
+    """The kernel for this CPU, built on first use; None where it does not run (then MKL's F.linear)."""
+    return _kernel(cpu)
+
+
+def describe() -> dict[str, str | None]:
+    """The kernel as loaded (for /server_info and doctor): the level built for and why, or why not."""
+    return _kernel.describe()
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) in float32: the kernel for 1..MAX_ROWS rows where it loaded, else
+    F.linear."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    lib = _kernel.lib if 0 < rows <= MAX_ROWS else None
+    if lib is None or x.dtype != torch.float32 or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, K)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    N = weight.shape[0]
+    y = torch.empty((rows, N), dtype=torch.float32)
+    args = (x2.data_ptr(), rows, K, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), N)
+    threads = max(1, min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD))
+    if threads == 1:
+        lib.f32_linear(*args, 0, N)
+    else:  # slices of whole tiles (multiples of 4 rows), the caller running the first
+        cuts = [min(N, (N * t // threads + 3) // 4 * 4) for t in range(threads)] + [N]
+        futures = [helper_threads(threads - 1).submit(lib.f32_linear, *args, cuts[t], cuts[t + 1])
+                   for t in range(1, threads)]
+        lib.f32_linear(*args, cuts[0], cuts[1])
+        for f in futures:
+            f.result()
+    return y.view(*x.shape[:-1], N)
+
+
+class F32GemvLinear(nn.Linear):
+    """``nn.Linear`` (same weight, same state dict) whose decode-sized float32 products run on the kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the graph records one opaque op (compiled_decode.py)
+            from tierlm.backends.torch.compiled_decode import f32_linear_op
+
+            return f32_linear_op(x, self.weight, self.bias)
+        return product(x, self.weight, self.bias)
+
+
+def use_for_linears(model: nn.Module) -> int:
+    """Give every float32 CPU ``nn.Linear`` of ``model`` (exactly that class: quantized or adapted subclasses keep
+    their forward) the kernel's forward, in place; returns how many (0 where the kernel does not load here)."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
+               and m.weight.device.type == "cpu" and m.weight.is_contiguous()]
+    if not linears:
+        return 0
+    if load() is None:
+        log.info("CPU float32 linear layers: %s", describe()["why"])
+        return 0
+    for m in linears:
+        m.__class__ = F32GemvLinear
+    log.info("CPU float32: %d linear layers run products of up to %d rows on tierlm's kernel (%s)", len(linears),
+             MAX_ROWS, describe()["why"])
+    return len(linears)

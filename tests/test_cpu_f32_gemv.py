@@ -1,8 +1,10 @@
-"""The float32 decode-product kernel (backends/torch/cpu_f32_gemv.py): its product equals x @ W.T (+ bias) within
-float32 rounding for 1..8 rows, every tile remainder and 2-D / 3-D / strided inputs, on each x86 code path this CPU
-can run (AVX-512, AVX2); threads split it without changing a value; more rows than it takes go to F.linear
-unchanged; the loader gives float32 models' linears its forward (the model's greedy output stays transformers'),
-and where it cannot run (switched off, ARM) F.linear serves, with the reason."""
+"""The float32 decode-product kernel (backends/torch/cpu_f32_gemv.py): in a decode step its product equals
+x @ W.T (+ bias) within float32 rounding for 1..8 rows, every tile remainder and 2-D / 3-D / strided inputs, on each
+x86 code path this CPU can run (AVX-512, AVX2), each row the same bits whatever the row count; threads split it
+without changing a value; more rows than it takes, and every product outside a decode step (prefill chunks, whose
+bits must not depend on the chunking), go to F.linear unchanged; the loader gives float32 models' linears its
+forward (the model's greedy output stays transformers'), and where it cannot run (switched off, ARM) F.linear
+serves, with the reason."""
 from __future__ import annotations
 
 import ctypes
@@ -47,8 +49,12 @@ def test_kernel_equals_the_product(m, n, k, bias, monkeypatch):
     lib = cpu_f32_gemv._kernel.lib
     monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", _Spy(lib, calls))
     x, w, b, ref = _case(m, n, k, bias)
-    _check(cpu_f32_gemv.product(x, w, b), ref)
-    assert calls == [m]  # the kernel computed it, one call
+    with cpu_f32_gemv.decode_step():
+        y = cpu_f32_gemv.product(x, w, b)
+        assert torch.equal(cpu_f32_gemv.product(x[-1:], w, b), y[-1:])  # a row's bits whatever the row count
+    _check(y, ref)
+    assert calls == [m, 1]  # the kernel computed them
+    assert torch.equal(cpu_f32_gemv.product(x, w, b), F.linear(x, w, b)) and calls == [m, 1]  # not a decode step
 
 
 class _Spy:
@@ -62,8 +68,14 @@ class _Spy:
         return self._lib.f32_linear(*args)
 
 
+@pytest.fixture
+def in_decode_step():
+    with cpu_f32_gemv.decode_step():
+        yield
+
+
 @needs_kernel
-def test_batched_and_strided_rows_and_more_rows_than_it_takes():
+def test_batched_and_strided_rows_and_more_rows_than_it_takes(in_decode_step):
     x, w, b, ref = _case(6, 40, 64, True)
     _check(cpu_f32_gemv.product(x.view(2, 3, 64), w, b).view(6, 40), ref)  # [B, T, K] rows
     wide = torch.cat([x, x], dim=1)[:, :64]  # rows a stride of 128 apart
@@ -74,7 +86,7 @@ def test_batched_and_strided_rows_and_more_rows_than_it_takes():
 
 
 @needs_kernel
-def test_threads_split_the_output_without_changing_a_value(monkeypatch):
+def test_threads_split_the_output_without_changing_a_value(monkeypatch, in_decode_step):
     x, w, b, _ = _case(3, 101, 160, True)
     one = cpu_f32_gemv.product(x, w, b)
     monkeypatch.setattr(cpu_f32_gemv, "MIN_WEIGHTS_PER_THREAD", 1)
@@ -94,7 +106,7 @@ def _fresh_build(monkeypatch, tmp_path, cpu: CpuFeatures):
 
 @needs_kernel
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
-def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path):
+def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path, in_decode_step):
     cpu = this_cpu()
     levels = cpu_features.level_names(cpu.arch)
     if levels.index(cpu.level) < levels.index(level):
@@ -118,7 +130,8 @@ def test_where_it_cannot_run_f_linear_serves(monkeypatch, tmp_path):
     assert cpu_f32_gemv.use_for_linears(model) == 0 and type(model[0]) is nn.Linear
     assert f"off ({cpu_f32_gemv.ENV}=0)" in cpu_f32_gemv.describe()["why"]
     x = torch.randn(2, 64)
-    assert torch.equal(cpu_f32_gemv.product(x, model[0].weight, model[0].bias), model[0](x))
+    with cpu_f32_gemv.decode_step():
+        assert torch.equal(cpu_f32_gemv.product(x, model[0].weight, model[0].bias), model[0](x))
 
 
 @needs_kernel

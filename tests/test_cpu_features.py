@@ -132,7 +132,8 @@ def test_server_info_names_the_cpu_and_the_kernel_of_each_layer_type(tiny_llama)
         engine.shutdown()
     cpu, kernels = info["cpu"], info["kernels"]
     assert cpu["level"] == this_cpu().level and cpu["features"] and "onednn_bf16_prepack_why" in cpu
-    assert set(kernels) == {"linear", "prefill_attention", "decode_attention", "weight_pages"}
+    assert set(kernels) == {"linear", "prefill_attention", "decode_attention", "weight_pages", "last_layer"}
+    assert kernels["last_layer"] == "read rows only"  # last_layer_rows.py: llama is covered
     # the linear kernel named is the one the CPU decision allows
     assert ("oneDNN-prepacked" in kernels["linear"]) == (cpu["onednn_bf16_prepack"] and
                                                          "refuses" not in kernels["linear"])

@@ -13,7 +13,8 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import cpu_int8_gemv, cpu_paged_decode, huge_pages, last_layer_rows, paged_attention
+from tierlm.backends.torch import (cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode, huge_pages, last_layer_rows,
+                                   paged_attention)
 from tierlm.backends.torch.compiled_decode import CompiledDecode
 from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
 from tierlm.backends.torch.cpu_linear import packed_bytes
@@ -258,9 +259,10 @@ class TorchBackend(ModelBackend):
         if self.linear_state is not None:
             self.linear_state.begin(batch)
         try:
-            if self.compiled is not None and self.compiled.accepts(batch):
-                return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
-            return self._run_model(input_ids, positions, keep, read_rows_only=True)
+            with cpu_f32_gemv.decode_step(meta.decode_rows is not None):  # float32 decode rows on its kernel
+                if self.compiled is not None and self.compiled.accepts(batch):
+                    return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
+                return self._run_model(input_ids, positions, keep, read_rows_only=True)
         finally:
             paged_attention.CURRENT.meta = None
 

@@ -9,16 +9,22 @@ core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-1
 float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
 
 Numerics: float32 products and sums, in another order than MKL's (each output within float32 rounding of
-``F.linear``), plus the bias. Up to ``MAX_ROWS`` rows (decode steps, 8 streams); longer products (prefill) stay
-MKL's GEMM, which is compute-bound there and fast. Built by c_kernel_build.py for this CPU's level; where the
+``F.linear``), plus the bias; each row's sums in the same order whatever the row count. Only in decode steps
+(``decode_step``: every request one token, up to ``MAX_ROWS`` of them): MKL's GEMM gives a prefill's rows the
+same bits whatever the chunking (2-62 rows measured), so prefill chunks, extends after a cache hit and short
+prompts keep it, and a hit or a chunk size never changes a token (an fp8 KV cache turns any difference in the
+K/V into other tokens). MKL's one-row product differed from its GEMM already; decode rows took it. Built by c_kernel_build.py for this CPU's level; where the
 build has neither AVX-512 nor AVX2 code (ARM, an old x86) MKL / torch serves. ``TIERLM_CPU_F32_GEMV=0`` turns it
 off.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import threading
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -175,12 +181,29 @@ def describe() -> dict[str, str | None]:
     return _kernel.describe()
 
 
+class _Step(threading.local):
+    decode = False
+
+
+_STEP = _Step()
+
+
+@contextlib.contextmanager
+def decode_step(decode: bool = True) -> Iterator[None]:
+    """Within this block the products are a decode step's (every request one token): the kernel takes them."""
+    before, _STEP.decode = _STEP.decode, decode
+    try:
+        yield
+    finally:
+        _STEP.decode = before
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) in float32: the kernel for 1..MAX_ROWS rows where it loaded, else
-    F.linear."""
+    """x [..., K] @ weight[N, K].T (+ bias) in float32: the kernel for 1..MAX_ROWS rows of a decode step where it
+    loaded, else F.linear."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    lib = _kernel.lib if 0 < rows <= MAX_ROWS else None
+    lib = _kernel.lib if _STEP.decode and 0 < rows <= MAX_ROWS else None
     if lib is None or x.dtype != torch.float32 or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, K)

@@ -65,7 +65,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
         quantize_model(model, quant)
     elif device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
         pack_linears(model)  # oneDNN-prepacked weights where the CPU runs them: same products, faster decode
-    elif device.type == "cpu" and dtype == torch.float32:
+    elif device.type == "cpu" and dtype == torch.float32 and method is None:
         cpu_f32_gemv.use_for_linears(model)  # decode rows on tierlm's kernel: MKL's one-row path is slow on AMD
     return model
 

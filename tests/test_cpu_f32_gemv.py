@@ -23,7 +23,7 @@ needs_kernel = pytest.mark.skipif(cpu_f32_gemv.load() is None, reason=f"the floa
                                   f"{cpu_f32_gemv.describe()['why']}")
 
 # Partial weight tiles (N % 4 = 1, 2, 3), columns past the last full vector (K % 16 = 8, 7, 11; K % 8 = 7, 3), and
-# rows 3, 5, 6, 8: two or more passes over a tile (AVX-512 takes 4 rows a pass, AVX2 2).
+# rows 5, 6, 8: two passes over a tile (4 rows a pass; AVX2 takes 2 a pass in its tiles for one or two rows).
 SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
 
 
@@ -115,9 +115,12 @@ def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeyp
     assert build.lib is not None and build.level == level, build.why
     assert build.lib.f32_gemv_simd_bits() == bits
     monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", build.lib)
-    for m, (n, k) in zip((1, 2, 5, 8), SHAPES):
-        x, w, b, ref = _case(m, n, k, True)
-        _check(cpu_f32_gemv.product(x, w, b), ref)
+    for m in range(1, 9):  # AVX2: 2 x 4 tiles for 1-2 rows, 4 x 2 from 3; each sum in the same order in both
+        for n, k in SHAPES:
+            x, w, b, ref = _case(m, n, k, m % 2 == 0)
+            y = cpu_f32_gemv.product(x, w, b)
+            _check(y, ref)
+            assert torch.equal(cpu_f32_gemv.product(x[-1:], w, b), y[-1:])
 
 
 def test_where_it_cannot_run_f_linear_serves(monkeypatch, tmp_path):

@@ -3,9 +3,11 @@
 Why: torch's float32 linear is MKL's, and on AMD CPUs MKL runs its generic code path for the one-row product
 (``mkl_blas_def_xsgemv``: 88 % of a float32 llama-small decode step by perf on an EPYC). It streamed the weights at
 10.7-19 GB/s on one core where the memory reads ~30, and oneDNN's packed float32 product did no better (12-19).
-This kernel multiplies every activation row by 4 weight rows at a time and prefetches the weight two tiles ahead
-into L2 (into L1 it gained less, without any prefetch it ran at MKL's rate). On the EPYC, weights from DRAM, one
-core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-16 GB/s at 8 rows (1.7-2.4x).
+This kernel multiplies a tile of weight rows by every activation row (AVX-512: 4 x 4 rows a pass; AVX2's 16
+registers: 2 activation rows x 4 weight rows for one or two rows, 4 x 2 from three) and prefetches the weight two
+tiles ahead into L2 (into L1 it gained less, without any prefetch it ran at MKL's rate). On the EPYC, weights from
+DRAM, one core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-16 GB/s at 8 rows
+(1.7-2.4x; the AVX2 build 10-13).
 float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
 
 Numerics: float32 products and sums, in another order than MKL's (each output within float32 rounding of
@@ -13,9 +15,10 @@ Numerics: float32 products and sums, in another order than MKL's (each output wi
 (``decode_step``: every request one token, up to ``MAX_ROWS`` of them): MKL's GEMM gives a prefill's rows the
 same bits whatever the chunking (2-62 rows measured), so prefill chunks, extends after a cache hit and short
 prompts keep it, and a hit or a chunk size never changes a token (an fp8 KV cache turns any difference in the
-K/V into other tokens). MKL's one-row product differed from its GEMM already; decode rows took it. Built by c_kernel_build.py for this CPU's level; where the
-build has neither AVX-512 nor AVX2 code (ARM, an old x86) MKL / torch serves. ``TIERLM_CPU_F32_GEMV=0`` turns it
-off.
+K/V into other tokens). MKL's one-row product differed from its GEMM already; decode rows took it.
+
+Built by c_kernel_build.py for this CPU's level; where the build has neither AVX-512 nor AVX2 code (ARM, an old
+x86) MKL / torch serves. ``TIERLM_CPU_F32_GEMV=0`` turns it off.
 """
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_levels import build_at_level, fresh_build
 from torch import nn
 
 from tierlm.backends.torch import cpu_f32_gemv
 from tierlm.backends.torch.cpu_f32_gemv import F32GemvLinear
-from tierlm.platforms import cpu_features
-from tierlm.platforms.cpu_features import CpuFeatures, apply_cap, this_cpu
+from tierlm.platforms.cpu_features import CpuFeatures
 
 needs_kernel = pytest.mark.skipif(cpu_f32_gemv.load() is None, reason=f"the float32 kernel does not run here: "
                                   f"{cpu_f32_gemv.describe()['why']}")
@@ -99,20 +99,10 @@ def test_threads_split_the_output_without_changing_a_value(monkeypatch, in_decod
         torch.set_num_threads(before)
 
 
-def _fresh_build(monkeypatch, tmp_path, cpu: CpuFeatures):
-    monkeypatch.setattr(cpu_f32_gemv, "default_cache_dir", lambda: tmp_path)
-    return cpu_f32_gemv._load(cpu)
-
-
 @needs_kernel
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
 def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path, in_decode_step):
-    cpu = this_cpu()
-    levels = cpu_features.level_names(cpu.arch)
-    if levels.index(cpu.level) < levels.index(level):
-        pytest.skip(f"this CPU's level is {cpu.level}: it cannot run the {level} code")
-    build = _fresh_build(monkeypatch, tmp_path, apply_cap(cpu, level))
-    assert build.lib is not None and build.level == level, build.why
+    build = build_at_level(cpu_f32_gemv, level, monkeypatch, tmp_path)
     assert build.lib.f32_gemv_simd_bits() == bits
     monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", build.lib)
     for m in range(1, 9):  # AVX2: 2 x 4 tiles for 1-2 rows, 4 x 2 from 3; each sum in the same order in both
@@ -125,7 +115,7 @@ def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeyp
 
 def test_where_it_cannot_run_f_linear_serves(monkeypatch, tmp_path):
     arm = CpuFeatures(arch="aarch64", flags=frozenset({"fp", "asimd", "bf16"}))
-    build = _fresh_build(monkeypatch, tmp_path, arm)
+    build = fresh_build(cpu_f32_gemv, monkeypatch, tmp_path, arm)
     assert build.lib is None and "aarch64" in build.why and "F.linear" in build.why
     monkeypatch.setenv(cpu_f32_gemv.ENV, "0")
     monkeypatch.setattr(cpu_f32_gemv, "_kernel", cpu_f32_gemv._kernel.fresh())  # set up again, under the env

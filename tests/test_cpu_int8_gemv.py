@@ -8,11 +8,12 @@ import ctypes
 
 import pytest
 import torch
+from kernel_levels import build_at_level, fresh_build
 
 from tierlm.backends.torch import c_kernel_build, cpu_int8_gemv
 from tierlm.backends.torch.cpu_quant_linear import Int8WeightOnlyLinear
 from tierlm.platforms import cpu_features
-from tierlm.platforms.cpu_features import CpuFeatures, apply_cap, this_cpu
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 needs_kernel = pytest.mark.skipif(cpu_int8_gemv.load() is None, reason=f"the int8 kernel does not run here: "
                                   f"{cpu_int8_gemv.describe()['why']}")
@@ -71,11 +72,6 @@ def test_threads_split_the_output_without_changing_a_value(dtype, monkeypatch):
         torch.set_num_threads(before)
 
 
-def _fresh_build(monkeypatch, tmp_path, cpu: CpuFeatures) -> c_kernel_build.KernelBuild:
-    monkeypatch.setattr(cpu_int8_gemv, "default_cache_dir", lambda: tmp_path)
-    return cpu_int8_gemv._load(cpu)
-
-
 def _call(lib: ctypes.CDLL, x, q, scales, b) -> torch.Tensor:
     """One call of a loaded build, single-threaded (what int8_linear does with one thread)."""
     m, k = x.shape
@@ -91,12 +87,7 @@ def _call(lib: ctypes.CDLL, x, q, scales, b) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
 def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path):
-    cpu = this_cpu()
-    levels = cpu_features.level_names(cpu.arch)
-    if levels.index(cpu.level) < levels.index(level):
-        pytest.skip(f"this CPU's level is {cpu.level}: it cannot run the {level} code")
-    build = _fresh_build(monkeypatch, tmp_path, apply_cap(cpu, level))
-    assert build.lib is not None and build.level == level, build.why
+    build = build_at_level(cpu_int8_gemv, level, monkeypatch, tmp_path)
     assert build.lib.int8_gemv_simd_bits() == bits
     for dtype in (torch.bfloat16, torch.float32):
         for m, (n, k) in zip((1, 2, 6, 8), SHAPES):
@@ -120,7 +111,7 @@ def test_the_plain_c_build_computes_the_product_but_is_left_to_torch(monkeypatch
     # a level whose flags the compiler refuses falls back to a baseline build, which torch's kernel outruns
     cpu = CpuFeatures(arch="x86_64", flags=this_cpu().flags if this_cpu().arch == "x86_64" else frozenset())
     monkeypatch.setitem(cpu_features.COMPILE_FLAGS, cpu.level, ("-mno-such-target-flag",))
-    build = _fresh_build(monkeypatch, tmp_path, cpu)
+    build = fresh_build(cpu_int8_gemv, monkeypatch, tmp_path, cpu)
     if vector:
         assert build.lib is not None and build.level == "baseline"
     else:
@@ -129,10 +120,10 @@ def test_the_plain_c_build_computes_the_product_but_is_left_to_torch(monkeypatch
 
 def test_where_it_cannot_run_torch_kernel_serves(monkeypatch, tmp_path):
     arm = CpuFeatures(arch="aarch64", flags=frozenset({"fp", "asimd", "bf16"}))
-    build = _fresh_build(monkeypatch, tmp_path, arm)
+    build = fresh_build(cpu_int8_gemv, monkeypatch, tmp_path, arm)
     assert build.lib is None and "aarch64" in build.why and "_weight_int8pack_mm" in build.why
     monkeypatch.setenv("TIERLM_CPU_INT8_GEMV", "0")
-    assert "off (TIERLM_CPU_INT8_GEMV=0)" in _fresh_build(monkeypatch, tmp_path, this_cpu()).why
+    assert "off (TIERLM_CPU_INT8_GEMV=0)" in fresh_build(cpu_int8_gemv, monkeypatch, tmp_path, this_cpu()).why
     monkeypatch.setattr(cpu_int8_gemv, "_kernel", cpu_int8_gemv._kernel.fresh())  # set up again, under the env
     assert not cpu_int8_gemv.takes(1, torch.bfloat16)
     # the layer still computes its product, through torch's kernel

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
+from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,25 @@ def build_for_cpu(name: str, source: str, cflags: tuple[str, ...], bind: Callabl
             detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
             errors.append(f"{level} {' '.join(flags)}: {e} {detail}".strip())
     return KernelBuild(None, None, "could not build or load it (" + "; ".join(errors) + f"); {fallback}")
+
+
+def build_x86_vector_kernel(name: str, source: str, cflags: tuple[str, ...], bind: Callable[[ctypes.CDLL], None],
+                            cpu: CpuFeatures, cache_dir: Path, switch_env: str, fallback: str,
+                            simd_bits: Callable[[ctypes.CDLL], int]) -> KernelBuild:
+    """``build_for_cpu`` for a kernel whose C has AVX-512 and AVX2 code and a plain-C rest (cpu_int8_gemv.py,
+    cpu_f32_gemv.py): off with ``switch_env``=0, nothing on other architectures or without a C compiler, and a
+    build whose ``simd_bits`` is 0 (a baseline build: plain C, which torch's own kernel outruns) not used."""
+    if os.environ.get(switch_env, "1") == "0":
+        return KernelBuild(None, None, f"off ({switch_env}=0); {fallback}")
+    if cpu.arch != "x86_64":
+        return KernelBuild(None, None, f"{cpu.arch}: the kernel has AVX-512 and AVX2 code only; {fallback}")
+    cc = find_c_compiler(os.environ)
+    if cc is None:
+        return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {fallback}")
+    build = build_for_cpu(name, source, cflags, bind, cpu, cc, cache_dir, fallback)
+    if build.lib is not None and simd_bits(build.lib) == 0:
+        return KernelBuild(None, None, f"{build.level} build has no AVX2/AVX-512 code; {fallback}")
+    return build
 
 
 class LoadOnce:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import threading
 from typing import Iterator
 
@@ -35,8 +34,8 @@ from torch import nn
 
 from tierlm.backends.torch import c_kernel_build
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
-from tierlm.backends.torch.cpu_threads import helper_threads
-from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler
+from tierlm.backends.torch.cpu_threads import column_threads, split_columns
+from tierlm.platforms.cpu_features import CpuFeatures
 
 log = logging.getLogger(__name__)
 
@@ -166,17 +165,8 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _load(cpu: CpuFeatures) -> KernelBuild:
-    if os.environ.get(ENV, "1") == "0":
-        return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
-    if cpu.arch != "x86_64":
-        return KernelBuild(None, None, f"{cpu.arch}: the kernel has AVX-512 and AVX2 code only; {_FALLBACK}")
-    cc = find_c_compiler(os.environ)
-    if cc is None:
-        return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {_FALLBACK}")
-    build = c_kernel_build.build_for_cpu(_NAME, _SOURCE, CFLAGS, _bind, cpu, cc, default_cache_dir(), _FALLBACK)
-    if build.lib is not None and build.lib.f32_gemv_simd_bits() == 0:
-        return KernelBuild(None, None, f"{build.level} build has no AVX2/AVX-512 code; {_FALLBACK}")
-    return build
+    return c_kernel_build.build_x86_vector_kernel(_NAME, _SOURCE, CFLAGS, _bind, cpu, default_cache_dir(), ENV,
+                                                  _FALLBACK, lambda lib: lib.f32_gemv_simd_bits())
 
 
 _kernel = c_kernel_build.LoadOnce(_load, "CPU float32 decode-product kernel", _FALLBACK)
@@ -223,16 +213,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     N = weight.shape[0]
     y = torch.empty((rows, N), dtype=torch.float32)
     args = (x2.data_ptr(), rows, K, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), N)
-    threads = max(1, min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD))
-    if threads == 1:
-        lib.f32_linear(*args, 0, N)
-    else:  # slices of whole tiles (multiples of 4 rows), the caller running the first
-        cuts = [min(N, (N * t // threads + 3) // 4 * 4) for t in range(threads)] + [N]
-        futures = [helper_threads(threads - 1).submit(lib.f32_linear, *args, cuts[t], cuts[t + 1])
-                   for t in range(1, threads)]
-        lib.f32_linear(*args, cuts[0], cuts[1])
-        for f in futures:
-            f.result()
+    split_columns(lambda n0, n1: lib.f32_linear(*args, n0, n1), N, column_threads(N * K, MIN_WEIGHTS_PER_THREAD))
     return y.view(*x.shape[:-1], N)
 
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
 from tierlm.backends.torch import c_kernel_build
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
-from tierlm.backends.torch.cpu_threads import helper_threads
-from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler
+from tierlm.backends.torch.cpu_threads import column_threads, split_columns
+from tierlm.platforms.cpu_features import CpuFeatures
 
 log = logging.getLogger(__name__)
 
@@ -157,18 +156,10 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _load(cpu: CpuFeatures) -> KernelBuild:
-    if os.environ.get("TIERLM_CPU_INT8_GEMV", "1") == "0":
-        return KernelBuild(None, None, f"off (TIERLM_CPU_INT8_GEMV=0); {_FALLBACK}")
-    if cpu.arch != "x86_64":
-        return KernelBuild(None, None, f"{cpu.arch}: the kernel has AVX-512 and AVX2 code only; {_FALLBACK}")
-    cc = find_c_compiler(os.environ)
-    if cc is None:
-        return KernelBuild(None, None, f"no C compiler (cc/gcc/clang); {_FALLBACK}")
-    build = c_kernel_build.build_for_cpu(_NAME, _SOURCE, CFLAGS, _bind, cpu, cc, default_cache_dir(), _FALLBACK)
-    if build.lib is not None and build.lib.int8_gemv_simd_bits() == 0:
-        # a baseline build is plain C: torch's vectorized bf16 kernel is the faster one there
-        return KernelBuild(None, None, f"{build.level} build has no AVX2/AVX-512 code; {_FALLBACK}")
-    return build
+    # a plain-C (baseline) build is not used: torch's vectorized bf16 kernel is the faster one there
+    return c_kernel_build.build_x86_vector_kernel(_NAME, _SOURCE, CFLAGS, _bind, cpu, default_cache_dir(),
+                                                  "TIERLM_CPU_INT8_GEMV", _FALLBACK,
+                                                  lambda lib: lib.int8_gemv_simd_bits())
 
 
 _kernel = c_kernel_build.LoadOnce(_load, "CPU int8 weight-only decode kernel", _FALLBACK)
@@ -205,17 +196,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     xf = torch.empty((M, K), dtype=torch.float32) if bf16 else x
     args = (x.data_ptr(), xf.data_ptr())
     tail = (M, K, qweight.data_ptr(), scales.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), N)
-    threads = max(1, min(torch.get_num_threads(), N * K // MIN_WEIGHTS_PER_THREAD))
-    if threads == 1:
-        fn(*args, int(bf16), *tail, 0, N)
-        return y
-    if bf16:
+    threads = column_threads(N * K, MIN_WEIGHTS_PER_THREAD)
+    convert = int(bf16 and threads == 1)  # one thread widens x itself; for several it is widened once here
+    if bf16 and not convert:
         xf.copy_(x)
-    # slices of whole tiles (multiples of 4 rows), the caller running the first
-    cuts = [min(N, (N * t // threads + 3) // 4 * 4) for t in range(threads)] + [N]
-    futures = [helper_threads(threads - 1).submit(fn, *args, 0, *tail, cuts[t], cuts[t + 1])
-               for t in range(1, threads)]
-    fn(*args, 0, *tail, cuts[0], cuts[1])
-    for f in futures:
-        f.result()
+    split_columns(lambda n0, n1: fn(*args, convert, *tail, n0, n1), N, threads)
     return y

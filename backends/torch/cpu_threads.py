@@ -45,3 +45,23 @@ def helper_threads(n: int) -> ThreadPoolExecutor:
         if _helper_pool is None or _helper_pool._max_workers < n:
             _helper_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="tierlm-cpu-kernel")
         return _helper_pool
+
+
+def column_threads(weights: int, min_weights_per_thread: int) -> int:
+    """Threads for a product of ``weights`` weights: torch's intra-op count, but at least ``min_weights_per_thread``
+    each (a hand-off costs ~30 us)."""
+    return max(1, min(torch.get_num_threads(), weights // min_weights_per_thread))
+
+
+def split_columns(call, N: int, threads: int) -> None:
+    """``call(n0, n1)`` over N output columns: whole on the calling thread when ``threads`` is 1, else in slices of
+    whole 4-column tiles between ``threads`` threads, the caller running the first (cpu_int8_gemv.py,
+    cpu_f32_gemv.py)."""
+    if threads == 1:
+        call(0, N)
+        return
+    cuts = [min(N, (N * t // threads + 3) // 4 * 4) for t in range(threads)] + [N]
+    futures = [helper_threads(threads - 1).submit(call, cuts[t], cuts[t + 1]) for t in range(1, threads)]
+    call(cuts[0], cuts[1])
+    for f in futures:
+        f.result()

@@ -341,6 +341,11 @@ class ModelBackend(ABC):
     def weight_bytes(self) -> int:
         """Bytes of the loaded weights (sizing and logs)."""
 
+    def weight_bytes_per_token(self) -> int | None:
+        """Bytes of the loaded weights one decode step of one stream reads (the bandwidth bound of ``tierlm bench
+        peers``), where the backend knows them; None where not (the bench then counts the checkpoint's)."""
+        return None
+
     @abstractmethod
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         """Allocate the device KV pool: ``num_pages`` pages of ``page_size`` tokens, every layer."""

@@ -115,6 +115,7 @@ class EngineParts:
             "dtype_chosen_by": self.dtype_reason,
             "weight_format": self.model_info.weight_format,  # backends/weight_format.py; also in the L3 namespace
             "weight_bytes": self.backend.weight_bytes(),  # resident: quantized tensors at their packed size
+            "weight_bytes_per_token": self.backend.weight_bytes_per_token(),  # what one decode stream reads
             "backend_decision": self.decision.to_dict(),
             "context_length": self.context_length,
             "architecture": self.model_info.architecture,

@@ -9,7 +9,9 @@ is much larger, so generated ids above 284 decode to nothing. That is fine for t
 
 A model is built once into ``<user cache>/tierlm/synthetic/<name>`` (a private temporary folder renamed into
 place, as the demo model is) and rebuilt only when its spec changes. The safetensors file is written one
-tensor at a time, so building the 2 GB float32 Qwen2.5-0.5B needs about one embedding matrix of memory.
+tensor at a time, so building Qwen2.5-0.5B needs about one embedding matrix of memory. Weights are stored as
+bf16 (and config.json says so), as the published checkpoints of these shapes are: a server loading them sees the
+bytes and the dtype a real checkpoint gives it (a float32-serving CPU holds them as bf16: cpu_bf16_stored_weights).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SEED = 20250101
 WEIGHT_STD = 0.02  # the published initializer_range of both families
-FORMAT_VERSION = 1  # bump when the bytes written for the same spec change
+FORMAT_VERSION = 2  # bump when the bytes written for the same spec change (2: bf16 instead of float32)
 MARKER = "synthetic.json"
 
 # Published configs (Hugging Face config.json of the real checkpoints), minus the weights.
@@ -134,6 +136,7 @@ def write_synthetic_model(name: str, out_dir: Path, progress: Callable[[int, int
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(SPECS[name])
     config = _hf_config(spec)
+    config.dtype = "bfloat16"  # the weights' dtype (config.json "dtype"), as the published checkpoints say
     config.save_pretrained(out_dir)
     eos = spec["eos_token_id"]
     (out_dir / "generation_config.json").write_text(json.dumps(
@@ -177,15 +180,21 @@ def _tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even, as torch rounds), as their uint16 bits."""
+    bits = a.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
                        progress: Callable[[int, int], None] | None) -> None:
-    """The safetensors format written by hand, streaming one tensor at a time (float32)."""
+    """The safetensors format written by hand, streaming one tensor at a time (bf16)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     names = sorted(shapes)
     for n in names:
-        size = int(np.prod(shapes[n])) * 4
-        header[n] = {"dtype": "F32", "shape": list(shapes[n]), "data_offsets": [offset, offset + size]}
+        size = int(np.prod(shapes[n])) * 2
+        header[n] = {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data must start 8-byte aligned
@@ -194,7 +203,7 @@ def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for n in names:
-            data = _tensor(n, shapes[n])
+            data = _bf16_bits(_tensor(n, shapes[n]))
             f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
             done += data.nbytes
             if progress is not None:

@@ -139,6 +139,15 @@ class TorchBackend(ModelBackend):
     def weight_bytes(self) -> int:
         return sum(tensor_bytes(p) for p in self.model.parameters()) + packed_bytes(self.model)
 
+    def weight_bytes_per_token(self) -> int:
+        """All the weights but an input embedding no other layer holds: a lookup reads one row of it (a tied one
+        is read whole as the lm_head). As held: bf16-held or quantized weights at their size."""
+        embedding = self.model.get_input_embeddings()
+        if embedding is None:
+            return self.weight_bytes()
+        elsewhere = {id(p) for m in self.model.modules() if m is not embedding for p in m.parameters(recurse=False)}
+        return self.weight_bytes() - sum(tensor_bytes(p) for p in embedding.parameters() if id(p) not in elsewhere)
+
     def init_kv_pool(self, num_pages: int, page_size: int) -> None:
         i = self.info
         # One page more than the runtime hands out: padded rows of static decode steps write there (decode_graphs).

@@ -34,6 +34,7 @@ from torch import nn
 
 from tierlm.backends.torch import c_kernel_build
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
+from tierlm.backends.torch.cpu_bf16_stored_weights import store_in_bf16, widened_product
 from tierlm.backends.torch.cpu_threads import column_threads, split_columns
 from tierlm.platforms.cpu_features import CpuFeatures
 
@@ -58,21 +59,48 @@ int f32_gemv_simd_bits(void) {
 #endif
 }
 
-/* out[i * TR + j] = x[i, :] . w[j, :] for mr activation rows and nr <= TR weight rows (both row stride K); TR and
-   mr are constants where it is inlined, so the accumulators stay in registers. The weight stream is prefetched
-   into L2 two tiles (2 * TR rows, contiguous) ahead, a line per 16 floats of each row consumed. */
-static inline __attribute__((always_inline)) void tile(const float *restrict x, int mr, const float *restrict w,
+/* A weight element as float32: WB is its size, 4 (float32) or 2 (bf16, widened exactly: its bits are a float32's
+   upper half). */
+static inline float w_at(const void *w, long idx, const int WB) {
+    if (WB == 4) return ((const float *)w)[idx];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[idx] << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 w_vec(const void *w, long idx, const int WB) {
+    if (WB == 4) return _mm512_loadu_ps((const float *)w + idx);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__)
+static inline __m256 w_vec(const void *w, long idx, const int WB) {
+    if (WB == 4) return _mm256_loadu_ps((const float *)w + idx);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + idx));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* out[i * TR + j] = x[i, :] . w[j, :] for mr activation rows and nr <= TR weight rows (both row stride K); TR, mr
+   and WB are constants where it is inlined, so the accumulators stay in registers. The weight stream is
+   prefetched into L2 two tiles (2 * TR rows, contiguous) ahead: per 16 elements of each row consumed, the next
+   TR * WB / 4 lines of that region. A bf16 weight gives the same products and sums in the same order as its
+   float32 widening, so the same bits. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int mr, const void *restrict w,
                                                         long K, int nr, int prefetch, float *restrict out,
-                                                        const int TR) {
+                                                        const int TR, const int WB) {
     long k = 0;
-    const char *ahead = (const char *)(w + 2 * TR * K);
+    const char *ahead = (const char *)w + 2L * TR * K * WB;
+    const int lines = TR * WB / 4;
 #if defined(__AVX512F__)
     __m512 acc[4][4];
     for (int i = 0; i < mr; i++) for (int j = 0; j < TR; j++) acc[i][j] = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-        if (prefetch) for (int j = 0; j < TR; j++) _mm_prefetch(ahead + (k * TR + 16 * j) * 4, _MM_HINT_T1);
+        if (prefetch) for (int l = 0; l < lines; l++) _mm_prefetch(ahead + k * TR * WB + 64 * l, _MM_HINT_T1);
         __m512 wv[4];
-        for (int j = 0; j < TR; j++) wv[j] = j < nr ? _mm512_loadu_ps(w + j * K + k) : _mm512_setzero_ps();
+        for (int j = 0; j < TR; j++) wv[j] = j < nr ? w_vec(w, j * K + k, WB) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++) {
             const __m512 xv = _mm512_loadu_ps(x + i * K + k);
             for (int j = 0; j < TR; j++) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
@@ -84,9 +112,9 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
     for (int i = 0; i < mr; i++) for (int j = 0; j < TR; j++) acc[i][j] = _mm256_setzero_ps();
     for (; k + 8 <= K; k += 8) {
         if (prefetch && (k & 15) == 0)
-            for (int j = 0; j < TR; j++) _mm_prefetch(ahead + (k * TR + 16 * j) * 4, _MM_HINT_T1);
+            for (int l = 0; l < lines; l++) _mm_prefetch(ahead + k * TR * WB + 64 * l, _MM_HINT_T1);
         __m256 wv[4];
-        for (int j = 0; j < TR; j++) wv[j] = j < nr ? _mm256_loadu_ps(w + j * K + k) : _mm256_setzero_ps();
+        for (int j = 0; j < TR; j++) wv[j] = j < nr ? w_vec(w, j * K + k, WB) : _mm256_setzero_ps();
         for (int i = 0; i < mr; i++) {
             const __m256 xv = _mm256_loadu_ps(x + i * K + k);
             for (int j = 0; j < TR; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
@@ -99,12 +127,13 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
         out[i * TR + j] = _mm_cvtss_f32(s);
     }
 #else
-    (void)ahead; (void)prefetch;
+    (void)ahead; (void)prefetch; (void)lines;
     for (int i = 0; i < mr; i++) for (int j = 0; j < TR; j++) out[i * TR + j] = 0.f;
 #endif
     for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) {  /* the columns past the last full vector */
         float s = 0.f;
-        for (long kk = k; kk < K; kk++) s += x[i * K + kk] * w[j * K + kk];
+        /* fused multiply-adds written out: a compiler contracts a * b + c or not as it likes, per build */
+        for (long kk = k; kk < K; kk++) s = __builtin_fmaf(x[i * K + kk], w_at(w, j * K + kk, WB), s);
         out[i * TR + j] += s;
     }
 }
@@ -112,20 +141,21 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
 /* Output columns n0..n1-1 in tiles of TR weight rows, RM activation rows per pass over a tile (the tile stays in
    L1/L2 between passes). The prefetch stops two tiles before n1: past it lie another thread's rows or the end. */
 static inline __attribute__((always_inline)) void tiles(const float *restrict x, long M, long K,
-                                                         const float *restrict w, const float *restrict bias,
+                                                         const void *restrict w, const float *restrict bias,
                                                          float *restrict y, long N, long n0, long n1, const int RM,
-                                                         const int TR) {
+                                                         const int TR, const int WB) {
     float out[16];
     for (long n = n0; n < n1; n += TR) {
         const int nr = n1 - n < TR ? (int)(n1 - n) : TR;
         const int prefetch = n + 3 * TR <= n1;
+        const char *wn = (const char *)w + n * K * WB;
         for (long m = 0; m < M; m += RM) {
             const int mr = M - m < RM ? (int)(M - m) : RM;
             switch (mr) {  /* constant row counts: the accumulators stay in registers */
-            case 1: tile(x + m * K, 1, w + n * K, K, nr, prefetch, out, TR); break;
-            case 2: tile(x + m * K, 2, w + n * K, K, nr, prefetch, out, TR); break;
-            case 3: tile(x + m * K, 3, w + n * K, K, nr, prefetch, out, TR); break;
-            default: tile(x + m * K, 4, w + n * K, K, nr, prefetch, out, TR); break;
+            case 1: tile(x + m * K, 1, wn, K, nr, prefetch, out, TR, WB); break;
+            case 2: tile(x + m * K, 2, wn, K, nr, prefetch, out, TR, WB); break;
+            case 3: tile(x + m * K, 3, wn, K, nr, prefetch, out, TR, WB); break;
+            default: tile(x + m * K, 4, wn, K, nr, prefetch, out, TR, WB); break;
             }
             for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++)
                 y[(m + i) * N + n + j] = bias ? out[i * TR + j] + bias[n + j] : out[i * TR + j];
@@ -133,17 +163,30 @@ static inline __attribute__((always_inline)) void tiles(const float *restrict x,
     }
 }
 
+/* Tiles: AVX-512 4 rows x 4 weight rows (16 of 32 registers for sums); AVX2 (16 registers) 2 x 4 for one or two
+   rows, 4 x 2 from three (the weight read once per 4 rows: +15-35 % at 8 rows, measured). */
+static inline __attribute__((always_inline)) void linear(const float *restrict x, long M, long K,
+                                                          const void *restrict w, const float *restrict bias,
+                                                          float *restrict y, long N, long n0, long n1, const int WB) {
+#if defined(__AVX512F__)
+    tiles(x, M, K, w, bias, y, N, n0, n1, 4, 4, WB);
+#else
+    if (M >= 3) tiles(x, M, K, w, bias, y, N, n0, n1, 4, 2, WB);
+    else tiles(x, M, K, w, bias, y, N, n0, n1, 2, 4, WB);
+#endif
+}
+
 /* y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) for output columns n0..n1-1 (threads split N at multiples of 4);
-   bias may be NULL. Tiles: AVX-512 4 rows x 4 weight rows (16 of 32 registers for sums); AVX2 (16 registers)
-   2 x 4 for one or two rows, 4 x 2 from three (the weight read once per 4 rows: +15-35 % at 8 rows, measured). */
+   bias may be NULL. w float32. */
 void f32_linear(const float *restrict x, long M, long K, const float *restrict w, const float *restrict bias,
                 float *restrict y, long N, long n0, long n1) {
-#if defined(__AVX512F__)
-    tiles(x, M, K, w, bias, y, N, n0, n1, 4, 4);
-#else
-    if (M >= 3) tiles(x, M, K, w, bias, y, N, n0, n1, 4, 2);
-    else tiles(x, M, K, w, bias, y, N, n0, n1, 2, 4);
-#endif
+    linear(x, M, K, w, bias, y, N, n0, n1, 4);
+}
+
+/* The same with w stored as bf16 (half the bytes to read; the same bits as its float32 widening). */
+void f32_linear_bf16w(const float *restrict x, long M, long K, const uint16_t *restrict w,
+                      const float *restrict bias, float *restrict y, long N, long n0, long n1) {
+    linear(x, M, K, w, bias, y, N, n0, n1, 2);
 }
 """
 CFLAGS = ("-O3", "-fPIC", "-fno-semantic-interposition")  # no -ffast-math: the sums stay in the order written
@@ -159,9 +202,10 @@ _FALLBACK = "float32 decode products use torch's F.linear (MKL)"
 def _bind(lib: ctypes.CDLL) -> None:
     lib.f32_gemv_simd_bits.restype = ctypes.c_int
     lib.f32_gemv_simd_bits.argtypes = []
-    lib.f32_linear.restype = None
-    lib.f32_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p] + [ctypes.c_long] * 3
+    for fn in (lib.f32_linear, lib.f32_linear_bf16w):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p] + [ctypes.c_long] * 3
 
 
 def _load(cpu: CpuFeatures) -> KernelBuild:
@@ -200,12 +244,14 @@ def decode_step(decode: bool = True) -> Iterator[None]:
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) in float32: the kernel for 1..MAX_ROWS rows of a decode step where it
-    loaded, else F.linear."""
+    """x [..., K] @ weight[N, K].T (+ bias) in float32, weight float32 or bf16 (cpu_bf16_stored_weights.py): the
+    kernel for 1..MAX_ROWS rows of a decode step where it loaded, else F.linear (on the bf16 weight widened)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     lib = _kernel.lib if _STEP.decode and 0 < rows <= MAX_ROWS else None
     if lib is None or x.dtype != torch.float32 or not weight.is_contiguous():
+        if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            return widened_product(x, weight, bias)
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, K)
     if not x2.is_contiguous():
@@ -213,12 +259,14 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     N = weight.shape[0]
     y = torch.empty((rows, N), dtype=torch.float32)
     args = (x2.data_ptr(), rows, K, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), N)
-    split_columns(lambda n0, n1: lib.f32_linear(*args, n0, n1), N, column_threads(N * K, MIN_WEIGHTS_PER_THREAD))
+    fn = lib.f32_linear_bf16w if weight.dtype == torch.bfloat16 else lib.f32_linear
+    split_columns(lambda n0, n1: fn(*args, n0, n1), N, column_threads(N * K, MIN_WEIGHTS_PER_THREAD))
     return y.view(*x.shape[:-1], N)
 
 
 class F32GemvLinear(nn.Linear):
-    """``nn.Linear`` (same weight, same state dict) whose decode-sized float32 products run on the kernel."""
+    """``nn.Linear`` (same weight, same state dict) whose decode-sized float32 products run on the kernel; its
+    weight float32, or bf16 where cpu_bf16_stored_weights.py holds it so (the products still float32)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the graph records one opaque op (compiled_decode.py)
@@ -242,4 +290,5 @@ def use_for_linears(model: nn.Module) -> int:
         m.__class__ = F32GemvLinear
     log.info("CPU float32: %d linear layers run products of up to %d rows on tierlm's kernel (%s)", len(linears),
              MAX_ROWS, describe()["why"])
+    store_in_bf16(model, linears)  # a bf16 checkpoint's weights: half the bytes, the same values
     return len(linears)

@@ -353,10 +353,13 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
     notes += _mismatch_notes(ns, names, results)
     bound = None
     if info and bandwidth:
-        wbytes = bytes_read_per_token(ctx.model_dir, info.get("dtype", "float32"))
+        held = info.get("weight_bytes_per_token")  # as the server holds them (bf16-held, quantized)
+        wbytes = held or bytes_read_per_token(ctx.model_dir, info.get("dtype", "float32"))
         bound = bandwidth / wbytes
-        notes.append(f"bandwidth bound: weights read per token {wbytes / 2**20:.1f} MiB ({info.get('dtype')}; an untied "
-                     f"input embedding left out: one row of it is read) / read bandwidth {bandwidth / 1e9:.2f} GB/s "
+        notes.append(f"bandwidth bound: weights read per token {wbytes / 2**20:.1f} MiB ("
+                     + ("as tierlm's /server_info weight_bytes_per_token holds them" if held else info.get('dtype'))
+                     + f"; an untied input embedding left out: one row of it is read) / read bandwidth "
+                     f"{bandwidth / 1e9:.2f} GB/s "
                      f"({threads} thread(s), as tierlm computes) = {bound:.1f} tok/s for one stream")
     columns = [Column("metric", "metric")] + [Column(f"cell:{n}", n) for n in names] + \
         [Column("better", f"{ref}/peer better if")]

@@ -146,3 +146,36 @@ def test_float32_models_get_the_kernel_and_keep_transformers_greedy_output(tiny_
             assert out == hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     bf16 = TorchBackend(tiny_llama, dtype="bfloat16")  # other dtypes keep their own linears
     assert not any(isinstance(m, F32GemvLinear) for m in bf16.model.modules())
+
+
+@needs_kernel
+def test_compiled_steps_call_the_kernel_from_cpp_with_the_python_ops_bits():
+    """tierlm_native::f32_linear (cpu_product_op.py) runs decode steps' products itself, float32 or bf16-held
+    weight, and hands every other case to the Python op: the same bits either way."""
+    from tierlm.backends.torch import compiled_decode, cpu_product_op  # noqa: F401 (the ops)
+
+    model = nn.Sequential(nn.Linear(512, 256), nn.Linear(896, 192, bias=False))
+    assert cpu_f32_gemv.use_for_linears(model) == 2
+    ok, why = cpu_product_op.ready(model)
+    if not ok:
+        pytest.skip(f"the C++ op does not load here: {why}")
+
+    def both(x, w, b):
+        before = cpu_product_op.served()
+        got = torch.ops.tierlm_native.f32_linear(x, w, b)
+        return got, cpu_f32_gemv.product(x, w, b), cpu_product_op.served() - before
+
+    for m in model:
+        for w in (m.weight, m.weight.to(torch.bfloat16)):
+            for rows in range(1, cpu_f32_gemv.MAX_ROWS + 1):
+                x = torch.randn(1, rows, m.in_features, generator=torch.Generator().manual_seed(rows))
+                with cpu_f32_gemv.decode_step():
+                    got, want, served = both(x, w, m.bias)
+                assert served == 1 and got.shape == (1, rows, m.out_features) and torch.equal(got, want)
+            x = torch.randn(3, m.in_features)
+            got, want, served = both(x, w, m.bias)  # not a decode step: MKL's bits
+            assert served == 0 and torch.equal(got, want) and torch.equal(got, F.linear(x, w.float(), m.bias))
+            with cpu_f32_gemv.decode_step():
+                for x in (torch.randn(9, m.in_features), torch.randn(3, 2 * m.in_features)[:, :m.in_features]):
+                    got, want, served = both(x, w, m.bias)  # more rows than it takes; rows not contiguous
+                    assert served == 0 and torch.equal(got, want)

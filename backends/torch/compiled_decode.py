@@ -170,7 +170,9 @@ def packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.T
 
 
 def f32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.tierlm.f32_linear(x, weight, bias)
+    """The float32 product the graph records: the C++ op where it loaded (cpu_product_op.py), else the Python one."""
+    op = torch.ops.tierlm_native.f32_linear if cpu_product_op.loaded() else torch.ops.tierlm.f32_linear
+    return op(x, weight, bias)
 
 
 def int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -223,7 +225,7 @@ class CompiledDecode:
                  self.wrapper_why)
         # before any trace: the graphs record the op that exists then (packed_linear_op)
         self.native_products, self.products_why = cpu_product_op.ready(model)
-        log.info("torch.compile: packed products through the %s op (%s)",
+        log.info("torch.compile: kernel products through the %s op (%s)",
                  "C++" if self.native_products else "Python", self.products_why)
         # One entry per size class, each with a code object of its own: dynamo keys its graphs by code object, so
         # each entry holds the one graph of its class and of this instance (transformers' forward wrapper is one

@@ -26,7 +26,7 @@ import contextlib
 import ctypes
 import logging
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -231,16 +231,28 @@ class _Step(threading.local):
 
 
 _STEP = _Step()
+# Also told of each step's kind: the C++ op of compiled steps (cpu_product_op.py), which has no thread-local.
+_STEP_LISTENERS: list[Callable[[bool], None]] = []
+
+
+def on_decode_step(listener: Callable[[bool], None]) -> None:
+    """``listener(decode)`` is called as each ``decode_step`` block begins and ends (once per listener)."""
+    if listener not in _STEP_LISTENERS:
+        _STEP_LISTENERS.append(listener)
 
 
 @contextlib.contextmanager
 def decode_step(decode: bool = True) -> Iterator[None]:
     """Within this block the products are a decode step's (every request one token): the kernel takes them."""
     before, _STEP.decode = _STEP.decode, decode
+    for listener in _STEP_LISTENERS:
+        listener(decode)
     try:
         yield
     finally:
         _STEP.decode = before
+        for listener in _STEP_LISTENERS:
+            listener(before)
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The compiled decode step's packed bf16 product as a C++ operator: inductor's C++ wrapper calls it through the
-dispatcher, and it calls tierlm's decode-product kernel (cpu_avx512_linear.py, cpu_amx_linear.py) with no Python
-in between.
+"""The compiled decode step's kernel products as C++ operators: inductor's C++ wrapper calls them through the
+dispatcher, and they call tierlm's decode-product kernels (packed bf16: cpu_avx512_linear.py, cpu_amx_linear.py;
+float32 / bf16-held: cpu_f32_gemv.py) with no Python in between.
 
 Why: compiled, every product is a call of the ``tierlm::packed_linear`` op (compiled_decode.py), whose kernel is a
 Python function: ~3.4 us from the dispatcher into Python and ~5.7 us of Python (shapes, the chunk table, ctypes)
@@ -15,6 +15,11 @@ onednn_packed_weight.run_in_block_slices), the K chunk the probe found for this 
 Anything else (more rows, another dtype, a product big enough for helper threads, a K or thread count with no
 chunk table) goes to ``tierlm::packed_linear``, the Python op, so the outputs are those of cpu_linear
 .packed_product bit for bit in every case.
+
+``tierlm_native::f32_linear`` does the same for cpu_f32_gemv.F32GemvLinear (``tierlm::f32_linear``): in decode
+steps (the flag cpu_f32_gemv.decode_step sets here), 1..MAX_ROWS float32 rows, contiguous, one thread's share, it
+calls the kernel's ``f32_linear`` or ``f32_linear_bf16w`` (a bf16-held weight) itself; anything else goes to the
+Python op. llama-small float32 capped at AVX2, one stream: ~32 products a step.
 
 Without a C++ compiler or torch's headers, or with ``TIERLM_CPU_PRODUCT_OP=0``, the Python op serves (logged, and
 in /server_info's compile stats).
@@ -31,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.backends.torch import c_kernel_build, cpu_avx512_linear, cpu_linear
+from tierlm.backends.torch import c_kernel_build, cpu_avx512_linear, cpu_f32_gemv, cpu_linear
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
 from tierlm.platforms.cpu_features import CpuFeatures
 
@@ -134,6 +139,51 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &w, const std::op
     return y;
 }
 
+// float32 products (cpu_f32_gemv.py): its kernel's two entries, f32_linear(x, M, K, w, bias, y, N, n0, n1) for a
+// float32 weight and f32_linear_bf16w for a bf16-held one; only in decode steps (set per step from Python)
+using F32Kernel = void (*)(const float *, long, long, const void *, const float *, float *, long, long, long);
+using F32Product = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &);
+void *f32_kernel = nullptr;
+void *bf16w_kernel = nullptr;
+bool decode_step = false;
+std::atomic<int64_t> f32_served{0};
+constexpr int64_t kF32MaxRows = 8;  // cpu_f32_gemv.MAX_ROWS
+
+at::Tensor f32_python_op(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tierlm::f32_linear", "").typed<F32Product>();
+    return op.call(x, w, bias);
+}
+
+// cpu_f32_gemv.product's kernel case, one thread's share of work; anything else goes to the Python op (the same
+// outputs bit for bit)
+at::Tensor f32_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias) {
+    void *kern = w.scalar_type() == at::kFloat ? f32_kernel : w.scalar_type() == at::kBFloat16 ? bf16w_kernel : nullptr;
+    if (!decode_step || kern == nullptr || x.scalar_type() != at::kFloat || x.layout() != at::kStrided ||
+        x.device().type() != c10::DeviceType::CPU || x.dim() < 1 || !x.is_contiguous() || w.dim() != 2 ||
+        !w.is_contiguous() || w.device().type() != c10::DeviceType::CPU)
+        return f32_python_op(x, w, bias);
+    const int64_t k = x.size(-1), n = w.size(0), numel = x.numel();
+    if (k <= 0 || w.size(1) != k || numel == 0 || numel > kF32MaxRows * k)
+        return f32_python_op(x, w, bias);
+    if (bias.has_value() && (bias->scalar_type() != at::kFloat || !bias->is_contiguous() || bias->numel() != n))
+        return f32_python_op(x, w, bias);
+    if (std::min<int64_t>(at::get_num_threads(), n * k / kMinWeightsPerThread) > 1)  // the Python op splits it
+        return f32_python_op(x, w, bias);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n;
+    at::Tensor y = at::empty(sizes, x.options());
+    const float *b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    reinterpret_cast<F32Kernel>(kern)(x.data_ptr<float>(), numel / k, k, w.data_ptr(), b, y.data_ptr<float>(), n, 0,
+                                      n);
+    f32_served.fetch_add(1, std::memory_order_relaxed);
+    return y;
+}
+
+void set_f32_kernels(int64_t f32_address, int64_t bf16w_address) {
+    f32_kernel = reinterpret_cast<void *>(f32_address);
+    bf16w_kernel = reinterpret_cast<void *>(bf16w_address);
+}
+
 void set_product_kernel(int64_t address, int64_t block_columns, bool takes_chunk) {
     block = block_columns;
     chunked = takes_chunk;
@@ -152,10 +202,15 @@ TORCH_LIBRARY(tierlm_native, m) {
     m.def("set_product_kernel(int address, int block, bool chunked) -> ()", &set_product_kernel);
     m.def("set_chunks(int k, int threads, int[] by_rows) -> ()", &set_chunks);
     m.def("served() -> int", [] { return served.load(); });
+    m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("set_f32_kernels(int f32, int bf16w) -> ()", &set_f32_kernels);
+    m.def("set_decode_step(bool decode) -> ()", [](bool decode) { decode_step = decode; });
+    m.def("f32_served() -> int", [] { return f32_served.load(); });
 }
 
 TORCH_LIBRARY_IMPL(tierlm_native, CompositeExplicitAutograd, m) {
     m.impl("packed_linear", &packed_linear);
+    m.impl("f32_linear", &f32_linear);
 }
 """
 
@@ -197,7 +252,8 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
     if os.environ.get(ENV, "1") == "0":
         return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
     kernel = cpu_linear.decode_kernel()
-    if kernel is None:
+    f32 = cpu_f32_gemv.load(cpu)
+    if kernel is None and f32 is None:
         return KernelBuild(None, None, f"no decode-product kernel runs here; {_FALLBACK}")
     cxx = find_cxx_compiler(os.environ)
     if cxx is None:
@@ -216,24 +272,36 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
         torch.ops.load_library(str(path))
         torch.library.register_fake("tierlm_native::packed_linear")(
             lambda x, packed_weight, bias, out_features, fast_rows: x.new_empty((*x.shape[:-1], out_features)))
-    chunked = kernel is cpu_avx512_linear
-    fn = kernel.load().avx512_linear_bf16 if chunked else kernel.load().amx_linear_bf16
-    torch.ops.tierlm_native.set_product_kernel(ctypes.cast(fn, ctypes.c_void_p).value, kernel.BLOCK, chunked)
+        torch.library.register_fake("tierlm_native::f32_linear")(
+            lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    kernels = []
+    if kernel is not None:
+        chunked = kernel is cpu_avx512_linear
+        fn = kernel.load().avx512_linear_bf16 if chunked else kernel.load().amx_linear_bf16
+        torch.ops.tierlm_native.set_product_kernel(ctypes.cast(fn, ctypes.c_void_p).value, kernel.BLOCK, chunked)
+        kernels.append(f"the {kernel.NAME} kernel")
+    if f32 is not None:
+        torch.ops.tierlm_native.set_f32_kernels(ctypes.cast(f32.f32_linear, ctypes.c_void_p).value,
+                                                ctypes.cast(f32.f32_linear_bf16w, ctypes.c_void_p).value)
+        cpu_f32_gemv.on_decode_step(torch.ops.tierlm_native.set_decode_step)  # the op reads the step's kind
+        kernels.append("the float32 decode-product kernel")
     # LoadOnce keeps ``lib`` as "it loaded": the library lives in torch.ops, not in a ctypes handle
-    return KernelBuild(True, cpu.level, f"the {kernel.NAME} kernel called from C++, built with {cxx}: {path}")
+    return KernelBuild(True, cpu.level, f"{' and '.join(kernels)} called from C++, built with {cxx}: {path}")
 
 
 _op = c_kernel_build.LoadOnce(_load, "CPU compiled-step products", _FALLBACK, warn_when_missing=False)
 
 
 def ready(model: torch.nn.Module) -> tuple[bool, str]:
-    """(whether the C++ op serves ``model``'s packed products in compiled steps, why): built and loaded once per
-    process, then handed the chunk table of each of the model's widths at the current thread count."""
-    if not any(isinstance(m, cpu_linear.PackedLinear) and m.fast_rows for m in model.modules()):
-        return False, "no product of this model runs on tierlm's decode-product kernel"
+    """(whether the C++ op serves ``model``'s kernel products in compiled steps, why): built and loaded once per
+    process, then handed the chunk table of each of the model's packed widths at the current thread count."""
+    packed = any(isinstance(m, cpu_linear.PackedLinear) and m.fast_rows for m in model.modules())
+    f32 = any(isinstance(m, cpu_f32_gemv.F32GemvLinear) for m in model.modules())
+    if not packed and not f32:
+        return False, "no product of this model runs on tierlm's decode-product kernels"
     if _op() is None:
         return False, _op.build.why
-    if cpu_linear.decode_kernel() is cpu_avx512_linear:
+    if packed and cpu_linear.decode_kernel() is cpu_avx512_linear:
         threads = torch.get_num_threads()
         for k in sorted({m.in_features for m in model.modules()
                          if isinstance(m, cpu_linear.PackedLinear) and m.fast_rows}):
@@ -247,8 +315,8 @@ def loaded() -> bool:
 
 
 def served() -> int:
-    """Products the C++ op has run itself in this process (not handed to the Python op)."""
-    return int(torch.ops.tierlm_native.served()) if loaded() else 0
+    """Products the C++ op has run itself in this process (not handed to the Python op): packed bf16 and float32."""
+    return int(torch.ops.tierlm_native.served()) + int(torch.ops.tierlm_native.f32_served()) if loaded() else 0
 
 
 def describe() -> dict[str, str | None]:

@@ -161,6 +161,12 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
     # issue #27's goals: one per (metric, peer) from this run's ratios, and the 1-stream bandwidth-bound share
     bound = rep["settings"]["bandwidth_bound_tps"]
     assert bound > 0 and any("bandwidth bound" in n for n in rep["tables"][0]["notes"])
+    # the weights as tierlm's /server_info says one stream reads them (here float32: the checkpoint's count)
+    assert any("weight_bytes_per_token" in n for n in rep["tables"][0]["notes"])
+    from tierlm.server.bench.peers import bytes_read_per_token
+
+    assert bound == pytest.approx(rep["settings"]["read_bandwidth_bytes_per_s"]
+                                  / bytes_read_per_token(tiny_llama, "float32"))
     targets = {t["name"]: t for t in rep["targets"]}
     r = rows["decode_tps"]["ratios"]["other"]
     assert targets["1-stream decode vs other"]["met"] == (r >= 1.2)

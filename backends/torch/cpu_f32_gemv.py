@@ -9,6 +9,9 @@ tiles ahead into L2 (into L1 it gained less, without any prefetch it ran at MKL'
 DRAM, one core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-16 GB/s at 8 rows
 (1.7-2.4x; the AVX2 build 10-13).
 float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
+A second entry, ``f32_linear_bf16w``, reads a bf16-held weight (cpu_bf16_stored_weights.py: a bf16 checkpoint's
+exact values in half the bytes) and widens it in registers before the same FMAs in the same order: the float32
+weight's bits. The scalar tail is written as explicit FMAs, so no compiler contracts one entry and not the other.
 
 Numerics: float32 products and sums, in another order than MKL's (each output within float32 rounding of
 ``F.linear``), plus the bias; each row's sums in the same order whatever the row count. Only in decode steps

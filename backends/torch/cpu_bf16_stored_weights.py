@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.backends.torch.cpu_quant_embedding import tied_lm_head
+
 log = logging.getLogger(__name__)
 
 ENV = "TIERLM_CPU_BF16_WEIGHTS"
@@ -98,28 +100,16 @@ def store_in_bf16(model: nn.Module, layers: list[nn.Linear]) -> int:
     if not on:
         log.info("CPU float32 weights: %s", why)
         return 0
-    shared = _shared_weights(model, layers)
-    done = skipped = 0
+    tied = tied_lm_head(model)  # read before the swap gives the lm_head a weight of its own
+    done = 0
     for m in layers:
-        w = m.weight
-        if w.dtype != torch.float32 or not exactly_bf16(w.detach()):
-            skipped += 1
-            continue
-        m.weight = nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
-        done += 1
+        if exactly_bf16(m.weight.detach()):
+            m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+            done += 1
     if done:
         log.info("CPU float32: %d of %d linear weights held as bf16, exactly (%s)%s", done, len(layers), why,
-                 f"; {skipped} are not bf16 values and stay float32" if skipped else "")
-    if shared & {id(m) for m in layers if m.weight.dtype == torch.bfloat16}:
+                 f"; {len(layers) - done} are not bf16 values and stay float32" if done < len(layers) else "")
+    if tied and model.get_output_embeddings().weight.dtype == torch.bfloat16:
         log.info("CPU float32: the lm_head tied to the input embedding has its own bf16 copy; the embedding stays "
                  "float32")
     return done
-
-
-def _shared_weights(model: nn.Module, layers: list[nn.Linear]) -> set[int]:
-    """ids of the layers whose weight another module of ``model`` also holds (tied embeddings)."""
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
-    return {id(m) for m in layers if holders.get(id(m.weight), 0) > 1}

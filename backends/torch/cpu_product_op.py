@@ -252,8 +252,7 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
     if os.environ.get(ENV, "1") == "0":
         return KernelBuild(None, None, f"off ({ENV}=0); {_FALLBACK}")
     kernel = cpu_linear.decode_kernel()
-    f32 = cpu_f32_gemv.load(cpu)
-    if kernel is None and f32 is None:
+    if kernel is None and cpu_f32_gemv.load(cpu) is None:
         return KernelBuild(None, None, f"no decode-product kernel runs here; {_FALLBACK}")
     cxx = find_cxx_compiler(os.environ)
     if cxx is None:
@@ -274,19 +273,14 @@ def _load(cpu: CpuFeatures) -> KernelBuild:
             lambda x, packed_weight, bias, out_features, fast_rows: x.new_empty((*x.shape[:-1], out_features)))
         torch.library.register_fake("tierlm_native::f32_linear")(
             lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
-    kernels = []
+    named = f"the {kernel.NAME} kernel" if kernel is not None else "the float32 decode-product kernel"
     if kernel is not None:
         chunked = kernel is cpu_avx512_linear
         fn = kernel.load().avx512_linear_bf16 if chunked else kernel.load().amx_linear_bf16
         torch.ops.tierlm_native.set_product_kernel(ctypes.cast(fn, ctypes.c_void_p).value, kernel.BLOCK, chunked)
-        kernels.append(f"the {kernel.NAME} kernel")
-    if f32 is not None:
-        torch.ops.tierlm_native.set_f32_kernels(ctypes.cast(f32.f32_linear, ctypes.c_void_p).value,
-                                                ctypes.cast(f32.f32_linear_bf16w, ctypes.c_void_p).value)
-        cpu_f32_gemv.on_decode_step(torch.ops.tierlm_native.set_decode_step)  # the op reads the step's kind
-        kernels.append("the float32 decode-product kernel")
+    # the float32 kernel is handed over by ready() to a model that has its layers (built for them, not here)
     # LoadOnce keeps ``lib`` as "it loaded": the library lives in torch.ops, not in a ctypes handle
-    return KernelBuild(True, cpu.level, f"{' and '.join(kernels)} called from C++, built with {cxx}: {path}")
+    return KernelBuild(True, cpu.level, f"{named} called from C++, built with {cxx}: {path}")
 
 
 _op = c_kernel_build.LoadOnce(_load, "CPU compiled-step products", _FALLBACK, warn_when_missing=False)
@@ -294,13 +288,19 @@ _op = c_kernel_build.LoadOnce(_load, "CPU compiled-step products", _FALLBACK, wa
 
 def ready(model: torch.nn.Module) -> tuple[bool, str]:
     """(whether the C++ op serves ``model``'s kernel products in compiled steps, why): built and loaded once per
-    process, then handed the chunk table of each of the model's packed widths at the current thread count."""
+    process, then handed the float32 kernel where the model has its layers, and the chunk table of each of the
+    model's packed widths at the current thread count."""
     packed = any(isinstance(m, cpu_linear.PackedLinear) and m.fast_rows for m in model.modules())
     f32 = any(isinstance(m, cpu_f32_gemv.F32GemvLinear) for m in model.modules())
     if not packed and not f32:
         return False, "no product of this model runs on tierlm's decode-product kernels"
     if _op() is None:
         return False, _op.build.why
+    f32_lib = cpu_f32_gemv.load() if f32 else None  # loaded: the model got its layers where it did
+    if f32_lib is not None:
+        torch.ops.tierlm_native.set_f32_kernels(ctypes.cast(f32_lib.f32_linear, ctypes.c_void_p).value,
+                                                ctypes.cast(f32_lib.f32_linear_bf16w, ctypes.c_void_p).value)
+        cpu_f32_gemv.on_decode_step(torch.ops.tierlm_native.set_decode_step)  # the op reads the step's kind
     if packed and cpu_linear.decode_kernel() is cpu_avx512_linear:
         threads = torch.get_num_threads()
         for k in sorted({m.in_features for m in model.modules()

@@ -230,7 +230,8 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
     where ``amx_linear_decision`` allows), int8 weights through the C streaming kernel on
     x86 with AVX2 or AVX-512 (TIERLM_CPU_INT8_GEMV=0 rules it out), the C decode kernel for bf16 or float32 pages
     of the model's own dtype where a C compiler exists (TIERLM_CPU_PAGED_DECODE=0 rules it out), bf16 prefill
-    attention as ``bf16_prefill_attention`` chooses (TIERLM_CPU_PREFILL_ATTENTION)."""
+    attention as ``bf16_prefill_attention`` chooses (TIERLM_CPU_PREFILL_ATTENTION), float32 extends over cached pages
+    on the C extend kernel on x86 with AVX2 or AVX-512 (the same library and switch as the decode kernel)."""
     if int8_weights(weight_format):
         prefill = "; bf16 prefill through oneDNN on the weight widened to bf16" if dtype == "bfloat16" else ""
         if (env or {}).get("TIERLM_CPU_INT8_GEMV", "1") == "0":
@@ -269,6 +270,9 @@ def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str |
             "torch SDPA (TIERLM_CPU_PAGED_DECODE=0)" if kernels_off else \
             "torch SDPA (no C compiler: cc/gcc/clang)" if compiler is None else \
             f"blocked bf16 GEMMs + C row softmax ({why}), built with {compiler} for {cpu.level}"
+    elif dtype == "float32" and kv_dtype == dtype and not kernels_off and compiler is not None and \
+            cpu.arch == "x86_64" and cpu.has("avx2", "fma"):
+        prefill = f"torch SDPA; short extends: C float32 paged extend kernel, built with {compiler} for {cpu.level}"
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}
 
 

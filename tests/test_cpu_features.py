@@ -237,7 +237,11 @@ def test_bf16_prefill_attention_is_torch_sdpa_on_amx_and_the_blocked_path_elsewh
     assert bf16_prefill_attention(cpu, {})[0] == expected
     plan = cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc")["prefill_attention"]
     assert plan.startswith("torch SDPA" if expected == "sdpa" else "blocked bf16 GEMMs"), plan
-    assert cpu_kernel_plan(cpu, "float32", "float32", "cc")["prefill_attention"] == "torch SDPA"
+    f32 = cpu_kernel_plan(cpu, "float32", "float32", "cc")["prefill_attention"]
+    assert f32.startswith("torch SDPA") and ("C float32 paged extend kernel" in f32) == (arch == "x86_64"), f32
+    assert cpu_kernel_plan(cpu, "float32", "float32", None)["prefill_attention"] == "torch SDPA"
+    assert cpu_kernel_plan(cpu, "float32", "float32", "cc", env={"TIERLM_CPU_PAGED_DECODE": "0"})[
+        "prefill_attention"] == "torch SDPA"
     assert cpu_kernel_plan(cpu, "bfloat16", "bfloat16", None)["prefill_attention"].startswith("torch SDPA")
     off = cpu_kernel_plan(cpu, "bfloat16", "bfloat16", "cc", env={"TIERLM_CPU_PAGED_DECODE": "0"})
     assert off["prefill_attention"].startswith("torch SDPA") and "TIERLM_CPU_PAGED_DECODE=0" in off["decode_attention"]

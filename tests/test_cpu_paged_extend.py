@@ -12,7 +12,7 @@ import torch
 from test_cpu_blocked_attention import _step, assert_bf16_equal, choose, eager_reference
 from test_cpu_paged_decode import skip_unless_this_cpu_runs
 
-from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_decode, cpu_paged_extend
+from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_decode, cpu_paged_extend, cpu_paged_extend_f32
 
 lib = cpu_paged_decode.load()
 needs_extend_kernel = pytest.mark.skipif(
@@ -135,7 +135,8 @@ def test_paged_attention_sends_short_extends_to_the_kernel_and_long_ones_to_the_
 @needs_extend_kernel
 def test_where_the_kernel_runs(monkeypatch):
     """Without AMX tiles the AVX-512 code takes extends only where the blocked path would (not where torch's SDPA is
-    chosen); with them, whichever is chosen. Never over fp8 pages, float32 or more than MAX_ROWS rows per request."""
+    chosen); with them, whichever is chosen. Never over fp8 pages or more than MAX_ROWS rows per request; float32
+    takes cpu_paged_extend_f32's kernel (test_cpu_paged_extend_f32.py)."""
     q = torch.zeros(8, 3, 64, dtype=torch.bfloat16)
     runs = lambda q=q, kv=torch.bfloat16, rows=3: cpu_paged_extend.runs(lib, q, kv, 4, rows)  # noqa: E731
     amx = cpu_paged_extend.amx_usable(lib)
@@ -143,7 +144,8 @@ def test_where_the_kernel_runs(monkeypatch):
     assert runs() == amx
     choose(monkeypatch, "blocked")
     assert runs()
-    assert not runs(kv=torch.float8_e4m3fn) and not runs(q.float(), torch.float32)
+    assert not runs(kv=torch.float8_e4m3fn)
+    assert runs(q.float(), torch.float32) == cpu_paged_extend_f32.available(lib)
     assert not runs(rows=cpu_paged_extend.MAX_ROWS + 1)
     monkeypatch.setattr(cpu_paged_extend, "amx_usable", lambda lib: False)
     choose(monkeypatch, "sdpa")

@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_extend_amx
+from tierlm.backends.torch import cpu_blocked_attention, cpu_paged_extend_amx, cpu_paged_extend_f32
 from tierlm.backends.torch.cpu_threads import helper_threads
 from tierlm.platforms.cpu_features import this_cpu
 
@@ -246,7 +246,12 @@ def _amx_usable(lib: ctypes.CDLL) -> bool:
 def runs(lib: ctypes.CDLL | None, q: torch.Tensor, kv_dtype: torch.dtype, kv_heads: int, rows: int) -> bool:
     """Whether an extend group of at most ``rows`` query rows per request takes this kernel: few rows (MAX_ROWS),
     shapes and dtypes it handles, and either AMX tiles or, where bf16 prefill and extend attention take the blocked
-    path (cpu_blocked_attention.choice), the AVX-512 code."""
+    path (cpu_blocked_attention.choice), the AVX-512 code. float32 takes cpu_paged_extend_f32's kernel (AVX2 and
+    AVX-512 builds) up to its MAX_ROWS."""
+    if q.dtype == torch.float32:
+        return rows <= cpu_paged_extend_f32.MAX_ROWS and cpu_paged_extend_f32.available(lib) and \
+            q.device.type == "cpu" and \
+            cpu_paged_extend_f32.supported(q.dtype, kv_dtype, q.shape[0], kv_heads, q.shape[-1])
     if not (rows <= MAX_ROWS and available(lib) and q.device.type == "cpu" and
             supported(q.dtype, kv_dtype, q.shape[0], kv_heads, q.shape[-1])):
         return False
@@ -263,15 +268,17 @@ def supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads:
 def paged_extend(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                  page_size: int, scale: float, max_len: int, out: torch.Tensor) -> None:
-    """Requests' query rows of q [T, H, D] over their pages in the pool layer ``k_slots``/``v_slots``
-    [slots, Hkv, D]: request r's ``q_lens[r]`` rows start at row ``q_starts[r]`` and row i sees keys
+    """Requests' query rows of q [T, H, D] (bf16, or float32: cpu_paged_extend_f32's kernel) over their pages in
+    the pool layer ``k_slots``/``v_slots`` [slots, Hkv, D]: request r's ``q_lens[r]`` rows start at row ``q_starts[r]`` and row i sees keys
     0..kv_lens[r] - q_lens[r] + i; the outputs go to the same rows of ``out`` [T, H, D] (others untouched).
     ``page_table`` [R, P], ``kv_lens``/``q_starts``/``q_lens`` [R] int32; ``max_len``: kv_lens' maximum."""
     T, H, D = q.shape
     Hkv = k_slots.shape[1]
     q = q.contiguous()
     table = page_table.contiguous()
-    if amx_usable(lib) and D % 32 == 0:
+    if q.dtype == torch.float32:
+        fn, floats = lib.paged_extend_f32, lib.extend_f32_work_floats(D, max_len)
+    elif amx_usable(lib) and D % 32 == 0:
         fn, floats = lib.paged_extend_amx, lib.amx_extend_work_floats(D, max_len)
     else:
         fn, floats = lib.paged_extend_bf16, lib.extend_work_floats(D, max_len)

@@ -1,7 +1,7 @@
 """Which kernel each layer type of a loaded torch model runs, and why: /server_info's ``kernels``.
 
 Read from what was actually set up (packed linears counted in the model, the decode kernel as built), so the report
-cannot drift from the decisions in cpu_linear.py, cpu_int8_gemv.py and cpu_paged_decode.py.
+cannot drift from the decisions in cpu_linear.py, cpu_int8_gemv.py, cpu_paged_decode.py and the extend kernels.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tierlm.backends.torch import (cpu_blocked_attention, cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode,
-                                   cpu_paged_extend, paged_attention)
+                                   cpu_paged_extend, cpu_paged_extend_f32, paged_attention)
 from tierlm.backends.torch.cpu_linear import PackedLinear, decode_kernel, packing_available
 from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
@@ -96,4 +96,9 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
         if tiles or cpu_blocked_attention.runs_on(device, dtype):
             prefill += (f"; extends of up to {cpu_paged_extend.MAX_ROWS} rows per request: C paged extend kernel "
                         f"over the pool in place ({'AMX tiles' if tiles else 'AVX-512'}, cpu_paged_extend.py)")
+    if device == "cpu" and cpu_paged_extend_f32.available(lib) and \
+            cpu_paged_extend_f32.supported(dtype, kv_dtype, heads, kv_heads, head_dim):
+        prefill += (f"; extends of up to {cpu_paged_extend_f32.MAX_ROWS} rows per request: C float32 paged extend "
+                    f"kernel over the pool in place (cpu_paged_extend_f32.py, built for "
+                    f"{cpu_paged_decode.describe()['level']})")
     return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}

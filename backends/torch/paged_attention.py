@@ -12,8 +12,8 @@ one learned logit per head that joins the softmax and carries no value). The poo
 all positions, so a sliding layer always finds its window, whatever position a cached prefix ends at.
 
 On CPU the groups' kernels read the pages in place where they can: decode rows through cpu_paged_decode's C kernel,
-extend groups of a few rows per request through cpu_paged_extend's (AMX tiles, or AVX-512 where the blocked path
-runs).
+extend groups of a few rows per request through cpu_paged_extend's (bf16: AMX tiles, or AVX-512 where the blocked
+path runs; float32: cpu_paged_extend_f32's AVX2 / AVX-512 code).
 
 ``--attention-backend``: this file's SDPA over gathered pages is ``torch_native`` (the reference); with
 ``triton`` the same two groups go to the kernels of ``triton_attention.py``, which read the pages in place

@@ -45,20 +45,20 @@ for dtype in ("bfloat16", "float32"):
     out[dtype] = {"equal": ours == ref, "packed": any(isinstance(m, PackedLinear) for m in backend.model.modules()),
                   "kernels": backend.kernels()}
 out["kernel_level"] = cpu_paged_decode.describe()["level"]
-if len(sys.argv) > 3:  # a bf16 checkpoint served in float32: its weights held as bf16, read by the float32 kernel
-    backend = TorchBackend(sys.argv[3], dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(sys.argv[3], dtype=torch.float32, attn_implementation="eager")
+for path in sys.argv[3:]:  # 16-bit checkpoints served in float32: their weights held so, read by the float32 kernel
+    backend = TorchBackend(path, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     with torch.inference_mode():
         ref = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
-    out["bf16_checkpoint"] = {"equal": run_greedy(backend, [prompt], 8)[0] == ref, "kernels": backend.kernels()}
+    out[path] = {"equal": run_greedy(backend, [prompt], 8)[0] == ref, "kernels": backend.kernels()}
 print("RESULT " + json.dumps(out))
 """
 
 
-def _run(tiny_llama: Path, env_extra: dict[str, str], bf16_checkpoint: Path | None = None) -> dict:
+def _run(tiny_llama: Path, env_extra: dict[str, str], checkpoints: tuple[Path, ...] = ()) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TIERLM_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")} | env_extra
-    extra = [str(bf16_checkpoint)] if bf16_checkpoint is not None else []
+    extra = [str(p) for p in checkpoints]
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama), str(Path(__file__).parent), *extra],
                           env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -67,20 +67,26 @@ def _run(tiny_llama: Path, env_extra: dict[str, str], bf16_checkpoint: Path | No
 
 
 def test_a_process_capped_at_avx2_runs_bf16_and_float32_like_an_avx2_machine(tiny_llama, tmp_path):
-    from test_cpu_bf16_stored_weights import _bf16_checkpoint
+    from test_cpu_16bit_stored_weights import _checkpoint_in_16bit
 
-    out = _run(tiny_llama, {"TIERLM_CPU_ISA": "avx2"}, _bf16_checkpoint(tiny_llama, tmp_path / "bf16"))
+    import torch
+
+    half = {dtype: _checkpoint_in_16bit(tiny_llama, tmp_path / dtype, getattr(torch, dtype))
+            for dtype in ("bfloat16", "float16")}
+    out = _run(tiny_llama, {"TIERLM_CPU_ISA": "avx2"}, tuple(half.values()))
     assert out["capability"] == "AVX2" and out["torch_refuses_reorder"]  # torch now behaves as on an AVX2 CPU
     for dtype in ("bfloat16", "float32"):
         assert out[dtype]["equal"], f"{dtype} greedy differs from transformers under the AVX2 cap"
         assert not out[dtype]["packed"]
     assert "needs AVX-512 BW/VL/DQ" in out["bfloat16"]["kernels"]["linear"]
     assert out["kernel_level"] in ("avx2", None)  # None: no C compiler here (the torch path then serves)
-    # what --dtype auto serves there for a bf16 checkpoint: float32 on bf16-held weights, transformers' output
-    held = out["bf16_checkpoint"]
-    assert held["equal"], "a bf16 checkpoint in float32 differs from transformers under the AVX2 cap"
-    if out["kernel_level"] is not None:
-        assert "built for avx2" in held["kernels"]["linear"] and "held as bf16" in held["kernels"]["linear"]
+    # what --dtype auto serves there for a bf16 or fp16 checkpoint: float32 on weights held in their 16 bits (fp16
+    # widened by F16C's conversion), transformers' output
+    for dtype, path in half.items():
+        held = out[str(path)]
+        assert held["equal"], f"a {dtype} checkpoint in float32 differs from transformers under the AVX2 cap"
+        if out["kernel_level"] is not None:
+            assert "built for avx2" in held["kernels"]["linear"] and f"held as {dtype}" in held["kernels"]["linear"]
 
 
 def test_torch_capped_alone_is_caught_by_the_reorder_probe(tiny_llama):

@@ -18,7 +18,7 @@ chunk table) goes to ``tierlm::packed_linear``, the Python op, so the outputs ar
 
 ``tierlm_native::f32_linear`` does the same for cpu_f32_gemv.F32GemvLinear (``tierlm::f32_linear``): in decode
 steps (the flag cpu_f32_gemv.decode_step sets here), 1..MAX_ROWS float32 rows, contiguous, one thread's share, it
-calls the kernel's ``f32_linear`` or ``f32_linear_bf16w`` (a bf16-held weight) itself; anything else goes to the
+calls the kernel's ``f32_linear``, ``f32_linear_bf16w`` or ``f32_linear_f16w`` (a 16-bit-held weight) itself; anything else goes to the
 Python op. llama-small float32 capped at AVX2, one stream: ~32 products a step.
 
 Without a C++ compiler or torch's headers, or with ``TIERLM_CPU_PRODUCT_OP=0``, the Python op serves (logged, and
@@ -139,12 +139,14 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &w, const std::op
     return y;
 }
 
-// float32 products (cpu_f32_gemv.py): its kernel's two entries, f32_linear(x, M, K, w, bias, y, N, n0, n1) for a
-// float32 weight and f32_linear_bf16w for a bf16-held one; only in decode steps (set per step from Python)
+// float32 products (cpu_f32_gemv.py): its kernel's three entries, f32_linear(x, M, K, w, bias, y, N, n0, n1) for a
+// float32 weight and f32_linear_bf16w / f32_linear_f16w for a bf16- / fp16-held one; only in decode steps (set
+// per step from Python)
 using F32Kernel = void (*)(const float *, long, long, const void *, const float *, float *, long, long, long);
 using F32Product = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &);
 void *f32_kernel = nullptr;
 void *bf16w_kernel = nullptr;
+void *f16w_kernel = nullptr;
 bool decode_step = false;
 std::atomic<int64_t> f32_served{0};
 constexpr int64_t kF32MaxRows = 8;  // cpu_f32_gemv.MAX_ROWS
@@ -157,7 +159,9 @@ at::Tensor f32_python_op(const at::Tensor &x, const at::Tensor &w, const std::op
 // cpu_f32_gemv.product's kernel case, one thread's share of work; anything else goes to the Python op (the same
 // outputs bit for bit)
 at::Tensor f32_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias) {
-    void *kern = w.scalar_type() == at::kFloat ? f32_kernel : w.scalar_type() == at::kBFloat16 ? bf16w_kernel : nullptr;
+    const auto wt = w.scalar_type();
+    void *kern = wt == at::kFloat ? f32_kernel : wt == at::kBFloat16 ? bf16w_kernel : wt == at::kHalf ? f16w_kernel
+                                                                                                     : nullptr;
     if (!decode_step || kern == nullptr || x.scalar_type() != at::kFloat || x.layout() != at::kStrided ||
         x.device().type() != c10::DeviceType::CPU || x.dim() < 1 || !x.is_contiguous() || w.dim() != 2 ||
         !w.is_contiguous() || w.device().type() != c10::DeviceType::CPU)
@@ -179,9 +183,10 @@ at::Tensor f32_linear(const at::Tensor &x, const at::Tensor &w, const std::optio
     return y;
 }
 
-void set_f32_kernels(int64_t f32_address, int64_t bf16w_address) {
+void set_f32_kernels(int64_t f32_address, int64_t bf16w_address, int64_t f16w_address) {
     f32_kernel = reinterpret_cast<void *>(f32_address);
     bf16w_kernel = reinterpret_cast<void *>(bf16w_address);
+    f16w_kernel = reinterpret_cast<void *>(f16w_address);
 }
 
 void set_product_kernel(int64_t address, int64_t block_columns, bool takes_chunk) {
@@ -203,7 +208,7 @@ TORCH_LIBRARY(tierlm_native, m) {
     m.def("set_chunks(int k, int threads, int[] by_rows) -> ()", &set_chunks);
     m.def("served() -> int", [] { return served.load(); });
     m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-    m.def("set_f32_kernels(int f32, int bf16w) -> ()", &set_f32_kernels);
+    m.def("set_f32_kernels(int f32, int bf16w, int f16w) -> ()", &set_f32_kernels);
     m.def("set_decode_step(bool decode) -> ()", [](bool decode) { decode_step = decode; });
     m.def("f32_served() -> int", [] { return f32_served.load(); });
 }
@@ -298,8 +303,8 @@ def ready(model: torch.nn.Module) -> tuple[bool, str]:
         return False, _op.build.why
     f32_lib = cpu_f32_gemv.load() if f32 else None  # loaded: the model got its layers where it did
     if f32_lib is not None:
-        torch.ops.tierlm_native.set_f32_kernels(ctypes.cast(f32_lib.f32_linear, ctypes.c_void_p).value,
-                                                ctypes.cast(f32_lib.f32_linear_bf16w, ctypes.c_void_p).value)
+        torch.ops.tierlm_native.set_f32_kernels(*(ctypes.cast(fn, ctypes.c_void_p).value for fn in (
+            f32_lib.f32_linear, f32_lib.f32_linear_bf16w, f32_lib.f32_linear_f16w)))
         cpu_f32_gemv.on_decode_step(torch.ops.tierlm_native.set_decode_step)  # the op reads the step's kind
     if packed and cpu_linear.decode_kernel() is cpu_avx512_linear:
         threads = torch.get_num_threads()

@@ -50,12 +50,13 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     elif device != "cpu":
         linear = f"torch F.linear {name} (cuBLAS)"
     elif f32:
-        held = sum(isinstance(m, cpu_f32_gemv.F32GemvLinear) and m.weight.dtype == torch.bfloat16
-                   for m in model.modules())
+        held = {d: sum(isinstance(m, cpu_f32_gemv.F32GemvLinear) and m.weight.dtype == d for m in model.modules())
+                for d in (torch.bfloat16, torch.float16)}
+        kinds = " and ".join(f"{n} weights held as {str(d).removeprefix('torch.')}" for d, n in held.items() if n)
         linear = (f"float32: up to {cpu_f32_gemv.MAX_ROWS} rows on tierlm's C kernel ({f32} layers; cpu_f32_gemv.py, "
                   f"built for {cpu_f32_gemv.describe()['level']}), longer products torch F.linear (MKL GEMM)" +
-                  (f"; {held} weights held as bf16, exactly (cpu_bf16_stored_weights.py: half the bytes, widened "
-                   "in registers or in slices)" if held else "") + (f"; {plain} plain" if plain else ""))
+                  (f"; {kinds}, exactly (cpu_16bit_stored_weights.py: half the bytes, widened in registers or in "
+                   "slices)" if kinds else "") + (f"; {plain} plain" if plain else ""))
     elif packed:
         linear = f"oneDNN-prepacked {name} ({packed} layers" + (f"; {plain} shared/tied plain)" if plain else ")")
         fast = [m.fast_rows for m in model.modules() if isinstance(m, PackedLinear) and m.fast_rows]

@@ -1,5 +1,6 @@
-"""float32 serving with exactly-bf16 weights held as bf16 (backends/torch/cpu_bf16_stored_weights.py): half the
-bytes, and not one bit of any output changes against holding them as float32."""
+"""float32 serving with exactly-bf16 or exactly-fp16 weights held in their 16 bits
+(backends/torch/cpu_16bit_stored_weights.py): half the bytes, and not one bit of any output changes against holding
+them as float32."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from kernel_levels import build_at_level
 from torch import nn
 
-from tierlm.backends.torch import cpu_bf16_stored_weights as stored
+from tierlm.backends.torch import cpu_16bit_stored_weights as stored
 from tierlm.backends.torch import cpu_f32_gemv
 from tierlm.backends.torch.cpu_f32_gemv import F32GemvLinear
 
@@ -23,22 +24,29 @@ needs_kernel = pytest.mark.skipif(cpu_f32_gemv.load() is None, reason=f"the floa
 SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
 
 
-def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
+HELD = [torch.bfloat16, torch.float16]
+
+
+def _case(m: int, n: int, k: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16)
-    return x, w, (torch.randn(n, generator=g) if bias else None)
+    w = torch.randn(n, k, generator=g)
+    if dtype == torch.float16:  # fp16's whole range: subnormals (below 2^-14) and large values among the normals
+        w = w * torch.exp2(torch.randint(-20, 12, (n, k), generator=g).float())
+    x = torch.randn(m, k, generator=g)
+    return x, w.to(dtype), (torch.randn(n, generator=g) if bias else None)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 40])
 @pytest.mark.parametrize("n,k", [(100, 24), (257, 72), (1001, 24), (37, 72), (16, 8)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_other_products_widen_the_weight_in_slices_with_f_linears_bits(rows, n, k, bias, monkeypatch):
+@pytest.mark.parametrize("dtype", HELD)
+def test_other_products_widen_the_weight_in_slices_with_f_linears_bits(rows, n, k, bias, dtype, monkeypatch):
     # slices of 64 or 96 output rows here (the whole weight where it is narrower; a short last slice joins the one
     # before it: N = 100, 257 and 1001 leave 36, 1 and 41 rows), as the real sizes give on real layers
     monkeypatch.setattr(stored, "SHORT_SLICE", 64 * k)
     monkeypatch.setattr(stored, "LONG_SLICE", 96 * k)
     monkeypatch.setattr(stored, "LONG_ROWS", 9)
-    x, w, b = _case(rows, n, k, bias)
+    x, w, b = _case(rows, n, k, bias, dtype=dtype)
     ref = F.linear(x, w.float(), b)
     assert torch.equal(stored.widened_product(x, w, b), ref)
     assert torch.equal(stored.widened_product(x.view(1, rows, k), w, b), ref.view(1, rows, n))  # [B, T, K]
@@ -56,50 +64,60 @@ def test_real_layer_shapes_keep_f_linears_bits_in_slices():
 
 @needs_kernel
 @pytest.mark.parametrize("level", ["avx512", "avx2"])
-def test_decode_rows_read_the_bf16_weight_with_the_float32_weights_bits(level, monkeypatch, tmp_path):
+@pytest.mark.parametrize("dtype", HELD)
+def test_decode_rows_read_the_16bit_weight_with_the_float32_weights_bits(level, dtype, monkeypatch, tmp_path):
     build = build_at_level(cpu_f32_gemv, level, monkeypatch, tmp_path)
     calls = []
     lib = build.lib
+    entry = "f32_linear_bf16w" if dtype == torch.bfloat16 else "f32_linear_f16w"
 
     class Spy:
         f32_linear = lib.f32_linear
+        f32_linear_bf16w = f32_linear_f16w = None  # the other 16-bit entry: never called
 
-        @staticmethod
-        def f32_linear_bf16w(*args):
-            calls.append(args[1])
-            return lib.f32_linear_bf16w(*args)
-
+    setattr(Spy, entry, staticmethod(lambda *args: calls.append(args[1]) or getattr(lib, entry)(*args)))
     monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", Spy)
     with cpu_f32_gemv.decode_step():
         for m in range(1, cpu_f32_gemv.MAX_ROWS + 1):
             for n, k in SHAPES:
-                x, w, b = _case(m, n, k, m % 2 == 0)
+                x, w, b = _case(m, n, k, m % 2 == 0, dtype=dtype)
                 y = cpu_f32_gemv.product(x, w, b)
                 assert torch.equal(y, cpu_f32_gemv.product(x, w.float(), b)), (m, n, k)
-                torch.testing.assert_close(y, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+                scale = float((x.abs() @ w.float().abs().T).max())  # float32 rounding of the sums' terms
+                torch.testing.assert_close(y, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-6 * scale + 1e-6)
     assert calls == [m for m in range(1, cpu_f32_gemv.MAX_ROWS + 1) for _ in SHAPES]
 
 
-def test_exactly_bf16_tells_bf16_values_from_other_floats():
-    w = torch.randn(64, 32).to(torch.bfloat16).float()
-    assert stored.exactly_bf16(w)
-    w[5, 7] += 2.0 ** -20 * w[5, 7].abs()  # one value off the bf16 grid
-    assert not stored.exactly_bf16(w)
+def test_the_exact_16bit_dtype_is_bf16_first_then_fp16_else_none():
+    w = torch.randint(-256, 257, (64, 32)).float() / 64  # 8 significant bits at most: bf16 and fp16 values
+    assert stored.exact_16bit_dtype(w) == torch.bfloat16
+    w[5, 7] = 1 + 2.0 ** -9  # 10 significant bits: off the bf16 grid, on the fp16 one
+    assert stored.exact_16bit_dtype(w) == torch.float16
+    w[5, 7] = 1 + 2.0 ** -12  # off both grids
+    assert stored.exact_16bit_dtype(w) is None
+    h = torch.randn(64, 32).to(torch.float16).float()
+    assert stored.exact_16bit_dtype(h) == torch.float16
+    h[0, 0] = 70000.0  # past fp16's largest finite value (65504): not held as fp16
+    assert stored.exact_16bit_dtype(h) is None
+    h[0, 0] = 2.0 ** -24  # fp16's smallest subnormal
+    assert stored.exact_16bit_dtype(h) == torch.float16
+    h[0, 0] = 2.0 ** -25  # below it
+    assert stored.exact_16bit_dtype(h) is None
 
 
-def _bf16_checkpoint(src: Path, dst: Path) -> Path:
-    """``src`` saved as a bf16 checkpoint (as Hugging Face models ship), tokenizer and all."""
+def _checkpoint_in_16bit(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``src`` saved as a bf16 (or fp16) checkpoint (as Hugging Face models ship), tokenizer and all."""
     from transformers import AutoModelForCausalLM
 
     if not (dst / "config.json").exists():
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-        AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst)
-        assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+        AutoModelForCausalLM.from_pretrained(src, dtype=dtype).save_pretrained(dst)
+        assert json.loads((dst / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
     return dst
 
 
 def _served(path: Path, monkeypatch, on: bool):
-    """A float32 TorchBackend of ``path`` with bf16 holding on or off, and its greedy tokens and every logits row
+    """A float32 TorchBackend of ``path`` with 16-bit holding on or off, and its greedy tokens and every logits row
     it computed on two prompts (a batch, chunks, decode steps)."""
     from backend_driver import run_greedy
 
@@ -116,30 +134,32 @@ def _served(path: Path, monkeypatch, on: bool):
 
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: the lm_head tied to the input embedding
-def test_a_bf16_checkpoint_served_in_float32_holds_bf16_weights_and_changes_no_bit(family, tiny_models_root,
-                                                                                   tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("dtype", HELD)
+def test_a_16bit_checkpoint_served_in_float32_holds_16bit_weights_and_changes_no_bit(family, dtype, tiny_models_root,
+                                                                                     tmp_path_factory, monkeypatch):
     from model_factory import build_tiny_model, reference_greedy
 
     src = build_tiny_model(family, tiny_models_root / family)
-    path = _bf16_checkpoint(src, tmp_path_factory.mktemp("bf16") / family)
+    name = str(dtype).removeprefix("torch.")
+    path = _checkpoint_in_16bit(src, tmp_path_factory.mktemp(name) / family, dtype)
     wide, wide_tokens, wide_logits = _served(path, monkeypatch, on=False)
     held, tokens, logits = _served(path, monkeypatch, on=True)
     linears = [m for m in held.model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is F32GemvLinear and m.weight.dtype == torch.bfloat16 for m in linears)
+    assert linears and all(type(m) is F32GemvLinear and m.weight.dtype == dtype for m in linears)
     assert all(m.weight.dtype == torch.float32 for m in wide.model.modules() if isinstance(m, nn.Linear))
     embedding = held.model.get_input_embeddings()
     assert embedding.weight.dtype == torch.float32 and held.model.dtype == torch.float32
-    if family == "qwen2":  # untied: the lm_head's own bf16 copy of the embedding's values
+    if family == "qwen2":  # untied: the lm_head's own 16-bit copy of the embedding's values
         assert wide.model.lm_head.weight is wide.model.get_input_embeddings().weight
         assert torch.equal(held.model.lm_head.weight.float(), embedding.weight)
     halved = sum(m.weight.numel() * 2 for m in linears if m is not held.model.lm_head)
-    lm_head = held.model.lm_head.weight.numel() * 2  # tied: a bf16 copy more; untied: its float32 halved
+    lm_head = held.model.lm_head.weight.numel() * 2  # tied: a 16-bit copy more; untied: its float32 halved
     assert held.weight_bytes() == wide.weight_bytes() - halved + (lm_head if family == "qwen2" else -lm_head)
     # the bench's bound: one row of the embedding is read, unless it is the lm_head (tied, as served float32)
     assert held.weight_bytes_per_token() == held.weight_bytes() - embedding.weight.numel() * 4
     assert wide.weight_bytes_per_token() == wide.weight_bytes() - (0 if family == "qwen2" else
                                                                    embedding.weight.numel() * 4)
-    assert "weights held as bf16" in held.kernels()["linear"] and "held as" not in wide.kernels()["linear"]
+    assert f"weights held as {name}" in held.kernels()["linear"] and "held as" not in wide.kernels()["linear"]
     assert tokens == wide_tokens
     assert len(logits) == len(wide_logits) > 8 and all(torch.equal(a, b) for a, b in zip(logits, wide_logits))
     prompts = [[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], [1, 84, 104, 101, 32, 99]]
@@ -153,19 +173,21 @@ def test_float32_values_stay_float32(tiny_llama, monkeypatch):
     backend = TorchBackend(tiny_llama, dtype="float32")  # a float32 checkpoint of random float32 values
     linears = [m for m in backend.model.modules() if isinstance(m, F32GemvLinear)]
     assert linears and all(m.weight.dtype == torch.float32 for m in linears)
-    assert "held as bf16" not in backend.kernels()["linear"]
+    assert "held as" not in backend.kernels()["linear"]
     assert stored.decision({stored.ENV: "0"})[0] is False and "float32 weights kept" in stored.decision(
         {stored.ENV: "0"})[1]
 
 
 @pytest.mark.slow
 @needs_kernel
-def test_compiled_steps_read_the_bf16_weights_and_keep_the_reference_output(tiny_models_root, tmp_path_factory):
+@pytest.mark.parametrize("dtype", HELD)
+def test_compiled_steps_read_the_16bit_weights_and_keep_the_reference_output(dtype, tiny_models_root,
+                                                                             tmp_path_factory):
     from model_factory import build_tiny_model, reference_greedy
     from test_compiled_decode import NEW_TOKENS, PROMPTS, _greedy_outputs
 
-    path = _bf16_checkpoint(build_tiny_model("llama", tiny_models_root / "llama"),
-                            tmp_path_factory.mktemp("bf16c") / "llama")
-    outs, _, steps = _greedy_outputs(path, "float32", compile_max_bs=4)  # the op tierlm::f32_linear, bf16 weights
+    path = _checkpoint_in_16bit(build_tiny_model("llama", tiny_models_root / "llama"),
+                            tmp_path_factory.mktemp(f"{dtype}c".removeprefix("torch.")) / "llama", dtype)
+    outs, _, steps = _greedy_outputs(path, "float32", compile_max_bs=4)  # the op tierlm::f32_linear, 16-bit weights
     assert steps > 0
     assert outs == [reference_greedy(path, p, NEW_TOKENS) for p in PROMPTS]

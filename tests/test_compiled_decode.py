@@ -279,6 +279,35 @@ def test_the_wrapper_choice_follows_the_switch_and_pythons_headers(tmp_path):
     assert not missing and "Python.h" in why and "python3-dev" in why
 
 
+def test_inductors_cache_has_a_folder_per_machine_kind(monkeypatch, tmp_path):
+    """inductor compiles with -march=native and picks its vector ISA from ATEN_CPU_CAPABILITY, and its cache keys
+    hold neither: tierlm's folder for it is split by CPU level, model, flags and ATen's capability (a graph cached by
+    an AVX-512 run gave an AVX2-capped one all-zero tokens); a folder the user chose is kept as it is."""
+    from test_cpu_features import recorded
+
+    from tierlm.backends.torch import compiled_decode
+    from tierlm.platforms.cpu_features import apply_cap
+
+    avx2, skylake = recorded("amd-epyc-zen3-avx2.txt", "x86_64"), recorded("intel-xeon-skylake-avx512.txt", "x86_64")
+    keys = {compiled_decode.inductor_cache_key(cpu, cap) for cpu in (avx2, skylake, apply_cap(skylake, "avx2"))
+            for cap in (None, "avx2", "avx512")}
+    assert len(keys) == 9
+    assert compiled_decode.inductor_cache_key(avx2, None).startswith("avx2-")
+    assert compiled_decode.inductor_cache_key(apply_cap(skylake, "avx2"), "avx2").startswith("avx2-")
+    assert compiled_decode.inductor_cache_key(skylake, None) == compiled_decode.inductor_cache_key(skylake, None)
+
+    monkeypatch.setattr(compiled_decode, "this_cpu", lambda: skylake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    compiled_decode._cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
+        tmp_path / "tierlm" / "inductor" / compiled_decode.inductor_cache_key(skylake, "avx2"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compiled_decode._cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
 @pytest.mark.parametrize("how", ["switched off", "fails to build"])
 def test_the_python_wrapper_serves_where_the_cpp_wrapper_does_not(tiny_llama, monkeypatch, how):
     """TIERLM_CPU_COMPILE_CPP_WRAPPER=0, or a C++ wrapper whose build fails: the compiled step still serves, through

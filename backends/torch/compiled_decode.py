@@ -46,10 +46,15 @@ not check, as custom_op did).
   before). llama-small, in process, alternated: one stream 4.24 -> 4.0 ms a step, 8 streams 6.69 -> 6.23; the
   Qwen2.5-0.5B shape at 8 streams 57.5 -> 55.5. Elsewhere the Python op ``tierlm::packed_linear`` serves.
 - inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR``, under tierlm's cache folder unless
-  set), so a restart on the same model and torch loads it in seconds instead of compiling again.
+  set), so a restart on the same model and torch loads it in seconds instead of compiling again. tierlm's folder
+  has one subfolder per machine kind (``inductor_cache_key``): inductor compiles with -march=native and picks its
+  vector ISA from ATEN_CPU_CAPABILITY, but its cache keys hold neither, so a graph cached by an AVX-512 run was
+  loaded by an AVX2-capped one and gave all-zero tokens (and the reverse crashed); a home folder shared between
+  machines would do the same.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -61,6 +66,7 @@ import torch
 
 from tierlm.backends.base import ForwardBatch
 from tierlm.backends.torch import compiled_direct_call, cpu_linear, cpu_product_op
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +186,24 @@ def int8_weight_only_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return torch.ops.tierlm.int8_weight_only(x, qweight, scales, bias)
 
 
+def inductor_cache_key(cpu: CpuFeatures, aten_capability: str | None) -> str:
+    """The subfolder of tierlm's inductor cache for code built on this kind of machine: the CPU level (after a
+    TIERLM_CPU_ISA cap), then a hash of the CPU model, its flags (after the cap) and ATen's capability, which
+    together decide the code inductor writes."""
+    key = "\0".join((cpu.arch, cpu.model_name, " ".join(sorted(cpu.flags)), aten_capability or ""))
+    return f"{cpu.level}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
 def _cache_dir() -> None:
-    """inductor's on-disk cache under tierlm's cache folder (/tmp, inductor's default, is emptied on reboot),
-    unless the user chose one. inductor writes its default into the environment on first use, so that value
-    counts as unset."""
+    """inductor's on-disk cache under tierlm's cache folder (/tmp, inductor's default, is emptied on reboot), one
+    subfolder per machine kind, unless the user chose one. inductor writes its default into the environment on
+    first use, so that value counts as unset."""
     from platformdirs import user_cache_dir
     from torch._inductor.runtime.runtime_utils import default_cache_dir
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(user_cache_dir("tierlm"), "inductor")
+        key = inductor_cache_key(this_cpu(), os.environ.get("ATEN_CPU_CAPABILITY"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(user_cache_dir("tierlm"), "inductor", key)
 
 
 class CompiledDecode:

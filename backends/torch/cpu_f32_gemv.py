@@ -11,7 +11,8 @@ DRAM, one core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2
 float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
 Two more entries, ``f32_linear_bf16w`` and ``f32_linear_f16w``, read a bf16- or fp16-held weight
 (cpu_16bit_stored_weights.py: a 16-bit checkpoint's exact values in half the bytes) and widen it in registers (a
-shift; F16C's conversion) before the same FMAs in the same order: the float32 weight's bits. The scalar tail is written as explicit FMAs, so no compiler contracts one entry and not the other.
+shift; F16C's conversion) before the same FMAs in the same order: the float32 weight's bits. The scalar tail is
+written as explicit FMAs, so no compiler contracts one entry and not the other.
 
 Numerics: float32 products and sums, in another order than MKL's (each output within float32 rounding of
 ``F.linear``), plus the bias; each row's sums in the same order whatever the row count. Only in decode steps

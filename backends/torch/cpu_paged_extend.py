@@ -269,8 +269,9 @@ def paged_extend(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slo
                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                  page_size: int, scale: float, max_len: int, out: torch.Tensor) -> None:
     """Requests' query rows of q [T, H, D] (bf16, or float32: cpu_paged_extend_f32's kernel) over their pages in
-    the pool layer ``k_slots``/``v_slots`` [slots, Hkv, D]: request r's ``q_lens[r]`` rows start at row ``q_starts[r]`` and row i sees keys
-    0..kv_lens[r] - q_lens[r] + i; the outputs go to the same rows of ``out`` [T, H, D] (others untouched).
+    the pool layer ``k_slots``/``v_slots`` [slots, Hkv, D]: request r's ``q_lens[r]`` rows start at row
+    ``q_starts[r]`` and row i sees keys 0..kv_lens[r] - q_lens[r] + i; the outputs go to the same rows of ``out``
+    [T, H, D] (others untouched).
     ``page_table`` [R, P], ``kv_lens``/``q_starts``/``q_lens`` [R] int32; ``max_len``: kv_lens' maximum."""
     T, H, D = q.shape
     Hkv = k_slots.shape[1]

@@ -18,8 +18,8 @@ chunk table) goes to ``tierlm::packed_linear``, the Python op, so the outputs ar
 
 ``tierlm_native::f32_linear`` does the same for cpu_f32_gemv.F32GemvLinear (``tierlm::f32_linear``): in decode
 steps (the flag cpu_f32_gemv.decode_step sets here), 1..MAX_ROWS float32 rows, contiguous, one thread's share, it
-calls the kernel's ``f32_linear``, ``f32_linear_bf16w`` or ``f32_linear_f16w`` (a 16-bit-held weight) itself; anything else goes to the
-Python op. llama-small float32 capped at AVX2, one stream: ~32 products a step.
+calls the kernel's ``f32_linear``, ``f32_linear_bf16w`` or ``f32_linear_f16w`` (a 16-bit-held weight) itself;
+anything else goes to the Python op. llama-small float32 capped at AVX2, one stream: ~32 products a step.
 
 Without a C++ compiler or torch's headers, or with ``TIERLM_CPU_PRODUCT_OP=0``, the Python op serves (logged, and
 in /server_info's compile stats).

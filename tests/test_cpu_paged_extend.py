@@ -45,16 +45,16 @@ def _blocked_unless_a_test_chooses(monkeypatch):
     cpu_blocked_attention.choice.cache_clear()  # made again from the process's own setting
 
 
-def _paged_problem(q_lens, cached, H, Hkv, D, page_size, seed=0):
+def _paged_problem(q_lens, cached, H, Hkv, D, page_size, seed=0, dtype=torch.bfloat16):
     """A pool layer with shuffled pages and a step's queries: request r brings q_lens[r] rows after cached[r]."""
     g = torch.Generator().manual_seed(seed)
     kv_lens = np.asarray(cached) + np.asarray(q_lens)
     R, P = len(q_lens), -(-int(kv_lens.max()) // page_size)
     pages = R * P + 3
     table = np.random.default_rng(seed).permutation(pages)[: R * P].reshape(R, P).astype(np.int32)
-    k_slots, v_slots = (torch.randn(pages * page_size, Hkv, D, generator=g).bfloat16() for _ in range(2))
+    k_slots, v_slots = (torch.randn(pages * page_size, Hkv, D, generator=g).to(dtype) for _ in range(2))
     T = int(sum(q_lens))
-    q = torch.randn(T, H, D, generator=g).bfloat16()
+    q = torch.randn(T, H, D, generator=g).to(dtype)
     return q, k_slots, v_slots, table, kv_lens.astype(np.int32)
 
 

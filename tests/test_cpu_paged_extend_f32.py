@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_cpu_paged_decode import run_step, skip_unless_this_cpu_runs
+from test_cpu_paged_extend import _paged_problem
 
 from tierlm.backends.torch import c_kernel_build, cpu_paged_decode, cpu_paged_extend, cpu_paged_extend_f32
 from tierlm.backends.torch import paged_attention as pa
@@ -52,14 +53,7 @@ def t32(a) -> torch.Tensor:
 def _problem(q_lens, cached, H, Hkv, D, page_size, seed=0):
     """A float32 pool layer with shuffled pages and a step's queries: request r brings q_lens[r] rows after
     cached[r]."""
-    g = torch.Generator().manual_seed(seed)
-    kv_lens = np.asarray(cached) + np.asarray(q_lens)
-    R, P = len(q_lens), -(-int(kv_lens.max()) // page_size)
-    pages = R * P + 3
-    table = np.random.default_rng(seed).permutation(pages)[: R * P].reshape(R, P).astype(np.int32)
-    k_slots, v_slots = (torch.randn(pages * page_size, Hkv, D, generator=g) for _ in range(2))
-    q = torch.randn(int(sum(q_lens)), H, D, generator=g)
-    return q, k_slots, v_slots, table, kv_lens.astype(np.int32)
+    return _paged_problem(q_lens, cached, H, Hkv, D, page_size, seed, torch.float32)
 
 
 def _reference(q, k_slots, v_slots, table, kv_lens, q_lens, page_size, scale) -> torch.Tensor:

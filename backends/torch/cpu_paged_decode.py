@@ -622,8 +622,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.softmax_rows_bf16.restype = None
     lib.softmax_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
-    cpu_paged_extend.bind(lib)
-    cpu_paged_extend_f32.bind(lib)
+    cpu_paged_extend.bind(lib)  # every extend kernel the build has, float32 included
 
 
 def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:

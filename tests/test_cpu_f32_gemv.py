@@ -105,7 +105,8 @@ def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeyp
     build = build_at_level(cpu_f32_gemv, level, monkeypatch, tmp_path)
     assert build.lib.f32_gemv_simd_bits() == bits
     monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", build.lib)
-    for m in range(1, 9):  # AVX2: 2 x 4 tiles for 1-2 rows, 4 x 2 from 3; each sum in the same order in both
+    # 4 x 4 tiles for 1-2 rows, 4 x 6 from 3 (AVX2: 2 x 4, then 4 x 2); each sum in the same order in all
+    for m in range(1, 9):
         for n, k in SHAPES:
             x, w, b, ref = _case(m, n, k, m % 2 == 0)
             y = cpu_f32_gemv.product(x, w, b)

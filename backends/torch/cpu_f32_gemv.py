@@ -3,11 +3,11 @@
 Why: torch's float32 linear is MKL's, and on AMD CPUs MKL runs its generic code path for the one-row product
 (``mkl_blas_def_xsgemv``: 88 % of a float32 llama-small decode step by perf on an EPYC). It streamed the weights at
 10.7-19 GB/s on one core where the memory reads ~30, and oneDNN's packed float32 product did no better (12-19).
-This kernel multiplies a tile of weight rows by every activation row (AVX-512: 4 x 4 rows a pass; AVX2's 16
-registers: 2 activation rows x 4 weight rows for one or two rows, 4 x 2 from three) and prefetches the weight two
-tiles ahead into L2 (into L1 it gained less, without any prefetch it ran at MKL's rate). On the EPYC, weights from
-DRAM, one core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25, 1.2-2.1x), 12-16 GB/s at 8 rows
-(1.7-2.4x; the AVX2 build 10-13).
+This kernel multiplies a tile of weight rows by every activation row (AVX-512: 4 x 4 rows a pass, 4 x 6 from
+three rows; AVX2's 16 registers: 2 activation rows x 4 weight rows for one or two rows, 4 x 2 from three) and
+prefetches the weight two tiles ahead into L2 (into L1 it gained less, without any prefetch it ran at MKL's
+rate). On the EPYC, weights from DRAM, one core: 19-26 GB/s at one row (1.3-2.2x MKL; the AVX2 build 20-25,
+1.2-2.1x), 12-16 GB/s at 8 rows (1.7-2.4x; the AVX2 build 10-13), before the AVX-512 4 x 6 tiles.
 float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
 Two more entries, ``f32_linear_bf16w`` and ``f32_linear_f16w``, read a bf16- or fp16-held weight
 (cpu_16bit_stored_weights.py: a 16-bit checkpoint's exact values in half the bytes) and widen it in registers (a
@@ -122,11 +122,11 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
     const char *ahead = (const char *)w + 2L * TR * K * WB(WT);
     const int lines = TR * WB(WT) / 4;
 #if defined(__AVX512F__)
-    __m512 acc[4][4];
+    __m512 acc[4][6];
     for (int i = 0; i < mr; i++) for (int j = 0; j < TR; j++) acc[i][j] = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
         if (prefetch) for (int l = 0; l < lines; l++) _mm_prefetch(ahead + k * TR * WB(WT) + 64 * l, _MM_HINT_T1);
-        __m512 wv[4];
+        __m512 wv[6];
         for (int j = 0; j < TR; j++) wv[j] = j < nr ? w_vec(w, j * K + k, WT) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++) {
             const __m512 xv = _mm512_loadu_ps(x + i * K + k);
@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void tiles(const float *restrict x,
                                                          const void *restrict w, const float *restrict bias,
                                                          float *restrict y, long N, long n0, long n1, const int RM,
                                                          const int TR, const int WT) {
-    float out[16];
+    float out[24];
     for (long n = n0; n < n1; n += TR) {
         const int nr = n1 - n < TR ? (int)(n1 - n) : TR;
         const int prefetch = n + 3 * TR <= n1;
@@ -190,13 +190,16 @@ static inline __attribute__((always_inline)) void tiles(const float *restrict x,
     }
 }
 
-/* Tiles: AVX-512 4 rows x 4 weight rows (16 of 32 registers for sums); AVX2 (16 registers) 2 x 4 for one or two
-   rows, 4 x 2 from three (the weight read once per 4 rows: +15-35 % at 8 rows, measured). */
+/* Tiles: AVX-512 4 rows x 4 weight rows for one or two rows, 4 x 6 from three (24 of 32 registers for sums, 6
+   weight vectors and a row's vector: each weight vector serves 4 multiply-adds, each row's vector 6; 1.2-1.4x at
+   4-8 rows, measured; one or two rows are memory-bound and gained nothing); AVX2 (16 registers) 2 x 4 for one or
+   two rows, 4 x 2 from three (the weight read once per 4 rows: +15-35 % at 8 rows, measured; 4 x 3 ran the same). */
 static inline __attribute__((always_inline)) void linear(const float *restrict x, long M, long K,
                                                           const void *restrict w, const float *restrict bias,
                                                           float *restrict y, long N, long n0, long n1, const int WT) {
 #if defined(__AVX512F__)
-    tiles(x, M, K, w, bias, y, N, n0, n1, 4, 4, WT);
+    if (M >= 3) tiles(x, M, K, w, bias, y, N, n0, n1, 4, 6, WT);
+    else tiles(x, M, K, w, bias, y, N, n0, n1, 4, 4, WT);
 #else
     if (M >= 3) tiles(x, M, K, w, bias, y, N, n0, n1, 4, 2, WT);
     else tiles(x, M, K, w, bias, y, N, n0, n1, 2, 4, WT);

@@ -40,7 +40,8 @@ def _attention_as_transformers(monkeypatch, name: str) -> None:
     """int8dq quantizes each activation row to 255 levels at every linear, so a float32 attention that sums in
     another order can change later tokens (the C paged kernels' AVX2 build: 1.5e-7 of the float64 attention, as
     the AVX-512 one, yet the 11th token of the tied qwen2 changed under TIERLM_CPU_ISA=avx2): for it, attention
-    takes the torch path, which computes as transformers' eager attention does. The kernels' accuracy has tests of its own."""
+    takes the torch path, which computes as transformers' eager attention does. The kernels' accuracy has tests of
+    its own."""
     if name == "int8dq":
         from tierlm.backends.torch import cpu_paged_decode
 

@@ -347,9 +347,11 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
              f"medians of {ns.repeats} rounds, each round measuring every server in turn with the same prompts; "
              "token counts from each server's usage; one request per server before the clock starts, and in "
              "every round the warm row's prefix and the long prompt sent once off the clock",
-             "prompts are sized with this model folder's tokenizer; every server must serve the same folder, "
-             + (f"and a peer must be started with the dtype tierlm served ({info.get('dtype')}; --dtype {ctx.dtype})"
-                if info else "with the same dtype (tierlm's --dtype does not apply to peers)")]
+             "prompts are sized with this model folder's tokenizer; every server must serve the same folder; "
+             + (f"tierlm served {info.get('dtype')} (--dtype {ctx.dtype}) and each peer the dtype it was started "
+                "with (vLLM CPU's auto: bf16): the same dtype on both sides compares the same numerics, each "
+                "server's default compares defaults" if info else
+                "each server computes in the dtype it was started with (tierlm's --dtype does not apply to peers)")]
     notes += _mismatch_notes(ns, names, results)
     bound = None
     if info and bandwidth:

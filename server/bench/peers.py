@@ -88,7 +88,7 @@ class AgainstAction(argparse.Action):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("peers benchmark (the peer must serve the same model folder with the same --dtype)")
+    g = p.add_argument_group("peers benchmark (the peer must serve the same model folder; --dtype sets tierlm's only)")
     g.add_argument("--against", action=AgainstAction, type=parse_against, default=[], metavar="NAME=URL",
                    help="an OpenAI-compatible server to measure next to tierlm, e.g. vllm=http://127.0.0.1:8000 "
                         "(repeatable)")

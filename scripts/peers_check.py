@@ -44,6 +44,10 @@ TORCH_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # set per run fr
 START_TIMEOUT_S = 900  # vLLM compiles its model at every start (~50 s here), more on a slow VM
 
 
+class RunFailed(Exception):
+    """One model and class could not be measured (vLLM did not start, the bench failed): the others still run."""
+
+
 def log(msg: str) -> None:
     print(f"[peers_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -136,8 +140,8 @@ class Vllm:
             if self.proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
                 tail = self.log_path.read_text(errors="replace")[-3000:]
                 self.stop()
-                raise SystemExit(f"peers_check: vLLM did not come up (exit {self.proc.returncode}); its log "
-                                 f"{self.log_path} ends:\n{tail}")
+                raise RunFailed(f"vLLM did not come up (exit {self.proc.returncode}); its log {self.log_path} "
+                                f"ends:\n{tail}")
             time.sleep(1)
         log(f"vLLM ready in {time.monotonic() - t0:.0f} s")
 
@@ -159,13 +163,20 @@ def bench(model: str, url: str, cap: str | None, repeats: int, out: Path, name: 
            "--repeats", str(repeats), "--no-progress", "--json", str(json_path), "--work-dir", str(out / name)]
     log(("TIERLM_CPU_ISA=" + cap + " " if cap else "") + "$ " + " ".join(cmd))
     with open(out / f"{name}.txt", "wb") as f:
-        subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not json_path.exists():
+        raise RunFailed(f"tierlm bench peers exited with {rc}: see {out / f'{name}.txt'}")
     return json.loads(json_path.read_text())
 
 
-def summary_lines(results: list[tuple[str, str, dict]]) -> list[str]:
+def summary_lines(results: list[tuple[str, str, dict | str]]) -> list[str]:
+    """The summary table: each run's targets, or the reason a run failed."""
     lines = ["| class | model | target | goal | measured | met |", "|---|---|---|---|---|---|"]
     for cls, model, report in results:
+        if isinstance(report, str):
+            lines.append(f"| {cls} | {model} | every target | - | not measured: {report.splitlines()[0]} | "
+                         "**failed** |")
+            continue
         for t in report.get("targets", []):
             met = {True: "met", False: "**missed**", None: "-"}[t["met"]]
             lines.append(f"| {cls} | {model} | {t['name']} | {t['goal']} | {t['measured']} | {met} |")
@@ -192,7 +203,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"CPU: {cpu.model_name or 'unknown'}, level {cpu.level}, {os.cpu_count()} logical CPUs; report in {args.out}")
     exe = ensure_vllm(args.vllm_venv)
-    results = []
+    results: list[tuple[str, str, dict | str]] = []
     for cap in caps:
         for model in [m.strip() for m in args.models.split(",") if m.strip()]:
             model_dir = ensure_synthetic_model(model)
@@ -201,16 +212,22 @@ def main() -> None:
                           args.out / f"vllm-{name}.log")
             try:
                 server.wait_ready()
-                report = bench(model, server.url, None if cap == "native" else cap, args.repeats, args.out, name)
+                report: dict | str = bench(model, server.url, None if cap == "native" else cap, args.repeats,
+                                           args.out, name)
+                log(f"{name}: " + "; ".join(f"{t['name']} {t['measured']} ({'met' if t['met'] else 'missed'})"
+                                            for t in report.get("targets", [])))
+            except RunFailed as e:
+                report = str(e)
+                log(f"{name} FAILED: {e}")
             finally:
                 server.stop()
             results.append((cap if cap != "native" else f"native ({cpu.level})", model, report))
-            log(f"{name}: " + "; ".join(f"{t['name']} {t['measured']} ({'met' if t['met'] else 'missed'})"
-                                        for t in report.get("targets", [])))
-    text = "\n".join([f"# tierlm vs vLLM CPU {VLLM_VERSION} on {cpu.model_name or 'this CPU'} (level {cpu.level})", "",
-                      *summary_lines(results), ""])
+    title = f"# tierlm vs vLLM CPU {VLLM_VERSION} on {cpu.model_name or 'this CPU'} (level {cpu.level})"
+    text = "\n".join([title, "", *summary_lines(results), ""])
     (args.out / "summary.md").write_text(text)
     print(text)
+    if any(isinstance(r, str) for _c, _m, r in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ each side gets, the peer process started, waited for and stopped (a stand-in `vl
 the summary. The whole check needs vLLM CPU and half an hour per model: it is run by hand."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import textwrap
@@ -97,8 +98,9 @@ def test_the_peer_is_started_with_its_class_waited_for_and_stopped(fake_vllm, tm
 def test_a_peer_that_dies_at_startup_stops_the_check_with_its_log(fake_vllm, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
     server = pc.Vllm(fake_vllm, tmp_path, _free_port(), None, tmp_path / "vllm.log")
-    with pytest.raises(SystemExit, match="no model here"):
+    with pytest.raises(pc.RunFailed, match="no model here"):
         server.wait_ready()
+    assert server.proc.returncode == 3
 
 
 def test_a_port_already_served_is_refused(fake_vllm, tmp_path):
@@ -112,9 +114,24 @@ def test_a_port_already_served_is_refused(fake_vllm, tmp_path):
         first.stop()
 
 
-def test_summary_lists_every_target_with_missed_marked():
+def test_summary_lists_every_target_with_missed_marked_and_failed_runs_named():
     report = {"targets": [{"name": "1-stream decode vs vllm", "goal": ">= 1.2x", "measured": "1.85x", "met": True},
                           {"name": "cold TTFT vs vllm", "goal": "<= 0.8x", "measured": "0.91x", "met": False}]}
     lines = pc.summary_lines([("native (amx)", "qwen2.5-0.5b", report)])
     assert lines[2] == "| native (amx) | qwen2.5-0.5b | 1-stream decode vs vllm | >= 1.2x | 1.85x | met |"
     assert lines[3].endswith("| 0.91x | **missed** |") and len(lines) == 4
+    failed = pc.summary_lines([("avx2", "llama-small", "vLLM did not come up (exit 3); its log x ends:\nboom")])
+    assert failed[2] == ("| avx2 | llama-small | every target | - | not measured: vLLM did not come up (exit 3); "
+                         "its log x ends: | **failed** |")
+
+
+def test_a_failed_bench_is_reported_with_its_log(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "tierlm"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho \"bench saw TIERLM_CPU_ISA=$TIERLM_CPU_ISA\"\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with pytest.raises(pc.RunFailed, match="exited with 2") as e:
+        pc.bench("llama-small", "http://127.0.0.1:1", "avx2", 1, tmp_path, "avx2-llama-small")
+    assert str(tmp_path / "avx2-llama-small.txt") in str(e.value)
+    assert (tmp_path / "avx2-llama-small.txt").read_text() == "bench saw TIERLM_CPU_ISA=avx2\n"

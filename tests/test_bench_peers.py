@@ -158,6 +158,9 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
     assert rows["cold_ttft_s"]["better"].startswith("< 1") and rows["streams_tps"]["better"].startswith("> 1")
     raw = rep["raw"]
     assert set(raw) == {"tierlm", "other"} and len(raw["other"]["streams"][0]["requests"]) == 2
+    # each round began after a wait for a quiet machine (at least the minimum), said in the notes
+    assert all(len(raw[n]["quiet_waits"]) == 1 and raw[n]["quiet_waits"][0]["waited_s"] >= 1.5 for n in raw)
+    assert any(n.startswith("before each server's round") for n in rep["tables"][0]["notes"])
     # issue #27's goals: one per (metric, peer) from this run's ratios, and the 1-stream bandwidth-bound share
     bound = rep["settings"]["bandwidth_bound_tps"]
     assert bound > 0 and any("bandwidth bound" in n for n in rep["tables"][0]["notes"])
@@ -181,6 +184,7 @@ def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
     comes before round r + 1 of any."""
     from tierlm.server.bench import peers
     from tierlm.server.bench.openai_load import Completion
+    from tierlm.server.bench.quiet_machine import QuietWait
 
     calls: list[tuple[str, str]] = []
 
@@ -202,7 +206,12 @@ def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
         async def concurrent(self, prompts, max_tokens):
             return [await self.one(p, max_tokens) for p in prompts], 0.05
 
+    async def quiet() -> QuietWait:  # the wait for the last server's leftover work, recorded in order
+        calls.append(("-", "quiet"))
+        return QuietWait(0.0, 0.0, True)
+
     monkeypatch.setattr(peers, "Session", FakeSession)
+    monkeypatch.setattr(peers, "wait_until_quiet", quiet)
     R = 3
     w = {"first": "f", "cold": [f"c{r}" for r in range(R)], "warm": [f"w{r}" for r in range(R + 1)],
          "single": [f"s{r}" for r in range(R)], "single_first": [f"t{r}" for r in range(R)],
@@ -224,6 +233,10 @@ def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
         assert all(len(raw[k]) == R for k in ("cold", "warm", "single", "single_first", "long", "long_first",
                                                "streams"))
         assert results[name]["completion_tokens"]["single"] == 8
+        assert raw["quiet_waits"] == [{"waited_s": 0.0, "busy_cores": 0.0, "quiet": True}] * R
+    # every server's round, each round's first, starts after a wait for a quiet machine
+    after_quiet = [calls[i + 1] for i, c in enumerate(calls) if c == ("-", "quiet")]
+    assert after_quiet == [("a", "w0"), ("b", "w0")] * R
 
 
 @pytest.mark.parametrize("tied", [False, True])

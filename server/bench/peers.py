@@ -15,8 +15,10 @@ at the end; the peers are the user's own processes and stay up). Per round and s
   long context the 1-stream decode after a ``--long-context-tokens`` prompt, sent once before (its KV cached),
                so that its 1-token and N-token requests both hit and their difference is decode alone.
 Every server gets the same prompts, drawn afresh for each run (a peer that stays up between runs would otherwise
-find the last run's "cold" prompts in its prefix cache). Token counts come from the servers' usage; a server that returns
-fewer tokens than asked stops the run, since a ratio to it would mean nothing.
+find the last run's "cold" prompts in its prefix cache). Each server's round starts once the machine is quiet
+(quiet_machine.py: the last server's leftover work, such as vLLM's 1 s of busy-polling after each request, took
+the next server's core). Token counts come from the servers' usage; a server that returns fewer tokens than asked
+stops the run, since a ratio to it would mean nothing.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from tierlm.backends.weight_format import input_embedding_shape, safetensors_sha
 from tierlm.server.bench.context import BenchContext
 from tierlm.server.bench.decode import read_bandwidth
 from tierlm.server.bench.openai_load import Completion, Endpoint, PeerError, PromptBuilder, Session, discover
+from tierlm.server.bench.quiet_machine import MAX_WAIT_S, MIN_WAIT_S, QUIET_BELOW_CORES, QuietWait, wait_until_quiet
 from tierlm.server.bench.report import Column, Report, Table, Target, environment
 from tierlm.server.bench.server_process import BenchServer
 from tierlm.server.bench.stats import median, ratio
@@ -152,16 +155,22 @@ async def _measure_all(endpoints: list[Endpoint], w: dict[str, Any], ns: argpars
     """Every round visits every server in turn: this kind of VM moves between fast and slow spells (2x apart,
     minutes long), and servers measured one after the other would each get a different spell."""
     raws: dict[str, dict[str, list]] = {ep.name: {kind: [] for kind in REQUEST_KINDS} for ep in endpoints}
+    waits: dict[str, list[QuietWait]] = {ep.name: [] for ep in endpoints}
     async with contextlib.AsyncExitStack() as stack:
         sessions = [await stack.enter_async_context(Session(ep, ns.streams)) for ep in endpoints]
         for s in sessions:  # off the clock: a server's first request may compile
             await s.one(w["first"], 4)
         for r in range(ns.repeats):
             for s in sessions:
+                bar.set_description(f"peers: round {r + 1}/{ns.repeats}, {s.ep.name}: waiting for a quiet machine")
+                waits[s.ep.name].append(await wait_until_quiet())  # the last server's leftover work done
                 bar.set_description(f"peers: round {r + 1}/{ns.repeats}, {s.ep.name}")
                 await _round(s, w, ns, r, raws[s.ep.name])
                 bar.update()
-    return {name: _result(raw) for name, raw in raws.items()}
+    out = {name: _result(raw) for name, raw in raws.items()}
+    for name, result in out.items():  # in the report's notes and its raw JSON
+        result["quiet_waits"] = result["raw"]["quiet_waits"] = [q.to_dict() for q in waits[name]]
+    return out
 
 
 def _result(raw: dict[str, list]) -> dict[str, Any]:
@@ -353,6 +362,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
                 "server's default compares defaults" if info else
                 "each server computes in the dtype it was started with (tierlm's --dtype does not apply to peers)")]
     notes += _mismatch_notes(ns, names, results)
+    notes.append(quiet_note(names, results))
     bound = None
     if info and bandwidth:
         held = info.get("weight_bytes_per_token")  # as the server holds them (bf16-held, quantized)
@@ -378,6 +388,23 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
     env = environment(ctx.model_label, info, ctx.load_at_start)
     return Report("peers", ctx.command, env, settings, [Table(title, columns, rows, notes)], goals(rows, names, bound),
                   raw={n: results[n]["raw"] for n in names})
+
+
+def quiet_note(names: list[str], results: dict[str, dict[str, Any]]) -> str:
+    """How long the rounds waited for the machine to be quiet, and any that began on a busy machine."""
+    waits = {n: results[n].get("quiet_waits") or [] for n in names}
+    every = [q for n in names for q in waits[n]]
+    text = (f"before each server's round the bench waited until the machine was quiet (at least {MIN_WAIT_S:g} s, "
+            f"then until a quarter second had < {QUIET_BELOW_CORES:g} of a core busy, at most {MAX_WAIT_S:g} s): a "
+            "server still busy after its own round (vLLM busy-polls for 1 s after each request) would otherwise "
+            "take the next server's core")
+    if every:
+        text += f"; waits {min(q['waited_s'] for q in every):.1f}-{max(q['waited_s'] for q in every):.1f} s"
+    busy = [f"{n} round {i + 1} ({q['busy_cores']:.2f} cores busy)" for n in names
+            for i, q in enumerate(waits[n]) if not q["quiet"]]
+    if busy:
+        text += "; began on a busy machine: " + ", ".join(busy)
+    return text
 
 
 def _mismatch_notes(ns: argparse.Namespace, names: list[str], results: dict[str, dict[str, Any]]) -> list[str]:

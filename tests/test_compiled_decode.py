@@ -111,7 +111,7 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     steps = (step, mixed, longest)
     eager = [backend.forward_logits(b).clone() for b in steps]
     backend.init_torch_compile(max_bs=4)
-    served = cpu_product_op.served()
+    served, attention_served = cpu_product_op.served(), cpu_product_op.attention_served()
     compiled = [backend.forward_logits(b) for b in steps]  # rewrite the same K/V into the same slots
     stats = backend.torch_compile_stats()
     # the products ran in the C++ op where it builds (this machine: a C++ compiler and torch's headers)
@@ -120,6 +120,12 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
         assert stats["products"] == "C++ op" and cpu_product_op.served() > served, stats["products_why"]
     else:
         assert stats["products"] == "Python op", stats["products_why"]
+    # the decode-only step's layers ran in the C++ attention op where it loaded (the mixed and the long step, and
+    # every step of a sliding-window model: the Python op), with the Python path's bits (compared below)
+    if cpu_product_op.attention_loaded():
+        windowed = getattr(backend.model.config, "sliding_window", None) is not None
+        expected = 0 if windowed else backend.model.config.num_hidden_layers
+        assert cpu_product_op.attention_served() - attention_served == expected
     assert stats["compiled_steps"] == 3 and stats["graphs"] >= 1
     # the C++ wrapper where Python's headers are (this machine's interpreter has them: the step ran through it)
     assert stats["wrapper"] == ("C++" if cpp_wrapper_choice(os.environ)[0] else "Python"), stats["wrapper_why"]

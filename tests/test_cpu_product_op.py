@@ -132,3 +132,18 @@ def test_traces_record_the_cpp_op_where_it_loaded_and_the_python_op_where_not(na
     assert not ok and f"{cpu_product_op.ENV}=0" in why
     code = _recorded_ops(m)
     assert "tierlm.packed_linear" in code and "tierlm_native" not in code
+
+
+def test_the_attention_op_is_handed_the_decode_step_kernel_unless_switched_off(native_op, monkeypatch):
+    """compiled_decode.attention_op records the C++ attention op only where ready() handed it cpu_paged_decode's
+    step kernel; TIERLM_CPU_ATTENTION_OP=0 (or no C kernel) keeps the Python op. Its outputs: test_compiled_decode's
+    bit-for-bit test, where the decode-only step's layers run in it."""
+    from tierlm.backends.torch import cpu_paged_decode
+
+    monkeypatch.setitem(cpu_product_op._ATTENTION, "ready", False)
+    monkeypatch.setenv(cpu_product_op.ATTENTION_ENV, "0")
+    cpu_product_op.ready(native_op)
+    assert not cpu_product_op.attention_loaded()
+    monkeypatch.delenv(cpu_product_op.ATTENTION_ENV)
+    cpu_product_op.ready(native_op)
+    assert cpu_product_op.attention_loaded() == (cpu_paged_decode.load() is not None)

@@ -13,8 +13,8 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import (cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode, huge_pages, last_layer_rows,
-                                   paged_attention)
+from tierlm.backends.torch import (cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode, cpu_product_op, huge_pages,
+                                   last_layer_rows, paged_attention)
 from tierlm.backends.torch.compiled_decode import CompiledDecode
 from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
 from tierlm.backends.torch.cpu_linear import packed_bytes
@@ -71,7 +71,7 @@ class TorchBackend(ModelBackend):
         self.huge_pages = huge_pages.place_model(self.model, pages) if pages is not None else None
         cfg = self.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        num_heads = text_cfg.num_attention_heads
+        num_heads = self.num_heads = text_cfg.num_attention_heads
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
         self.info = ModelInfo(
             model_path=str(self.model_dir),
@@ -270,7 +270,9 @@ class TorchBackend(ModelBackend):
         try:
             with cpu_f32_gemv.decode_step(meta.decode_rows is not None):  # float32 decode rows on its kernel
                 if self.compiled is not None and self.compiled.accepts(batch):
-                    return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
+                    with cpu_product_op.decode_attention(meta, self.pool, self.num_heads, self.info.head_dim,
+                                                         self.dtype, dev.type):  # decode-only CPU steps: in C++
+                        return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
                 return self._run_model(input_ids, positions, keep, read_rows_only=True)
         finally:
             paged_attention.CURRENT.meta = None

@@ -164,8 +164,9 @@ def attention_op(module, query, key, value, scaling, sliding_window, s_aux) -> t
     """The call the compiled graph records in place of paged attention (paged_attention.py routes here while
     torch.compile traces)."""
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    return torch.ops.tierlm.paged_attention(query, key, value, int(module.layer_idx), scale,
-                                           int(sliding_window or 0), s_aux)
+    native = cpu_product_op.attention_loaded()  # decided before any trace, as the products' op
+    op = torch.ops.tierlm_native.paged_attention if native else torch.ops.tierlm.paged_attention
+    return op(query, key, value, int(module.layer_idx), scale, int(sliding_window or 0), s_aux)
 
 
 def packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,

@@ -41,6 +41,12 @@ class DecodeStep:
         self.tail = (self.work.data_ptr(), max_len, 1 if dtype == torch.bfloat16 else 0)
         self.out_shape = (1, R, H, D)
 
+    def native_args(self) -> tuple:
+        """The fixed arguments as the C++ attention op takes them (cpu_product_op.py's set_attention_step): slots,
+        page rows, their row stride, lengths, R, H, Hkv, D, page size, scratch, max length, bf16."""
+        f, t = self.fixed, self.tail
+        return (f[0], f[3], f[4], f[5], *f[6:11], t[0], t[1], bool(t[2]))
+
     def fits(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """query [1, H, R, D], key/value [1, Hkv, R, D] of this step's dtype, each head's D values contiguous."""
         return query.shape == (1, self.H, self.R, self.D) and key.shape == value.shape == (1, self.Hkv, self.R, self.D) \
@@ -61,15 +67,19 @@ class DecodeStep:
 def plan(meta, pool, query: torch.Tensor) -> DecodeStep | None:
     """The step's DecodeStep when it qualifies (see the module doc), else None; ``meta`` is paged_attention's
     StepMeta, which caches the answer for its other layers."""
-    if not ENABLED or meta.decode_rows is None or meta.attention_backend != "torch_native" or \
-            query.device.type != "cpu":
+    return plan_for(meta, pool, query.shape[1], query.shape[3], query.dtype, query.device.type)
+
+
+def plan_for(meta, pool, H: int, D: int, dtype: torch.dtype, device_type: str) -> DecodeStep | None:
+    """``plan`` from the queries' heads, head size, dtype and device (known before the step runs: the compiled
+    step hands its plan to the C++ attention op first, cpu_product_op.decode_attention)."""
+    if not ENABLED or meta.decode_rows is None or meta.attention_backend != "torch_native" or device_type != "cpu":
         return None
-    H, D = query.shape[1], query.shape[3]
-    if pool.kv_dtype != query.dtype or pool.head_dim != D or \
-            not cpu_paged_decode.supported(query.dtype, pool.kv_dtype, H, pool.num_kv_heads, D):
+    if pool.kv_dtype != dtype or pool.head_dim != D or \
+            not cpu_paged_decode.supported(dtype, pool.kv_dtype, H, pool.num_kv_heads, D):
         return None
     lib = cpu_paged_decode.load()
     if lib is None:
         return None
     page_rows, kv_lens, max_len = meta.decode_rows
-    return DecodeStep(lib, pool, meta.slot_mapping, page_rows, kv_lens, max(1, max_len), H, D, query.dtype)
+    return DecodeStep(lib, pool, meta.slot_mapping, page_rows, kv_lens, max(1, max_len), H, D, dtype)

@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 import weakref
 from pathlib import Path
 from typing import Iterator
@@ -222,7 +223,9 @@ using DecodeStepKernel = void (*)(const void *, long, long, const void *, long, 
 using Attention = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t, double, int64_t,
                              const std::optional<at::Tensor> &);
 void *attention_kernel = nullptr;
-std::vector<int64_t> k_layers, v_layers;
+// per thread: the step is handed over, run and taken back on the thread that runs it (the scheduler's), so two
+// backends stepping on two threads never read each other's
+thread_local std::vector<int64_t> k_layers, v_layers;
 struct AttentionStep {
     bool active = false;
     const int64_t *slots = nullptr;
@@ -233,7 +236,8 @@ struct AttentionStep {
     float *work = nullptr;
     int max_len = 0;
     bool bf16 = false;
-} step;
+};
+thread_local AttentionStep step;
 std::atomic<int64_t> attention_served{0};
 
 at::Tensor attention_python_op(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t layer,
@@ -420,9 +424,11 @@ def _hand_attention_kernel() -> bool:
     return True
 
 
-# whether compiled steps record the C++ attention op (decided by ready(), before any trace), and the pool whose
-# layer addresses it holds (a weak reference: a pool is never kept alive for this)
-_ATTENTION: dict = {"ready": False, "pool": None}
+# whether compiled steps record the C++ attention op (decided by ready(), before any trace)
+_ATTENTION: dict = {"ready": False}
+# per thread, as the op's own state: the pool whose layer addresses the op holds (a weak reference: a pool is never
+# kept alive for this)
+_HANDED = threading.local()
 
 
 def attention_loaded() -> bool:
@@ -444,10 +450,10 @@ def decode_attention(meta, pool, heads: int, head_dim: int, dtype: torch.dtype, 
     if step is None:
         yield
         return
-    held = _ATTENTION["pool"]
+    held = getattr(_HANDED, "pool", None)
     if held is None or held() is not pool:
         torch.ops.tierlm_native.set_attention_pool(*(list(p) for p in pool.layer_pointers()))
-        _ATTENTION["pool"] = weakref.ref(pool)
+        _HANDED.pool = weakref.ref(pool)
     torch.ops.tierlm_native.set_attention_step(*step.native_args())
     try:
         yield

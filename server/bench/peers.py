@@ -168,8 +168,8 @@ async def _measure_all(endpoints: list[Endpoint], w: dict[str, Any], ns: argpars
                 await _round(s, w, ns, r, raws[s.ep.name])
                 bar.update()
     out = {name: _result(raw) for name, raw in raws.items()}
-    for name, result in out.items():  # in the report's notes and its raw JSON
-        result["quiet_waits"] = result["raw"]["quiet_waits"] = [q.to_dict() for q in waits[name]]
+    for name, result in out.items():  # in the raw JSON, and the report's notes from there (quiet_note)
+        result["raw"]["quiet_waits"] = [q.to_dict() for q in waits[name]]
     return out
 
 
@@ -392,7 +392,7 @@ def _report(ns: argparse.Namespace, ctx: BenchContext, info: dict[str, Any] | No
 
 def quiet_note(names: list[str], results: dict[str, dict[str, Any]]) -> str:
     """How long the rounds waited for the machine to be quiet, and any that began on a busy machine."""
-    waits = {n: results[n].get("quiet_waits") or [] for n in names}
+    waits = {n: results[n]["raw"].get("quiet_waits") or [] for n in names}
     every = [q for n in names for q in waits[n]]
     text = (f"before each server's round the bench waited until the machine was quiet (at least {MIN_WAIT_S:g} s, "
             f"then until a quarter second had < {QUIET_BELOW_CORES:g} of a core busy, at most {MAX_WAIT_S:g} s): a "

@@ -85,20 +85,24 @@ def test_the_switch_for_torchs_allocator_is_set_unless_the_user_set_it():
     assert env == {}
 
 
-def _anon_huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping holding ``address``, from /proc/self/smaps."""
+def _anon_huge_kib_inside(lo: int, hi: int) -> int:
+    """AnonHugePages of every mapping that lies wholly in [lo, hi), from /proc/self/smaps. madvise splits a mapping
+    at the ranges it is given, and whether the kernel merges the pieces back differs between kernels: the sum over
+    the pieces is what the memory holds, whichever layout the kernel left."""
     inside, kib = False, 0
     with open("/proc/self/smaps") as f:
         for line in f:
             m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
             if m:
-                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+                inside = lo <= int(m.group(1), 16) and int(m.group(2), 16) <= hi
             elif inside and line.startswith("AnonHugePages:"):
-                kib = int(line.split()[1])
+                kib += int(line.split()[1])
     return kib
 
 
 def test_memory_moved_onto_huge_pages_keeps_its_contents():
+    import mmap
+
     import numpy as np
 
     from tierlm.backends.torch.huge_pages import move_onto_huge_pages
@@ -106,22 +110,28 @@ def test_memory_moved_onto_huge_pages_keeps_its_contents():
     machine = this_machine(os.environ)
     if not (machine.use and machine.collapse):
         pytest.skip(f"this machine cannot move memory onto huge pages now: {machine.why}")
-    from numpy._core.multiarray import _set_madvise_hugepage
-
-    was = _set_madvise_hugepage(False)  # numpy asks for huge pages itself for large arrays: not this one
-    try:
-        data = np.random.default_rng(0).integers(0, 2 ** 31, size=12 * MIB // 4, dtype=np.int32)
-    finally:
-        _set_madvise_hugepage(was)
+    page = machine.page_bytes
+    # a private mapping of the test's own, so that no other memory of the process shares its huge-page ranges
+    # (malloc may serve 12 MiB from the heap, beside whatever else lives there); the array starts off a page
+    # boundary, so the edge ranges are partly the array's, and they stay inside the mapping
+    mapping = mmap.mmap(-1, 12 * MIB + 4 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(mapping, dtype=np.uint8)
+    lo, hi = base.ctypes.data, base.ctypes.data + base.nbytes
+    offset = (-lo) % page + page // 8
+    data = base[offset:offset + 12 * MIB].view(np.int32)
+    data[:] = np.random.default_rng(0).integers(0, 2 ** 31, size=data.size, dtype=np.int32)
     copy = data.copy()
-    address = data.ctypes.data
-    report = move_onto_huge_pages([(address, data.nbytes)], machine)
-    assert report.weight_bytes == data.nbytes
-    # at least the whole pages inside the array moved (the edge ranges may cross into another mapping)
-    assert report.on_huge_pages >= data.nbytes - 2 * machine.page_bytes
-    # (with THP mode always the array may have been on huge pages before: the mapping holds at least what moved)
-    assert _anon_huge_kib(address) * 1024 >= report.on_huge_pages - 2 * machine.page_bytes
-    assert np.array_equal(data, copy)
+    try:
+        report = move_onto_huge_pages([(data.ctypes.data, data.nbytes)], machine)
+        assert report.weight_bytes == data.nbytes
+        # at least the whole pages inside the array moved (the edge ranges are only partly the array's)
+        assert report.on_huge_pages >= data.nbytes - 2 * page
+        # the kernel maps each range reported moved with a huge page, whole (THP mode always may have put more there)
+        assert _anon_huge_kib_inside(lo, hi) * 1024 >= report.on_huge_pages
+        assert np.array_equal(data, copy)
+    finally:
+        del data, base
+        mapping.close()
 
 
 @pytest.mark.parametrize("switch", ["on", "off"])

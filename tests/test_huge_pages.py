@@ -57,17 +57,42 @@ def test_sparse_ranges_are_advised_not_collapsed_and_without_collapse_the_report
     from tierlm.backends.torch import huge_pages
 
     calls = []
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda addr, n, advice: calls.append((addr, advice)) or 0)
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda addr, n, advice: calls.append((addr, n, advice)) or 0)
     page = 2 * MIB
     regions = [(page, page + 100)]  # one full range, then 100 bytes of the next
     report = huge_pages.move_onto_huge_pages(regions, HugePagePlan(True, page, True, ""))
-    assert calls == [(page, huge_pages.MADV_HUGEPAGE), (page, huge_pages.MADV_COLLAPSE),
-                     (2 * page, huge_pages.MADV_HUGEPAGE)]
+    # the two adjacent ranges advised in one call, the full one collapsed, the sparse one only advised
+    assert calls == [(page, 2 * page, huge_pages.MADV_HUGEPAGE), (page, page, huge_pages.MADV_COLLAPSE)]
     assert report.on_huge_pages == page and report.not_moved == 1 and "on huge pages" in report.summary()
     calls.clear()
     advised = huge_pages.move_onto_huge_pages(regions, HugePagePlan(True, page, False, ""))
-    assert [a for _, a in calls] == [huge_pages.MADV_HUGEPAGE] * 2
+    assert calls == [(page, 2 * page, huge_pages.MADV_HUGEPAGE)]
     assert advised.on_huge_pages == page + 100 and "advised onto huge pages" in advised.summary()
+
+
+def test_one_advice_per_run_of_adjacent_ranges_and_a_refused_run_falls_back(monkeypatch):
+    from tierlm.backends.torch import huge_pages
+
+    page, calls = 2 * MIB, []
+    mapped = [(10 * MIB, 21 * MIB), (30 * MIB, 32 * MIB), (40 * MIB, 48 * MIB + 8192)]
+
+    def madvise(addr, n, advice):  # a kernel that refuses any span reaching past what is mapped
+        calls.append((addr, n, advice))
+        return 0 if any(lo <= addr and addr + n <= hi for lo, hi in mapped) else -1
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    regions = [(10 * MIB, 3 * MIB), (13 * MIB, 3 * MIB),  # side by side: one run of three ranges
+               (18 * MIB, 3 * MIB),  # a run of two whose last range reaches past its mapping
+               (30 * MIB, 2 * MIB),  # one range alone
+               (40 * MIB + 4096, 8 * MIB)]  # a run of five whose last range reaches past its mapping
+    report = huge_pages.move_onto_huge_pages(regions, HugePagePlan(True, page, True, ""))
+    advices = [(a, n) for a, n, advice in calls if advice == huge_pages.MADV_HUGEPAGE]
+    assert advices == [(10 * MIB, 3 * page), (18 * MIB, 2 * page), (40 * MIB, 5 * page),
+                       (42 * MIB, 3 * page),  # the refused run of five without its edges
+                       (18 * MIB, page), (20 * MIB, page), (30 * MIB, page), (40 * MIB, page), (48 * MIB, page)]
+    collapsed = [a for a, n, advice in calls if advice == huge_pages.MADV_COLLAPSE]
+    assert collapsed == [10 * MIB, 12 * MIB, 14 * MIB, 18 * MIB, 30 * MIB, 40 * MIB, 42 * MIB, 44 * MIB, 46 * MIB]
+    assert report.ranges == 11 and report.not_moved == 2 and report.on_huge_pages == 18 * MIB - 4096
 
 
 def test_the_switch_for_torchs_allocator_is_set_unless_the_user_set_it():
@@ -83,6 +108,13 @@ def test_the_switch_for_torchs_allocator_is_set_unless_the_user_set_it():
     env = {}
     ask_at_allocation(HugePagePlan(False, 2 * MIB, False, ""), env)
     assert env == {}
+
+
+def _mappings_over(lo: int, hi: int) -> int:
+    """How many mappings of /proc/self/maps overlap [lo, hi)."""
+    with open("/proc/self/maps") as f:
+        spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+    return sum(a < hi and b > lo for a, b in spans)
 
 
 def _anon_huge_kib_inside(lo: int, hi: int) -> int:
@@ -128,6 +160,9 @@ def test_memory_moved_onto_huge_pages_keeps_its_contents():
         assert report.on_huge_pages >= data.nbytes - 2 * page
         # the kernel maps each range reported moved with a huge page, whole (THP mode always may have put more there)
         assert _anon_huge_kib_inside(lo, hi) * 1024 >= report.on_huge_pages
+        # one advice for the whole run: the mapping is split at most where the run begins and ends, whether or not
+        # this kernel merges advised neighbours
+        assert _mappings_over(lo, hi) <= 3
         assert np.array_equal(data, copy)
     finally:
         del data, base

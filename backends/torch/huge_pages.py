@@ -8,7 +8,7 @@ Two steps, both asking the kernel through ``madvise``:
   allocations as they are, and the second step does the weights' work alone. The variable stays set for the
   process and its children.
 - once the weights are loaded and packed, ``move_onto_huge_pages`` advises every huge-page-sized range that holds
-  weight bytes and moves those at least half full of weights with ``MADV_COLLAPSE``: the weights smaller than 2 MB
+  weight bytes (one call per run of adjacent ranges) and moves those at least half full of weights with ``MADV_COLLAPSE``: the weights smaller than 2 MB
   (llama-small's q/k/v and o are 1 and 0.5 MB), and all of them where the switch came too late. A collapse fills
   the range's untouched pages, so the sparse edges of a weight are only advised. A range may hold other memory of
   the process beside the weights; its contents never change, only the page size that maps them. The kernel may
@@ -111,8 +111,9 @@ def move_onto_huge_pages(regions: list[tuple[int, int]], plan: HugePagePlan) -> 
         from tqdm import tqdm
 
         steps = tqdm(ranges, desc="weights onto huge pages", unit="MiB", unit_scale=page / 2 ** 20)
+    advised = _advise_runs(madvise, ranges, page)
     for r in steps:
-        if madvise(r, page, MADV_HUGEPAGE) != 0:
+        if r not in advised and madvise(r, page, MADV_HUGEPAGE) != 0:
             continue
         if not plan.collapse:
             done.add(r)
@@ -122,6 +123,32 @@ def move_onto_huge_pages(regions: list[tuple[int, int]], plan: HugePagePlan) -> 
     report.on_huge_pages = sum(per[r] for r in done)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _runs(ranges: list[int], page: int) -> list[tuple[int, int]]:
+    """(start, ranges) of each run of adjacent ranges in sorted ``ranges``."""
+    runs: list[tuple[int, int]] = []
+    for r in ranges:
+        if runs and runs[-1][0] + runs[-1][1] * page == r:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs
+
+
+def _advise_runs(madvise, ranges: list[int], page: int) -> set[int]:
+    """The ranges advised onto huge pages by one madvise per run of adjacent ranges. A mapping is split where an
+    advised span begins or ends inside it, and not every kernel merges advised neighbours back (one CI machine
+    left each 2 MiB range its own mapping): one span per run keeps a large model's mapping count near its number
+    of allocations, under vm.max_map_count, and costs one call instead of thousands. A run the kernel refuses
+    (an edge range reaches past the mapping) is tried again without its edges; what is left goes range by range."""
+    advised: set[int] = set()
+    for start, n in _runs(ranges, page):
+        if n > 1 and madvise(start, n * page, MADV_HUGEPAGE) == 0:
+            advised.update(range(start, start + n * page, page))
+        elif n > 3 and madvise(start + page, (n - 2) * page, MADV_HUGEPAGE) == 0:  # an edge reached past the mapping
+            advised.update(range(start + page, start + (n - 1) * page, page))
+    return advised
 
 
 def place_model(model: nn.Module, plan: HugePagePlan) -> HugePageReport:

@@ -36,16 +36,19 @@ class DecodeStep:
         self.k_ptrs, self.v_ptrs = pool.layer_pointers()
         # kept alive with the step: their pointers are passed on every layer
         self._keep = (slots, page_rows, kv_lens)
-        self.fixed = (slots.data_ptr(), None, None, page_rows.data_ptr(), page_rows.shape[1], kv_lens.data_ptr(), R, H,
-                      self.Hkv, D, pool.page_size)
-        self.tail = (self.work.data_ptr(), max_len, 1 if dtype == torch.bfloat16 else 0)
+        self.slots_ptr, self.rows_ptr, self.lens_ptr = slots.data_ptr(), page_rows.data_ptr(), kv_lens.data_ptr()
+        self.rows_stride, self.page_size = int(page_rows.shape[1]), pool.page_size
+        self.work_ptr, self.max_len, self.bf16 = self.work.data_ptr(), max_len, dtype == torch.bfloat16
+        # paged_decode_step's arguments after the layer's K/V pools and before the scale, then after the output
+        self.fixed = (self.rows_ptr, self.rows_stride, self.lens_ptr, R, H, self.Hkv, D, self.page_size)
+        self.tail = (self.work_ptr, max_len, int(self.bf16))
         self.out_shape = (1, R, H, D)
 
     def native_args(self) -> tuple:
         """The fixed arguments as the C++ attention op takes them (cpu_product_op.py's set_attention_step): slots,
         page rows, their row stride, lengths, R, H, Hkv, D, page size, scratch, max length, bf16."""
-        f, t = self.fixed, self.tail
-        return (f[0], f[3], f[4], f[5], *f[6:11], t[0], t[1], bool(t[2]))
+        return (self.slots_ptr, self.rows_ptr, self.rows_stride, self.lens_ptr, self.R, self.H, self.Hkv, self.D,
+                self.page_size, self.work_ptr, self.max_len, self.bf16)
 
     def fits(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """query [1, H, R, D], key/value [1, Hkv, R, D] of this step's dtype, each head's D values contiguous."""
@@ -58,9 +61,9 @@ class DecodeStep:
         """Store this layer's new K/V and attend: -> [1, R, H, D] (paged_attention's output layout)."""
         out = torch.empty(self.out_shape, dtype=self.dtype)
         qs, ks, vs = query.stride(), key.stride(), value.stride()
-        f = self.fixed
-        self.fn(query.data_ptr(), qs[2], qs[1], key.data_ptr(), ks[2], ks[1], value.data_ptr(), vs[2], vs[1], f[0],
-                self.k_ptrs[layer], self.v_ptrs[layer], *f[3:], scale, out.data_ptr(), *self.tail)
+        self.fn(query.data_ptr(), qs[2], qs[1], key.data_ptr(), ks[2], ks[1], value.data_ptr(), vs[2], vs[1],
+                self.slots_ptr, self.k_ptrs[layer], self.v_ptrs[layer], *self.fixed, scale, out.data_ptr(),
+                *self.tail)
         return out
 
 

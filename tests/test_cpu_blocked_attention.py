@@ -10,6 +10,7 @@ import torch
 from test_cpu_paged_decode import run_step, skip_unless_this_cpu_runs
 
 from tierlm.backends.torch import cpu_blocked_attention as cba
+from tierlm.backends.torch import cpu_blocked_scores
 from tierlm.backends.torch import cpu_paged_decode
 from tierlm.backends.torch import paged_attention as pa
 from tierlm.backends.torch.kv_pool import TorchKVPool
@@ -168,6 +169,7 @@ def test_softmax_split_between_threads_gives_the_same_bits(monkeypatch):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, h, n, 64, generator=g).bfloat16() for h, n in ((8, 90), (4, 150), (4, 150)))
     limits = np.stack([np.arange(61, 151), np.clip(np.arange(90) + 20, 1, 150)]).astype(np.int32)
+    monkeypatch.setenv(cpu_blocked_scores.SWITCH_ENV, "0")  # the GEMM and the separate softmax (their split)
     one = cba.blocked_attention(lib, q, k, v, limits, 0.125)
     calls = []
     real = cba.helper_threads

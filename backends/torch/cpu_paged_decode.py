@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.backends.torch import c_kernel_build, cpu_paged_extend, cpu_paged_extend_f32
+from tierlm.backends.torch import c_kernel_build, cpu_blocked_scores, cpu_paged_extend, cpu_paged_extend_f32
 from tierlm.backends.torch.c_kernel_build import KernelBuild, default_cache_dir
 from tierlm.platforms.cpu_features import CpuFeatures, find_c_compiler, this_cpu
 
@@ -581,7 +581,7 @@ void softmax_rows_bf16(uint16_t *restrict s, long r0, long r1, int E, const int3
         for (int t = lim; t < E; t++) row[t] = 0;
     }
 }
-""" + cpu_paged_extend.C_SOURCE + cpu_paged_extend_f32.C_SOURCE
+""" + cpu_paged_extend.C_SOURCE + cpu_paged_extend_f32.C_SOURCE + cpu_blocked_scores.C_SOURCE
 # c_kernel_build's flags: the softmax's expf also vectorizes (glibc's libmvec) only under -ffast-math, and every
 # value here is finite (the running max starts at -FLT_MAX).
 CFLAGS = c_kernel_build.CFLAGS
@@ -623,6 +623,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.softmax_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
     cpu_paged_extend.bind(lib)  # every extend kernel the build has, float32 included
+    cpu_blocked_scores.bind(lib)
 
 
 def load(cpu: CpuFeatures | None = None) -> ctypes.CDLL | None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.backends.torch import (cpu_blocked_attention, cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode,
-                                   cpu_paged_extend, cpu_paged_extend_f32, paged_attention)
+from tierlm.backends.torch import (cpu_blocked_attention, cpu_blocked_scores, cpu_f32_gemv, cpu_int8_gemv,
+                                   cpu_paged_decode, cpu_paged_extend, cpu_paged_extend_f32, paged_attention)
 from tierlm.backends.torch.cpu_linear import PackedLinear, decode_kernel, packing_available
 from tierlm.backends.torch.cpu_quant_linear import DENSE_PREFILL_ROWS, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tierlm.backends.torch.fused_projections import FusedGateUpMLP, FusedQKVAttention
@@ -89,6 +89,9 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
     if cpu_blocked_attention.runs_on(device, dtype) and lib is not None:
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
+        if cpu_blocked_scores.available(lib):
+            prefill += ("; each block's scores and softmax in one AVX512-BF16 C pass (cpu_blocked_scores.py), "
+                        "split between torch's threads by the C++ op where it is loaded, else at one thread only")
     elif device == "cpu" and dtype == torch.bfloat16 and cpu_blocked_attention.choice()[0] == "sdpa":
         prefill = f"torch SDPA (fused causal; gathered pages after a prefix hit; {cpu_blocked_attention.choice()[1]})"
     if device == "cpu" and cpu_paged_extend.available(lib) and \

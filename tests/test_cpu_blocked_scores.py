@@ -53,14 +53,14 @@ def inputs(G, H, Hkv, Q, L, D, seed=0):
 @pytest.mark.parametrize("G,H,Hkv,Q,L,D", [
     (1, 8, 4, 200, 200, 64),   # a fresh causal prefill: 3 full blocks and a partial one, GQA 2:1
     (3, 14, 2, 37, 300, 64),   # three extends over cached prefixes, GQA 7:1, keys not a multiple of 64
-    (2, 4, 4, 130, 181, 32),   # MHA, D = 32, an odd key count
+    (2, 4, 4, 130, 181, 32),   # MHA, D = 32, an odd key count (the last pair of keys half zero)
     (1, 16, 8, 70, 70, 128),   # D = 128 (scale not a power of two)
 ])
 def test_the_kernel_writes_the_gemm_paths_attention(G, H, Hkv, Q, L, D, monkeypatch):
     q, k, v, limits = inputs(G, H, Hkv, Q, L, D, seed=Q)
     ran = []
-    real = cbs.scores_softmax
-    monkeypatch.setattr(cbs, "scores_softmax", lambda *a: ran.append(1) or real(*a))
+    real = cbs.attend
+    monkeypatch.setattr(cbs, "attend", lambda *a: ran.append(1) or real(*a))
     with threads(1):
         fused = cba.blocked_attention(lib, q, k, v, limits, D ** -0.5)
         assert ran, "the blocked path did not take the scores kernel"
@@ -94,7 +94,7 @@ def test_split_between_torchs_threads_it_writes_one_threads_bits(monkeypatch):
 
 def test_the_kernel_runs_only_where_it_can_use_torchs_threads(monkeypatch):
     class Lib:  # a library whose build has the kernel
-        blocked_scores_softmax_bf16 = None
+        blocked_attention_rows_bf16 = None
 
     monkeypatch.setattr(cbs, "_in_torch_threads", None)
     with threads(1):
@@ -109,10 +109,25 @@ def test_the_kernel_runs_only_where_it_can_use_torchs_threads(monkeypatch):
         assert cbs.runs(Lib())
 
 
-def test_keys_are_laid_out_in_bf16_pairs_padded_with_zeros():
-    k = torch.randn(2, 70, 8).bfloat16()
-    kp = cbs.key_pairs(k)
-    assert kp.shape == (2, 4, 128) and kp.dtype == torch.int32
-    pairs = kp[:, :, :70].transpose(1, 2).contiguous().view(torch.bfloat16)  # [2, 70, 8] again
-    assert torch.equal(pairs, k)
+def test_keys_and_values_are_laid_out_in_bf16_pairs_padded_with_zeros():
+    k, v = torch.randn(2, 70, 8).bfloat16(), torch.randn(2, 70, 8).bfloat16()
+    kp, vp = cbs.key_pairs(k), cbs.value_pairs(v)
+    assert kp.shape == (2, 4, 128) and kp.dtype == torch.int32  # [B, D/2, Lp]: dims d, d+1 of a key
+    assert torch.equal(kp[:, :, :70].transpose(1, 2).contiguous().view(torch.bfloat16), k)
     assert not kp[:, :, 70:].any()
+    assert vp.shape == (2, 64, 8) and vp.dtype == torch.int32  # [B, Lp/2, D]: keys t, t+1 of a dim
+    halves = vp.view(torch.bfloat16).view(2, 64, 8, 2)
+    assert torch.equal(halves[:, :35, :, 0], v[:, 0::2]) and torch.equal(halves[:, :35, :, 1], v[:, 1::2])
+    assert not halves[:, 35:].any()
+
+
+@needs_kernel
+def test_a_head_size_not_a_multiple_of_16_takes_the_gemm_path(monkeypatch):
+    q, k, v, limits = inputs(1, 4, 2, 50, 50, 40)
+    ran = []
+    real = cbs.attend
+    monkeypatch.setattr(cbs, "attend", lambda *a: ran.append(1) or real(*a))
+    with threads(1):
+        out = cba.blocked_attention(lib, q, k, v, limits, 40 ** -0.5)
+    assert not ran
+    assert_bf16_equal(out, eager_reference(q, k, v, limits, 40 ** -0.5))

@@ -7,8 +7,8 @@ Here each block of query rows takes scores = q_blk @ K[:E]^T (bf16), the softmax
 masked tail zeroed) and p @ V[:E], where E is the last key any row of the block sees, so blocks above the diagonal
 are never computed.
 
-On AVX512-BF16 builds of the library the first product and the softmax run as one C pass instead
-(cpu_blocked_scores.py: the same bits, no bf16 score matrix written and read back); the P.V product stays a GEMM.
+On AVX512-BF16 builds of the library each block runs as one C pass instead (cpu_blocked_scores.py: scores,
+softmax and P.V in registers, no score matrix written and read back; the same rounding points).
 
 Where the CPU has AMX, torch's fused SDPA kernel multiplies on its tiles and is faster (~3x at 2016 tokens):
 ``choice()`` (platforms/cpu_features.bf16_prefill_attention) sends bf16 prefill there instead, within bf16 rounding
@@ -93,29 +93,34 @@ def blocked_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
     qv = q.reshape(G * Hkv, n, Q, D)  # head h = kv * n + j (GQA without repeating K/V)
-    fused = cpu_blocked_scores.runs(lib) and D % 2 == 0
-    if fused:  # scores and softmax in one C pass (cpu_blocked_scores.py): K as bf16 pairs, once per layer
-        kp = cpu_blocked_scores.key_pairs(k.reshape(G * Hkv, L, D))
-    else:
-        # K^T made contiguous once per layer: a [D, :E] slice of it goes to the GEMM as is, where a transposed view
-        # of K[:E] was copied inside every block's bmm (207 vs 359 us for 128 rows x 1000 keys here)
-        kt = k.reshape(G * Hkv, L, D).transpose(1, 2).contiguous()  # [G*Hkv, D, L]
-    # V made contiguous once per layer too: the P.V GEMM read a strided V[:E] slower in every block (one 2016-token
-    # llama-small layer 36.0 -> 34.7 ms, the copy included; the same bits)
-    vb = v.reshape(G * Hkv, L, D).contiguous()
     out = torch.empty((G * Hkv, n, Q, D), dtype=q.dtype)
     lim = np.ascontiguousarray(limits, dtype=np.int32)
     threads = max(1, torch.get_num_threads())
-    work = torch.empty((threads, cpu_blocked_scores.ROWS * kp.shape[2] if fused else L), dtype=torch.float32)
+    if cpu_blocked_scores.runs(lib) and D % 16 == 0:  # each block in one C pass: K and V as bf16 pairs, per layer
+        kp = cpu_blocked_scores.key_pairs(k.reshape(G * Hkv, L, D))
+        vp = cpu_blocked_scores.value_pairs(v.reshape(G * Hkv, L, D))
+        work = torch.empty((threads, cpu_blocked_scores.work_floats(L)), dtype=torch.float32)
+        for s in range(0, Q, BLOCK_ROWS):
+            b = min(BLOCK_ROWS, Q - s)
+            blk = np.ascontiguousarray(lim[:, s:s + b])
+            E = min(int(blk.max()), L)
+            qb = qv[:, :, s:s + b].reshape(G * Hkv, n * b, D).contiguous()
+            out[:, :, s:s + b] = cpu_blocked_scores.attend(lib, qb, kp, vp, blk, Hkv, E, scale, work).view(
+                G * Hkv, n, b, D)
+        return out.view(G, H, Q, D)
+    # K^T made contiguous once per layer: a [D, :E] slice of it goes to the GEMM as is, where a transposed view of
+    # K[:E] was copied inside every block's bmm (207 vs 359 us for 128 rows x 1000 keys here)
+    kt = k.reshape(G * Hkv, L, D).transpose(1, 2).contiguous()  # [G*Hkv, D, L]
+    # V made contiguous once per layer too: the P.V GEMM read a strided V[:E] slower in every block (one 2016-token
+    # llama-small layer 36.0 -> 34.7 ms, the copy included; the same bits)
+    vb = v.reshape(G * Hkv, L, D).contiguous()
+    work = torch.empty((threads, L), dtype=torch.float32)
     for s in range(0, Q, BLOCK_ROWS):
         b = min(BLOCK_ROWS, Q - s)
         blk = np.ascontiguousarray(lim[:, s:s + b])
         E = min(int(blk.max()), L)  # the C softmax writes E columns per row: never past the scores
         qb = qv[:, :, s:s + b].reshape(G * Hkv, n * b, D)
-        if fused:  # [G*Hkv, n*b, E] bf16 probabilities
-            scores = cpu_blocked_scores.scores_softmax(lib, qb.contiguous(), kp, blk, Hkv, E, scale, work)
-        else:
-            scores = torch.bmm(qb, kt[:, :, :E])  # [G*Hkv, n*b, E], contiguous bf16
-            softmax_rows(lib, scores, blk, H * b, b, scale, work)
+        scores = torch.bmm(qb, kt[:, :, :E])  # [G*Hkv, n*b, E], contiguous bf16
+        softmax_rows(lib, scores, blk, H * b, b, scale, work)
         out[:, :, s:s + b] = torch.bmm(scores, vb[:, :E]).view(G * Hkv, n, b, D)
     return out.view(G, H, Q, D)

@@ -28,7 +28,7 @@ sinks and fp8 pages go to ``tierlm::paged_attention``, the Python op (the same C
 In the server, alternated: llama-small bf16 one stream 4.41 -> 4.18 ms a step (median of 1000), the Qwen2.5-0.5B
 shape at 8 streams 49.3 -> 48.1 ms. ``TIERLM_CPU_ATTENTION_OP=0`` keeps the Python op.
 
-``tierlm_native::blocked_scores`` splits the blocked prefill attention's scores-and-softmax kernel
+``tierlm_native::blocked_attention`` splits the blocked prefill attention's one-pass kernel
 (cpu_blocked_scores.py) between torch's own OpenMP threads (at::parallel_for; the library is built with -fopenmp
 and uses the libgomp torch loaded): Python helper threads lost their cores to the OpenMP workers that spin after
 each block's P.V GEMM. A 2016-token llama-small layer's attention on two threads: 31.1 -> 26.5 ms.
@@ -286,26 +286,28 @@ void set_attention_step(int64_t slots, int64_t table, int64_t table_stride, int6
     step.active = true;
 }
 
-// The blocked prefill attention's scores and softmax (cpu_blocked_scores.py) split between torch's own intra-op
-// threads: Python helper threads lost their core to the OpenMP workers that spin after the block's P.V GEMM.
-using ScoresKernel = void (*)(const void *, const void *, void *, int, int, int, int, int, int, int, const int32_t *,
-                              int, int, float, float *);
-void *scores_kernel = nullptr;
+// The blocked prefill attention's one-pass kernel (cpu_blocked_scores.py) split between torch's own intra-op
+// threads: Python helper threads lost their cores to the OpenMP workers that spin between torch's parallel ops.
+using BlockKernel = void (*)(const void *, const void *, const void *, void *, int, int, int, int, int, int, int,
+                             const int32_t *, int, int, float, float *);
+void *block_kernel = nullptr;
 
-void blocked_scores(const at::Tensor &qb, const at::Tensor &kp, const at::Tensor &p, const at::Tensor &limits,
-                    int64_t Hkv, double scale, const at::Tensor &work, int64_t grain) {
-    TORCH_CHECK(scores_kernel != nullptr, "tierlm_native::blocked_scores: no kernel was handed over");
-    TORCH_CHECK(qb.is_contiguous() && kp.is_contiguous() && p.is_contiguous() && limits.is_contiguous() &&
-                work.is_contiguous() && work.size(0) >= at::get_num_threads(), "tierlm_native::blocked_scores: layout");
+void blocked_attention(const at::Tensor &qb, const at::Tensor &kp, const at::Tensor &vp, const at::Tensor &out,
+                       const at::Tensor &limits, int64_t E, int64_t Hkv, double scale, const at::Tensor &work,
+                       int64_t grain) {
+    TORCH_CHECK(block_kernel != nullptr, "tierlm_native::blocked_attention: no kernel was handed over");
+    TORCH_CHECK(qb.is_contiguous() && kp.is_contiguous() && vp.is_contiguous() && out.is_contiguous() &&
+                limits.is_contiguous() && work.is_contiguous() && work.size(0) >= at::get_num_threads(),
+                "tierlm_native::blocked_attention: layout");
     const int B = (int)qb.size(0), M = (int)qb.size(1), D = (int)qb.size(2), Lp = (int)kp.size(2);
-    const int E = (int)p.size(2), b = (int)limits.size(1);
+    const int b = (int)limits.size(1);
     const int64_t row_block = 4, slices = (M + row_block - 1) / row_block;  // the kernel's BS_QR
-    const auto fn = reinterpret_cast<ScoresKernel>(scores_kernel);
+    const auto fn = reinterpret_cast<BlockKernel>(block_kernel);
     at::parallel_for(0, slices, std::max<int64_t>(1, grain), [&](int64_t s0, int64_t s1) {
         float *w = work.data_ptr<float>() + at::get_thread_num() * work.size(1);
-        fn(qb.data_ptr(), kp.data_ptr(), p.data_ptr(), B, M, (int)std::min<int64_t>(M, s0 * row_block),
-           (int)std::min<int64_t>(M, s1 * row_block), D, Lp, E, limits.data_ptr<int32_t>(), (int)Hkv, b,
-           (float)scale, w);
+        fn(qb.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), B, M,
+           (int)std::min<int64_t>(M, s0 * row_block), (int)std::min<int64_t>(M, s1 * row_block), D, Lp, (int)E,
+           limits.data_ptr<int32_t>(), (int)Hkv, b, (float)scale, w);
     });
 }
 
@@ -332,9 +334,9 @@ TORCH_LIBRARY(tierlm_native, m) {
           "int page_size, int work, int max_len, bool bf16) -> ()", &set_attention_step);
     m.def("clear_attention_step() -> ()", [] { step.active = false; });
     m.def("attention_served() -> int", [] { return attention_served.load(); });
-    m.def("set_scores_kernel(int address) -> ()", [](int64_t a) { scores_kernel = reinterpret_cast<void *>(a); });
-    m.def("blocked_scores(Tensor qb, Tensor kp, Tensor(a!) p, Tensor limits, int Hkv, float scale, Tensor(b!) work, "
-          "int grain) -> ()", &blocked_scores);
+    m.def("set_block_kernel(int address) -> ()", [](int64_t a) { block_kernel = reinterpret_cast<void *>(a); });
+    m.def("blocked_attention(Tensor qb, Tensor kp, Tensor vp, Tensor(a!) out, Tensor limits, int E, int Hkv, "
+          "float scale, Tensor(b!) work, int grain) -> ()", &blocked_attention);
 }
 
 TORCH_LIBRARY_IMPL(tierlm_native, CompositeExplicitAutograd, m) {
@@ -357,7 +359,7 @@ def _build(cxx: str, cache_dir: Path) -> Path:
 
     torch_lib = str(Path(torch.__file__).parent / "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    # -fopenmp: at::parallel_for (blocked_scores) runs on torch's OpenMP threads; the library links libgomp.so.1,
+    # -fopenmp: at::parallel_for (blocked_attention) runs on torch's OpenMP threads; the library links libgomp.so.1,
     # which resolves to the copy torch loaded (its rpath), so there is one OpenMP runtime in the process
     flags = ["-O2", "-fPIC", "-shared", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
              *(f"-I{p}" for p in cpp_extension.include_paths())]
@@ -459,13 +461,13 @@ def _hand_attention_kernel() -> bool:
 
 
 def _hand_scores_kernel() -> None:
-    """Give the C++ op cpu_paged_decode's ``blocked_scores_softmax_bf16`` (an AVX512-BF16 build), and
+    """Give the C++ op cpu_paged_decode's ``blocked_attention_rows_bf16`` (an AVX512-BF16 build), and
     cpu_blocked_scores the op, which splits it between torch's own threads."""
     lib = cpu_paged_decode.load()
-    if lib is None or not hasattr(lib, "blocked_scores_softmax_bf16"):
+    if lib is None or not hasattr(lib, "blocked_attention_rows_bf16"):
         return
-    torch.ops.tierlm_native.set_scores_kernel(ctypes.cast(lib.blocked_scores_softmax_bf16, ctypes.c_void_p).value)
-    cpu_blocked_scores.use_torch_threads(torch.ops.tierlm_native.blocked_scores)
+    torch.ops.tierlm_native.set_block_kernel(ctypes.cast(lib.blocked_attention_rows_bf16, ctypes.c_void_p).value)
+    cpu_blocked_scores.use_torch_threads(torch.ops.tierlm_native.blocked_attention)
 
 
 # whether compiled steps record the C++ attention op (decided by ready(), before any trace)

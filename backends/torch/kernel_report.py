@@ -90,7 +90,7 @@ def kernel_report(model: nn.Module, device: str, dtype: torch.dtype, kv_dtype: t
         prefill = (f"blocked bf16 GEMMs + C row softmax (cpu_blocked_attention.py), built for "
                    f"{cpu_paged_decode.describe()['level']}; SDPA for sliding windows and sinks")
         if cpu_blocked_scores.available(lib):
-            prefill += ("; each block's scores and softmax in one AVX512-BF16 C pass (cpu_blocked_scores.py), "
+            prefill += ("; each block's scores, softmax and P.V in one AVX512-BF16 C pass (cpu_blocked_scores.py), "
                         "split between torch's threads by the C++ op where it is loaded, else at one thread only")
     elif device == "cpu" and dtype == torch.bfloat16 and cpu_blocked_attention.choice()[0] == "sdpa":
         prefill = f"torch SDPA (fused causal; gathered pages after a prefix hit; {cpu_blocked_attention.choice()[1]})"

@@ -43,6 +43,23 @@ C_SOURCE = r"""
 #define BS_KV 4  /* 16-key vectors (scores) or 16-dim vectors (P.V) per register block: 16 float32 sums */
 static inline __mmask16 first_or_none(int n) { return n <= 0 ? (__mmask16)0 : first(n); }
 
+/* acc[i][c] = sum over x < n of a[i][x] . b[x * b_stride + 16 c ..] (bf16 pairs; the first nv vectors of b's rows,
+   the rest read as zero): the register block both products of the kernel run */
+static inline __attribute__((always_inline)) void pair_products(__m512 acc[BS_QR][BS_KV],
+        const uint32_t *const a[BS_QR], const uint32_t *restrict b, long b_stride, int n, int nv) {
+    for (int i = 0; i < BS_QR; i++)
+        for (int c = 0; c < BS_KV; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int x = 0; x < n; x++) {
+        const uint32_t *br = b + (long)x * b_stride;
+        __m512i bv[BS_KV];
+        for (int c = 0; c < BS_KV; c++) bv[c] = c < nv ? _mm512_loadu_si512(br + 16 * c) : _mm512_setzero_si512();
+        for (int i = 0; i < BS_QR; i++) {
+            const __m512i ab = _mm512_set1_epi32((int)a[i][x]);
+            for (int c = 0; c < BS_KV; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)ab, (__m512bh)bv[c]);
+        }
+    }
+}
+
 /* Rows [r0, r1) of each of the B batches: q [B, M, D] bf16, kp [B, D/2, Lp] (bf16 pairs of dims d, d+1 of each
    key, zero past the keys), vp [B, Lp/2, D] (bf16 pairs of keys t, t+1 of each dim, zero past the keys) ->
    out [B, M, D] bf16. Row r of batch g sees keys 0..lim-1, lim = limits[(g / Hkv) * b + r % b] (clamped to 1..E).
@@ -74,18 +91,7 @@ void blocked_attention_rows_bf16(const uint16_t *restrict q, const uint32_t *res
             /* scores: the bf16 score, scaled and rounded again, float32 in work; each row's maximum kept */
             for (int t0 = 0; t0 < lmax; t0 += 16 * BS_KV) {
                 __m512 acc[BS_QR][BS_KV];
-                for (int i = 0; i < BS_QR; i++)
-                    for (int c = 0; c < BS_KV; c++) acc[i][c] = _mm512_setzero_ps();
-                for (int d = 0; d < D2; d++) {
-                    const uint32_t *kr = kg + (long)d * Lp + t0;
-                    __m512i kv[BS_KV];
-                    for (int c = 0; c < BS_KV; c++) kv[c] = _mm512_loadu_si512(kr + 16 * c);
-                    for (int i = 0; i < BS_QR; i++) {
-                        const __m512i qb = _mm512_set1_epi32((int)qrow[i][d]);
-                        for (int c = 0; c < BS_KV; c++)
-                            acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)qb, (__m512bh)kv[c]);
-                    }
-                }
+                pair_products(acc, qrow, kg + t0, Lp, D2, BS_KV);
                 for (int i = 0; i < nr; i++) {
                     float *w = work + (long)i * Lp + t0;
                     for (int c = 0; c < BS_KV; c++) {
@@ -120,21 +126,12 @@ void blocked_attention_rows_bf16(const uint16_t *restrict q, const uint32_t *res
                 for (int t = L; t < 2 * pairs; t++) row[t] = 0;
             }
             /* P.V: 4 rows x 64 dims in registers, each pair of keys' probabilities broadcast as one lane */
+            const uint32_t *prow[BS_QR];
+            for (int i = 0; i < BS_QR; i++) prow[i] = (const uint32_t *)(probs + (long)i * Lp);
             for (int d0 = 0; d0 < D; d0 += 16 * BS_KV) {
                 const int nv = (D - d0) / 16 < BS_KV ? (D - d0) / 16 : BS_KV;
                 __m512 acc[BS_QR][BS_KV];
-                for (int i = 0; i < BS_QR; i++)
-                    for (int c = 0; c < BS_KV; c++) acc[i][c] = _mm512_setzero_ps();
-                for (int e = 0; e < pairs; e++) {
-                    const uint32_t *vr = vg + (long)e * D + d0;
-                    __m512i vv[BS_KV];
-                    for (int c = 0; c < BS_KV; c++) vv[c] = c < nv ? _mm512_loadu_si512(vr + 16 * c) : _mm512_setzero_si512();
-                    for (int i = 0; i < BS_QR; i++) {
-                        const __m512i pb = _mm512_set1_epi32((int)((const uint32_t *)(probs + (long)i * Lp))[e]);
-                        for (int c = 0; c < BS_KV; c++)
-                            acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)pb, (__m512bh)vv[c]);
-                    }
-                }
+                pair_products(acc, prow, vg + d0, D, pairs, nv);
                 for (int i = 0; i < nr; i++) {
                     uint16_t *o = out + ((long)g * M + rb + i) * D + d0;
                     for (int c = 0; c < nv; c++) _mm256_storeu_si256((__m256i *)(o + 16 * c), to_bf16x16(acc[i][c]));

@@ -78,7 +78,7 @@ def test_split_between_torchs_threads_it_writes_one_threads_bits(monkeypatch):
 
     if cpu_product_op._op() is None:
         pytest.skip(f"the C++ op library is not built here: {cpu_product_op._op.build.why}")
-    cpu_product_op._hand_scores_kernel()
+    cpu_product_op._hand_block_kernel()
     q, k, v, limits = inputs(2, 8, 4, 150, 260, 64, seed=5)
     with threads(1):
         one = cba.blocked_attention(lib, q, k, v, limits, 0.125)

@@ -100,27 +100,27 @@ def blocked_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
         kp = cpu_blocked_scores.key_pairs(k.reshape(G * Hkv, L, D))
         vp = cpu_blocked_scores.value_pairs(v.reshape(G * Hkv, L, D))
         work = torch.empty((threads, cpu_blocked_scores.work_floats(L)), dtype=torch.float32)
-        for s in range(0, Q, BLOCK_ROWS):
-            b = min(BLOCK_ROWS, Q - s)
-            blk = np.ascontiguousarray(lim[:, s:s + b])
-            E = min(int(blk.max()), L)
-            qb = qv[:, :, s:s + b].reshape(G * Hkv, n * b, D).contiguous()
-            out[:, :, s:s + b] = cpu_blocked_scores.attend(lib, qb, kp, vp, blk, Hkv, E, scale, work).view(
-                G * Hkv, n, b, D)
-        return out.view(G, H, Q, D)
-    # K^T made contiguous once per layer: a [D, :E] slice of it goes to the GEMM as is, where a transposed view of
-    # K[:E] was copied inside every block's bmm (207 vs 359 us for 128 rows x 1000 keys here)
-    kt = k.reshape(G * Hkv, L, D).transpose(1, 2).contiguous()  # [G*Hkv, D, L]
-    # V made contiguous once per layer too: the P.V GEMM read a strided V[:E] slower in every block (one 2016-token
-    # llama-small layer 36.0 -> 34.7 ms, the copy included; the same bits)
-    vb = v.reshape(G * Hkv, L, D).contiguous()
-    work = torch.empty((threads, L), dtype=torch.float32)
+
+        def block(qb: torch.Tensor, blk: np.ndarray, b: int, E: int) -> torch.Tensor:
+            return cpu_blocked_scores.attend(lib, qb.contiguous(), kp, vp, blk, Hkv, E, scale, work)
+    else:
+        # K^T made contiguous once per layer: a [D, :E] slice of it goes to the GEMM as is, where a transposed view
+        # of K[:E] was copied inside every block's bmm (207 vs 359 us for 128 rows x 1000 keys here)
+        kt = k.reshape(G * Hkv, L, D).transpose(1, 2).contiguous()  # [G*Hkv, D, L]
+        # V made contiguous once per layer too: the P.V GEMM read a strided V[:E] slower in every block (one
+        # 2016-token llama-small layer 36.0 -> 34.7 ms, the copy included; the same bits)
+        vb = v.reshape(G * Hkv, L, D).contiguous()
+        work = torch.empty((threads, L), dtype=torch.float32)
+
+        def block(qb: torch.Tensor, blk: np.ndarray, b: int, E: int) -> torch.Tensor:
+            scores = torch.bmm(qb, kt[:, :, :E])  # [G*Hkv, n*b, E], contiguous bf16
+            softmax_rows(lib, scores, blk, H * b, b, scale, work)
+            return torch.bmm(scores, vb[:, :E])
+
     for s in range(0, Q, BLOCK_ROWS):
         b = min(BLOCK_ROWS, Q - s)
         blk = np.ascontiguousarray(lim[:, s:s + b])
         E = min(int(blk.max()), L)  # the C softmax writes E columns per row: never past the scores
         qb = qv[:, :, s:s + b].reshape(G * Hkv, n * b, D)
-        scores = torch.bmm(qb, kt[:, :, :E])  # [G*Hkv, n*b, E], contiguous bf16
-        softmax_rows(lib, scores, blk, H * b, b, scale, work)
-        out[:, :, s:s + b] = torch.bmm(scores, vb[:, :E]).view(G * Hkv, n, b, D)
+        out[:, :, s:s + b] = block(qb, blk, b, E).view(G * Hkv, n, b, D)
     return out.view(G, H, Q, D)

@@ -34,7 +34,7 @@ import torch
 SWITCH_ENV = "TIERLM_CPU_BLOCKED_SCORES"
 ROWS = 4  # query rows per register block (the C source's BS_QR): a thread's slice of rows is a multiple of it
 KEYS = 64  # keys per register block (BS_KV vectors of 16): K's and V's pair layouts are padded to a multiple of it
-# Below this many scores per thread a block stays on the calling thread (a hand-off costs ~30 us).
+# Below this many scores per thread a block is not split further (cpu_blocked_attention's softmax split uses the same).
 MIN_SCORES_PER_THREAD = 1 << 17
 
 C_SOURCE = r"""

@@ -30,8 +30,8 @@ shape at 8 streams 49.3 -> 48.1 ms. ``TIERLM_CPU_ATTENTION_OP=0`` keeps the Pyth
 
 ``tierlm_native::blocked_attention`` splits the blocked prefill attention's one-pass kernel
 (cpu_blocked_scores.py) between torch's own OpenMP threads (at::parallel_for; the library is built with -fopenmp
-and uses the libgomp torch loaded): Python helper threads lost their cores to the OpenMP workers that spin after
-each block's P.V GEMM. A 2016-token llama-small layer's attention on two threads: 31.1 -> 26.5 ms.
+and uses the libgomp torch loaded): Python helper threads lost their cores to the OpenMP workers that spin between
+torch's parallel ops. A 2016-token llama-small layer's attention on two threads: 27.1 -> 15.9 ms.
 
 Without a C++ compiler or torch's headers, or with ``TIERLM_CPU_PRODUCT_OP=0``, the Python op serves (logged, and
 in /server_info's compile stats).
@@ -439,7 +439,7 @@ def ready(model: torch.nn.Module) -> tuple[bool, str]:
             f32_lib.f32_linear, f32_lib.f32_linear_bf16w, f32_lib.f32_linear_f16w)))
         cpu_f32_gemv.on_decode_step(torch.ops.tierlm_native.set_decode_step)  # the op reads the step's kind
     _ATTENTION["ready"] = _hand_attention_kernel()
-    _hand_scores_kernel()
+    _hand_block_kernel()
     if packed and cpu_linear.decode_kernel() is cpu_avx512_linear:
         threads = torch.get_num_threads()
         for k in sorted({m.in_features for m in model.modules()
@@ -460,7 +460,7 @@ def _hand_attention_kernel() -> bool:
     return True
 
 
-def _hand_scores_kernel() -> None:
+def _hand_block_kernel() -> None:
     """Give the C++ op cpu_paged_decode's ``blocked_attention_rows_bf16`` (an AVX512-BF16 build), and
     cpu_blocked_scores the op, which splits it between torch's own threads."""
     lib = cpu_paged_decode.load()

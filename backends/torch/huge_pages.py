@@ -8,12 +8,13 @@ Two steps, both asking the kernel through ``madvise``:
   allocations as they are, and the second step does the weights' work alone. The variable stays set for the
   process and its children.
 - once the weights are loaded and packed, ``move_onto_huge_pages`` advises every huge-page-sized range that holds
-  weight bytes (one call per run of adjacent ranges) and moves those at least half full of weights with ``MADV_COLLAPSE``: the weights smaller than 2 MB
-  (llama-small's q/k/v and o are 1 and 0.5 MB), and all of them where the switch came too late. A collapse fills
-  the range's untouched pages, so the sparse edges of a weight are only advised. A range may hold other memory of
-  the process beside the weights; its contents never change, only the page size that maps them. The kernel may
-  refuse a range (it crosses two mappings, no huge page could be put together, a memory cgroup's limit, THP off
-  for the process): it stays on 4 KB pages, and the report says how many weight bytes made it.
+  weight bytes (one call per run of adjacent ranges) and moves those at least half full of weights with
+  ``MADV_COLLAPSE``: the weights smaller than 2 MB (llama-small's q/k/v and o are 1 and 0.5 MB), and all of them
+  where the switch came too late. A collapse fills the range's untouched pages, so the sparse edges of a weight
+  are only advised. A range may hold other memory of the process beside the weights; its contents never change,
+  only the page size that maps them. The kernel may refuse a range (it crosses two mappings, no huge page could
+  be put together, a memory cgroup's limit, THP off for the process): it stays on 4 KB pages, and the report says
+  how many weight bytes made it.
 """
 from __future__ import annotations
 

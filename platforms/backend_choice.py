@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tierlm.platforms.cpu_features import bf16_prefill_attention
+from tierlm.platforms.cpu_plan import CpuPlanError, kernels_override, read_overrides
 from tierlm.platforms.facts import Facts
 from tierlm.platforms.install_commands import install_command, mlx_install_command
 
@@ -50,9 +50,10 @@ def choose_backend(
     env = env or {}
     if facts.cpu_isa_error:
         raise BackendChoiceError(facts.cpu_isa_error)
-    try:  # a misspelt kernel switch stops startup here, not inside the first prefill
-        bf16_prefill_attention(facts.cpu, env)
-    except ValueError as e:
+    try:  # a misspelt plan override or kernel switch stops startup here, not inside the first prefill
+        read_overrides(env)
+        kernels_override(env)
+    except CpuPlanError as e:
         raise BackendChoiceError(str(e)) from None
     device_flag = (device_flag or "auto").strip().lower()
     if device_flag not in DEVICES:

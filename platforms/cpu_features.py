@@ -1,8 +1,9 @@
 """What this CPU can run, read once from /proc/cpuinfo, and the one switch that rules instructions out.
 
-Every CPU kernel choice reads ``CpuFeatures``: whether oneDNN's bf16 weight prepacking runs (cpu_linear), which
-instruction level the C decode kernel is compiled for (cpu_paged_decode), whether ``--dtype auto`` serves bf16
-(backends/dtypes), and how many threads torch gets (SMT siblings counted once).
+Every CPU kernel choice reads ``CpuFeatures``: the CPU execution plan (platforms/cpu_plan.py: oneDNN's bf16
+prepacking, the decode-product kernels, the attention paths), which level's kernel library loads
+(backends/torch/cpu/library.py), whether ``--dtype auto`` serves bf16 (backends/dtypes), and how many threads
+torch gets (SMT siblings counted once).
 
 Instruction sets come in ordered *levels* per architecture (x86_64: x86-64 < avx2 < avx512 < avx512_bf16 < amx;
 aarch64: neon < dotprod < bf16 < sve < sve2). ``TIERLM_CPU_ISA=<level>`` caps the machine at that level: every
@@ -18,7 +19,6 @@ import functools
 import logging
 import os
 import platform
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -48,22 +48,6 @@ ARM_LEVELS: tuple[tuple[str, frozenset[str], frozenset[str]], ...] = (
     ("sve2", frozenset({"sve2", "sveaes", "svepmull", "svebitperm", "svesha3", "svesm4"}), frozenset({"sve2"})),
 )
 LEVELS = {"x86_64": X86_LEVELS, "aarch64": ARM_LEVELS}
-
-# gcc/clang target flags per level: the C kernels use exactly the level's instructions (never -march=native, so a
-# build cached in a shared home folder runs on any CPU of that level).
-COMPILE_FLAGS = {
-    "x86-64": ("-march=x86-64",),
-    "avx2": ("-march=x86-64-v3",),
-    "avx512": ("-march=x86-64-v4",),
-    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16"),
-    "amx": ("-march=x86-64-v4", "-mavx512bf16"),  # the decode kernel has no tile code: AMX adds nothing to it
-    "neon": ("-march=armv8-a",),
-    "dotprod": ("-march=armv8.2-a+dotprod+fp16",),
-    "bf16": ("-march=armv8.6-a",),  # 8.6 includes bf16 and i8mm
-    "sve": ("-march=armv8.6-a+sve",),
-    "sve2": ("-march=armv9-a+bf16+i8mm",),
-}
-
 
 # Arm's CPU part numbers (implementer 0x41): aarch64 cpuinfo has no model name line.
 ARM_PARTS = {"0xd0c": "Neoverse-N1", "0xd40": "Neoverse-V1", "0xd49": "Neoverse-N2", "0xd4f": "Neoverse-V2",
@@ -136,144 +120,12 @@ class CpuFeatures:
         return False, ("torch's plain bf16 linear: oneDNN's bf16 prepacking needs AVX-512 BW/VL/DQ or "
                        "AVX-NE-CONVERT, which this CPU lacks")
 
-    @property
-    def compile_flags(self) -> tuple[str, ...]:
-        """gcc/clang target flags for this level's C kernels (() where the architecture is not known)."""
-        return COMPILE_FLAGS.get(self.level, ())
-
     def to_dict(self) -> dict[str, Any]:
         prepack, prepack_why = self.onednn_bf16_prepack
         known = sorted(self.flags & known_flags(self.arch))
         return {"arch": self.arch, "model_name": self.model_name, "level": self.level, "features": known,
                 "native_bf16": self.native_bf16, "onednn_bf16_prepack": prepack, "onednn_bf16_prepack_why": prepack_why,
                 "physical_cores": self.physical_cores or None, "cap": self.cap, "cap_dropped": list(self.dropped)}
-
-
-PREFILL_ATTENTION_ENV = "TIERLM_CPU_PREFILL_ATTENTION"
-PREFILL_ATTENTION_CHOICES = ("auto", "blocked", "sdpa")
-
-
-def bf16_prefill_attention(cpu: CpuFeatures, env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """("blocked" | "sdpa", why): which kernel runs bf16 prefill and extend attention on this CPU. torch's fused SDPA
-    (flash) kernel multiplies on AMX tiles where the CPU has them: a 2016-token causal llama-small layer took 23 ms
-    there against 74 ms through the blocked path (backends/torch/cpu_blocked_attention.py). Without AMX it ran
-    bf16 at ~30 GFLOP/s, and the blocked path (oneDNN bf16 GEMMs + a C softmax) was 2.6x faster (63.6 vs 24.3 ms
-    on AVX512-BF16; AVX2 and Arm are not measured and keep the blocked path).
-    TIERLM_CPU_PREFILL_ATTENTION=blocked|sdpa overrides (a TIERLM_CPU_ISA cap below amx also rules AMX out, for torch
-    as well). Raises ValueError for another value."""
-    choice = ((env if env is not None else os.environ).get(PREFILL_ATTENTION_ENV) or "auto").strip().lower()
-    if choice not in PREFILL_ATTENTION_CHOICES:
-        raise ValueError(f"{PREFILL_ATTENTION_ENV}={choice!r} is not one of {', '.join(PREFILL_ATTENTION_CHOICES)}; "
-                         "unset it to let tierlm choose")
-    if choice != "auto":
-        return choice, f"{PREFILL_ATTENTION_ENV}={choice}"
-    if cpu.arch == "x86_64" and cpu.has("amx_bf16", "amx_tile"):
-        return "sdpa", "it multiplies on AMX tiles here: ~3x the blocked path"
-    return "blocked", "torch's fused SDPA ran bf16 ~2.6x slower without AMX (measured on AVX512-BF16)"
-
-
-def int8_weights(weight_format: str) -> bool:
-    """Whether a weight format's linears are tierlm's int8 weight-only layers, the ones backends/torch/cpu_int8_gemv.py
-    serves: --torchao-config int8wo on tierlm's CPU path (its label carries "+embedding"; plain "torchao:int8wo" is
-    torchao's own path) and compressed-tensors int8 per-channel symmetric checkpoints (w8a8-int8, w8a16-channel;
-    grouped or asymmetric int8 loads dequantized)."""
-    if weight_format.startswith("checkpoint:compressed-tensors-"):
-        scheme = weight_format.removeprefix("checkpoint:compressed-tensors-")
-        return "-asym" not in scheme and (scheme == "w8a8-int8" or scheme.startswith(("w8a16-channel",
-                                                                                         "w8int-channel-")))
-    return weight_format == "torchao:int8wo+embedding"
-
-
-AMX_LINEAR_ENV = "TIERLM_CPU_AMX_LINEAR"
-
-
-def amx_linear_decision(cpu: CpuFeatures, env: Mapping[str, str]) -> tuple[bool, str]:
-    """(whether bf16 products of up to 32 rows may run on tierlm's AMX kernel over oneDNN's packed weight, why not):
-    x86 with AMX-BF16, not ruled out by TIERLM_CPU_AMX_LINEAR=0, and oneDNN itself not capped below AMX (its own
-    products would not be tile products then: backends/torch/cpu_amx_linear.py)."""
-    if env.get(AMX_LINEAR_ENV, "1") == "0":
-        return False, f"off ({AMX_LINEAR_ENV}=0)"
-    if cpu.arch != "x86_64" or not cpu.has("amx_bf16", "amx_tile"):
-        return False, "no AMX-BF16 on this CPU"
-    onednn_cap = env.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if onednn_cap not in ("", "ALL", "DEFAULT") and "AMX" not in onednn_cap:
-        return False, f"ONEDNN_MAX_CPU_ISA={onednn_cap} rules AMX out of oneDNN"
-    return True, "AMX-BF16"
-
-
-AVX512_LINEAR_ENV = "TIERLM_CPU_AVX512_LINEAR"
-
-
-def avx512_linear_decision(cpu: CpuFeatures, env: Mapping[str, str]) -> tuple[bool, str]:
-    """(whether bf16 products of up to 32 rows may run on tierlm's AVX512-BF16 kernel over oneDNN's packed weight,
-    why not): x86 with AVX512-BF16 whose oneDNN products are AVX512-BF16 dot products too (no AMX, or oneDNN capped
-    below it; not capped below AVX512_CORE_BF16), not ruled out by TIERLM_CPU_AVX512_LINEAR=0
-    (backends/torch/cpu_avx512_linear.py)."""
-    if env.get(AVX512_LINEAR_ENV, "1") == "0":
-        return False, f"off ({AVX512_LINEAR_ENV}=0)"
-    if cpu.arch != "x86_64" or not cpu.has("avx512_bf16", "avx512bw", "avx512vl"):
-        return False, "no AVX512-BF16 on this CPU"
-    onednn_cap = env.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    uncapped = onednn_cap in ("", "ALL", "DEFAULT")
-    if not uncapped and not any(t in onednn_cap for t in ("BF16", "FP16", "AMX", "AVX10")):
-        return False, f"ONEDNN_MAX_CPU_ISA={onednn_cap} rules AVX512-BF16 out of oneDNN"
-    if cpu.has("amx_bf16", "amx_tile") and (uncapped or "AMX" in onednn_cap):
-        return False, "oneDNN multiplies on AMX tiles here (cpu_amx_linear.py reads its layout)"
-    return True, "AVX512-BF16"
-
-
-def cpu_kernel_plan(cpu: CpuFeatures, dtype: str, kv_dtype: str, compiler: str | None,
-                    weight_format: str = "none", env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Which kernel each layer type of the torch backend will run on this CPU, before any model loads (for
-    `tierlm doctor`; a running server reports what it set up, backends/torch/kernel_report.py). The rules are the
-    backend's: prepacked bf16 linears where oneDNN's reorder runs (decode-sized products on tierlm's AMX kernel
-    where ``amx_linear_decision`` allows), int8 weights through the C streaming kernel on
-    x86 with AVX2 or AVX-512 (TIERLM_CPU_INT8_GEMV=0 rules it out), the C decode kernel for bf16 or float32 pages
-    of the model's own dtype where a C compiler exists (TIERLM_CPU_PAGED_DECODE=0 rules it out), bf16 prefill
-    attention as ``bf16_prefill_attention`` chooses (TIERLM_CPU_PREFILL_ATTENTION), float32 extends over cached pages
-    on the C extend kernel on x86 with AVX2 or AVX-512 (the same library and switch as the decode kernel)."""
-    if int8_weights(weight_format):
-        prefill = "; bf16 prefill through oneDNN on the weight widened to bf16" if dtype == "bfloat16" else ""
-        if (env or {}).get("TIERLM_CPU_INT8_GEMV", "1") == "0":
-            why = "TIERLM_CPU_INT8_GEMV=0"
-        elif dtype not in ("bfloat16", "float32"):
-            why = f"the C kernel takes bfloat16 or float32 activations, not {dtype}"
-        elif cpu.arch != "x86_64" or not cpu.has("avx2", "fma") or compiler is None:
-            why = "the C kernel needs x86 AVX2 and a C compiler"
-        else:
-            why = ""
-        linear = (f"int8 weight-only: torch _weight_int8pack_mm ({why}){prefill}" if why else
-                  f"int8 weight-only: C streaming kernel for decode rows, built with {compiler} for {cpu.level}"
-                  f"{prefill}")
-    elif dtype == "bfloat16":
-        prepack, why = cpu.onednn_bf16_prepack
-        linear = why if prepack else why.replace("torch's plain bf16 linear", "torch F.linear bfloat16")
-        if prepack and compiler is not None and amx_linear_decision(cpu, env or {})[0]:
-            linear += f"; up to 32 rows on tierlm's AMX kernel over the packed weight, built with {compiler}"
-        elif prepack and compiler is not None and avx512_linear_decision(cpu, env or {})[0]:
-            linear += f"; up to 32 rows on tierlm's AVX512-BF16 kernel over the packed weight, built with {compiler}"
-    else:
-        linear = f"torch F.linear {dtype} (oneDNN/MKL GEMM)"
-    kernels_off = (env or {}).get("TIERLM_CPU_PAGED_DECODE", "1") == "0"  # the C library of both attentions
-    if dtype not in ("bfloat16", "float32") or kv_dtype != dtype:
-        decode = f"torch over gathered pages (the C kernel reads {dtype} queries over {dtype} pages only)"
-    elif kernels_off:
-        decode = "torch over gathered pages (TIERLM_CPU_PAGED_DECODE=0)"
-    elif compiler is None:
-        decode = "torch over gathered pages (no C compiler: cc/gcc/clang)"
-    else:
-        decode = f"C paged kernel, built with {compiler} for {cpu.level} ({' '.join(cpu.compile_flags) or 'plain'})"
-    prefill = "torch SDPA"
-    if dtype == "bfloat16":  # whatever the pages: fp8 ones are dequantized to bf16 before attention
-        choice, why = bf16_prefill_attention(cpu, env or {})
-        prefill = f"torch SDPA ({why})" if choice == "sdpa" else \
-            "torch SDPA (TIERLM_CPU_PAGED_DECODE=0)" if kernels_off else \
-            "torch SDPA (no C compiler: cc/gcc/clang)" if compiler is None else \
-            f"blocked bf16 GEMMs + C row softmax ({why}), built with {compiler} for {cpu.level}"
-    elif dtype == "float32" and kv_dtype == dtype and not kernels_off and compiler is not None and \
-            cpu.arch == "x86_64" and cpu.has("avx2", "fma"):
-        prefill = f"torch SDPA; short extends: C float32 paged extend kernel, built with {compiler} for {cpu.level}"
-    return {"linear": linear, "prefill_attention": prefill, "decode_attention": decode}
 
 
 def known_flags(arch: str) -> frozenset[str]:
@@ -329,11 +181,6 @@ def apply_cap(features: CpuFeatures, cap: str | None) -> CpuFeatures:
                        physical_cores=features.physical_cores, cap=cap, dropped=dropped)
 
 
-def find_c_compiler(env: Mapping[str, str]) -> str | None:
-    """The C compiler the CPU kernels are built with: $CC, else cc, gcc, clang (None: none installed)."""
-    return next((c for c in (env.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
-
-
 def torch_env_for_cap(env: Mapping[str, str]) -> dict[str, str]:
     """The ATen/oneDNN variables that carry TIERLM_CPU_ISA into torch, for those the user has not set. Must be
     applied before torch is imported (the entry points do it first thing)."""
@@ -387,7 +234,5 @@ def this_cpu() -> CpuFeatures:
     return cpu
 
 
-__all__ = ["AMX_LINEAR_ENV", "AVX512_LINEAR_ENV", "CpuFeatures", "CpuIsaError", "ISA_ENV", "amx_linear_decision",
-           "apply_cap", "avx512_linear_decision", "bf16_prefill_attention", "cpu_kernel_plan", "int8_weights", "detect_cpu", "detect_cpu_or_error",
-           "find_c_compiler", "known_flags", "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu",
-           "torch_env_for_cap"]
+__all__ = ["CpuFeatures", "CpuIsaError", "ISA_ENV", "apply_cap", "detect_cpu", "detect_cpu_or_error", "known_flags",
+           "level_names", "normalize_arch", "parse_cpuinfo", "this_cpu", "torch_env_for_cap"]

@@ -8,7 +8,7 @@ the same kernel read 33-37 GB/s (AMD EPYC VM, lm_head 32000 x 512). The backend 
 4 KB pages onto huge pages with ``MADV_COLLAPSE`` (Linux 6.1+) once they are loaded and packed.
 
 The kernel's THP mode decides what is allowed: ``always`` and ``madvise`` let tierlm ask; ``never`` refuses, and
-the plan says what to change. ``TIERLM_HUGE_PAGES=0`` keeps 4 KB pages.
+the plan says what to change. ``TIERLM_CPU_PLAN=huge_pages=no`` keeps 4 KB pages (platforms/cpu_plan.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import re
 from pathlib import Path
 from typing import Mapping
 
+from tierlm.platforms.cpu_plan import override
+
 THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
-SWITCH_ENV = "TIERLM_HUGE_PAGES"
 DEFAULT_PAGE_BYTES = 2 << 20
 # Larger huge pages (512 MiB on aarch64 kernels with 64 KB base pages) are not asked for: a collapse fills every
 # untouched page of its range, which would be up to that much memory the plan never counted.
@@ -51,8 +52,9 @@ def plan(env: Mapping[str, str], system: str, release: str, enabled_text: str | 
     """The decision from the machine's texts (``system``/``release``: platform.system()/release(); the two THP
     files' contents, None where absent)."""
     page = int(pmd_size_text) if (pmd_size_text or "").strip().isdigit() else DEFAULT_PAGE_BYTES
-    if env.get(SWITCH_ENV, "1") == "0":
-        return HugePagePlan(False, page, False, f"{SWITCH_ENV}=0: weights stay on 4 KB pages")
+    asked = override(env, "huge_pages")
+    if asked is not None and asked[0] == "no":
+        return HugePagePlan(False, page, False, f"{asked[1]}: weights stay on 4 KB pages")
     if system != "Linux":
         return HugePagePlan(False, page, False, f"{system}: no transparent huge pages to ask for")
     mode = thp_mode(enabled_text)

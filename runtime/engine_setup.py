@@ -30,7 +30,7 @@ from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
 from tierlm.backends.weight_format import WeightFormatError, WeightQuant, check_backend_kind, parse_weight_quant
-from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, cpu_plan, detect,
                               size_kv_tiers, this_cpu)
 from tierlm.platforms.memory_limits import bounded_by_cgroup, cgroup_memory
 from tierlm.runtime.cache.hicache_manager import LAYOUTS, WRITE_POLICIES, HiCacheManager
@@ -187,7 +187,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
-    torch_compile = setup_torch_compile(args, backend, decision.device, os.environ)
+    torch_compile = setup_torch_compile(args, backend, decision.device, os.environ,
+                                        cpu_plan.override(os.environ, "compile"))
     metrics = EngineMetrics(args.model_name)
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
@@ -215,6 +216,14 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
         if scheduler.spec is not None:
             scheduler.spec.measure_cost(backend, cache.page_size, cache.num_pages)
     return parts
+
+
+def installed_cpu_kernels(cpu, env: Mapping[str, str]):
+    """What the torch backend's kernel library would be on ``cpu`` under ``env``, from the install's manifest alone
+    (nothing loaded, no torch imported): the facts ``tierlm doctor`` plans with (platforms/cpu_plan.py)."""
+    from tierlm.backends.torch.cpu import library
+
+    return library.installed_facts(cpu, env)
 
 
 def ram_bound(facts: Facts) -> Facts:

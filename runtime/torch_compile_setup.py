@@ -10,8 +10,9 @@ startup from inductor's disk cache and one to two minutes the first time on a ne
 first start. Quantized weights and other families stay eager unless the flag asks, and so does a machine without
 the C++ compiler inductor builds with (it would trace for seconds before failing).
 
-``TIERLM_CPU_COMPILE=0`` never compiles by default; ``=1`` compiles whatever the weights' size (still only where
-the default may). A default compile that fails (no C++ compiler, ...) leaves the server serving eagerly with a
+The CPU plan's override ``compile=no`` (``TIERLM_CPU_PLAN``, platforms/cpu_plan.py; ``TIERLM_CPU_COMPILE=0`` is read as
+it) never compiles by default; ``compile=yes`` (``TIERLM_CPU_COMPILE=1``) compiles whatever the weights' size (still
+only where the default may). A default compile that fails (no C++ compiler, ...) leaves the server serving eagerly with a
 warning; the flag's failure stops startup with the reason.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tierlm.runtime.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
-ENV = "TIERLM_CPU_COMPILE"
+SKIP = "TIERLM_CPU_PLAN=compile=no"
 MIN_WEIGHT_BYTES = 64 * 2**20
 # transformers' classes whose compiled decode tests/test_compiled_decode.py checks against the eager step, bit for bit
 # (qwen2's q/k/v biases, qwen3's q/k norms and head size, mistral's sliding window included).
@@ -34,15 +35,15 @@ DEFAULT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausal
 
 
 def default_compile(backend_name: str, device: str, architecture: str, weight_format: str, weight_bytes: int,
-                    static_decode: bool, env: Mapping[str, str], cxx: str | None) -> tuple[bool, str]:
-    """(compile, why) when the flag is not given; ``cxx``: the C++ compiler inductor would use (``cxx_compiler``),
-    None without one. Pure: the same inputs give the same answer."""
-    forced = env.get(ENV, "")
-    if forced not in ("", "0", "1"):
-        raise StartupError(f"{ENV}={forced}: use 0 (no compiled decode unless --enable-torch-compile) or 1 "
-                           "(compile whatever the model's size)")
-    if forced == "0":
-        return False, f"{ENV}=0"
+                    static_decode: bool, asked: tuple[str, str] | None, cxx: str | None,
+                    cxx_name: str = "g++") -> tuple[bool, str]:
+    """(compile, why) when the flag is not given; ``asked``: the CPU plan's ``compile`` override as (value, the
+    setting that asked), or None (platforms/cpu_plan.override reads it; the composition root hands it in);
+    ``cxx``: the C++ compiler inductor would use (``cxx_compiler``), None without one; ``cxx_name``: the one it looked
+    for ($CXX, else g++). Pure: the same inputs give the same answer."""
+    forced, source = asked if asked is not None else ("", "")
+    if forced == "no":
+        return False, source
     if backend_name != "torch" or device != "cpu":
         return False, f"compiled decode is the torch backend's CPU path, not {backend_name} on {device}"
     if static_decode:
@@ -53,16 +54,16 @@ def default_compile(backend_name: str, device: str, architecture: str, weight_fo
     if weight_format != "none":
         return False, f"{weight_format} weights are not compiled by default; --enable-torch-compile tries it"
     if cxx is None:
-        return False, (f"no C++ compiler for torch.compile ({env.get('CXX') or 'g++'} not found; install g++ or set "
-                       "CXX for the compiled decode step)")
+        return False, (f"no C++ compiler for torch.compile ({cxx_name} not found; install g++ or set CXX for the "
+                       "compiled decode step)")
     mib = weight_bytes / 2**20
-    if forced == "1":
-        return True, f"{ENV}=1"
+    if forced == "yes":
+        return True, source
     if weight_bytes < MIN_WEIGHT_BYTES:
         return False, (f"{mib:.1f} MiB of weights (< {MIN_WEIGHT_BYTES >> 20} MiB): an eager step takes a few ms, "
-                       f"not worth ~40 s of compiling at a first start; {ENV}=1 compiles anyway")
+                       f"not worth ~40 s of compiling at a first start; TIERLM_CPU_PLAN=compile=yes compiles anyway")
     return True, (f"CPU default for {architecture} with {mib:.0f} MiB of weights: ~1.05-1.15x decode for ~15 s of "
-                  f"startup from the compile cache, 1-2 min the first time; {ENV}=0 skips it")
+                  f"startup from the compile cache, 1-2 min the first time; {SKIP} skips it")
 
 
 def cxx_compiler(env: Mapping[str, str]) -> str | None:
@@ -70,8 +71,8 @@ def cxx_compiler(env: Mapping[str, str]) -> str | None:
     return shutil.which(env.get("CXX") or "g++", path=env.get("PATH"))
 
 
-def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str,
-                        env: Mapping[str, str]) -> dict[str, Any]:
+def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str, env: Mapping[str, str],
+                        asked: tuple[str, str] | None) -> dict[str, Any]:
     """Compile the decode step now, before ready (minutes on a first start, seconds from inductor's disk cache
     after), or say why not. /server_info adds the backend's live numbers (torch_compile_stats) to what this
     returns."""
@@ -86,7 +87,7 @@ def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str,
         return {"enabled": True, "chosen_by": "--enable-torch-compile", "why": "--enable-torch-compile"}
     info = backend.info
     on, why = default_compile(backend.name, device, info.architecture, info.weight_format, backend.weight_bytes(),
-                              args.cuda_graph_max_bs is not None, env, cxx_compiler(env))
+                              args.cuda_graph_max_bs is not None, asked, cxx_compiler(env), env.get("CXX") or "g++")
     if not on:
         log.info("torch.compile: decode steps run eagerly (%s)", why)
         return {"enabled": False, "chosen_by": "default", "why": why}
@@ -95,7 +96,7 @@ def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str,
         backend.init_torch_compile(args.torch_compile_max_bs)
     except Exception as e:  # the eager path serves as well; only slower
         log.warning("torch.compile: compiling the decode step failed (%s); decode steps run eagerly. Install a C++ "
-                    "compiler (g++) for the compiled step, or set %s=0 to skip the attempt", _first_line(e), ENV)
+                    "compiler (g++) for the compiled step, or set %s to skip the attempt", _first_line(e), SKIP)
         return {"enabled": False, "chosen_by": "default", "why": f"compiling failed: {_first_line(e)}"}
     return {"enabled": True, "chosen_by": "default", "why": why}
 

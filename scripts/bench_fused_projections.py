@@ -1,5 +1,5 @@
 """CPU decode step with transformers' decoder modules vs fused q/k/v and gate/up (backends/torch/fused_projections.py),
-and optionally the tied lm_head packed too (TIERLM_CPU_PACK_TIED_LM_HEAD), side by side in one process: one backend
+and optionally the tied lm_head packed too (the CPU plan's pack_tied_lm_head), side by side in one process: one backend
 per variant over the same synthetic model, decode steps of 1 and 8 requests at 64 tokens of context, rounds
 alternating between the variants, per-step thread CPU time (other processes on a shared machine inflate it less
 than wall time), median and min per variant, the ratios, linear calls per step and whether the logits are equal.
@@ -19,8 +19,8 @@ import torch
 
 from tierlm.backends.base import ForwardBatch, SamplingBatch
 from tierlm.backends.model_source.synthetic import ensure_synthetic_model, synthetic_names
-from tierlm.backends.torch import cpu_linear, fused_projections
 from tierlm.backends.torch.backend import TorchBackend
+from tierlm.platforms.cpu_plan import PLAN_ENV
 
 VARIANTS = ("unfused", "fused", "fused+tied")
 
@@ -36,9 +36,10 @@ def decode_batch(vocab: int, n: int, context: int, page_size: int = 16) -> Forwa
 
 
 def load(model_dir, variant: str, dtype: str, max_streams: int, context: int) -> TorchBackend:
-    """A backend built under the variant's switches (read at load time), its pool filled with the same K/V."""
-    os.environ[fused_projections.ENV] = "0" if variant == "unfused" else "1"
-    os.environ[cpu_linear.PACK_TIED_ENV] = "1" if variant == "fused+tied" else "0"
+    """A backend built under the variant's CPU plan overrides (read at load time), its pool filled with the same
+    K/V."""
+    os.environ[PLAN_ENV] = (f"fused_projections={'no' if variant == 'unfused' else 'yes'},"
+                            f"pack_tied_lm_head={'yes' if variant == 'fused+tied' else 'no'}")
     backend = TorchBackend(model_dir, dtype=dtype)
     backend.init_kv_pool(max_streams * -(-context // 16) + 8, 16)
     torch.manual_seed(0)

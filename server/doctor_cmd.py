@@ -27,9 +27,10 @@ from tierlm.backends.weight_format import (FP8_MATMUL_CAPABILITY, WeightFormatEr
                                            safetensors_shapes, weight_format_label)
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
-from tierlm.platforms.cpu_features import cpu_kernel_plan, find_c_compiler, this_cpu
+from tierlm.platforms import cpu_plan
+from tierlm.platforms.cpu_features import this_cpu
 from tierlm.platforms.huge_pages import this_machine as huge_page_plan
-from tierlm.runtime.engine_setup import check_context_length, ram_bound
+from tierlm.runtime.engine_setup import check_context_length, installed_cpu_kernels, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.runtime.torch_compile_setup import cxx_compiler, default_compile
@@ -86,6 +87,10 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
     size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype, cpu_bf16=native_bf16).to_dict()
     size["path"] = label
     size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
+    text = folder.text_config
+    heads = text.get("num_attention_heads") or 0
+    size["attention_heads"] = [heads, text.get("num_key_value_heads") or heads,
+                               text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else 0)]
     size["max_position_embeddings"] = int(folder.text_config.get("max_position_embeddings")
                                           or DEFAULT_CONTEXT_LENGTH)
     # The weight format serve reports (/server_info weight_format); a load-time quantization sizes the weights
@@ -117,9 +122,11 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
 
 def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, device: str, env: dict[str, str]) -> int:
     """bf16 on a CPU whose oneDNN prepacks: serve packs a tied lm_head as a copy next to the embedding
-    (backends/torch/cpu_linear.py; TIERLM_CPU_PACK_TIED_LM_HEAD=0 or TIERLM_CPU_PACKED_LINEAR=0 turn it off)."""
-    if device != "cpu" or dtype != "bfloat16" or "0" in (env.get("TIERLM_CPU_PACK_TIED_LM_HEAD"),
-                                                          env.get("TIERLM_CPU_PACKED_LINEAR")):
+    (backends/torch/cpu/linear.py), unless the CPU plan's overrides say bf16_linear=torch or pack_tied_lm_head=no."""
+    if device != "cpu" or dtype != "bfloat16":
+        return 0
+    asked = cpu_plan.read_overrides(env)
+    if asked.get("bf16_linear", ("",))[0] == "torch" or asked.get("pack_tied_lm_head", ("",))[0] == "no":
         return 0
     if not this_cpu().onednn_bf16_prepack[0] or checkpoint_method(folder.config) not in (None, "compressed-tensors"):
         return 0  # MXFP4 / mlx checkpoints: no plain bf16 lm_head to pack (compressed-tensors leaves it float)
@@ -156,7 +163,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     report: dict[str, Any] = {
         "facts": facts.to_dict(),
         "cpu": facts.cpu.to_dict(),
-        "cpu_kernels": None,  # torch on CPU: which kernel each layer type will run (platforms.cpu_kernel_plan)
+        "cpu_kernels": None,  # torch on CPU: the execution plan serve will build (platforms/cpu_plan.py)
         "platform": facts.platform_kind,
         "install_command": install_command(facts),
         "decision": None,
@@ -191,10 +198,10 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
             _check_model(report, args, folder, label, decision, env, facts.compute_capability)
     sizes = report["model"]
     if decision.backend == "torch" and decision.device == "cpu" and sizes:
-        report["cpu_kernels"] = cpu_kernel_plan(facts.cpu, sizes["dtype"], sizes["kv_cache_dtype"],
-                                                find_c_compiler(env), sizes.get("weight_format") or "none", env)
-        report["cpu_kernels"]["decode_step"] = _decode_step_plan(report, args, env)
-        report["cpu_kernels"]["weight_pages"] = huge_page_plan(env).why
+        report["cpu_kernels"] = _cpu_plan(report, facts, sizes, env)
+        if report["cpu_kernels"] is not None:
+            report["cpu_kernels"]["decode_step"] = _decode_step_plan(report, args, env)
+            report["cpu_kernels"]["weight_pages"] = huge_page_plan(env).why
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
     # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
@@ -211,6 +218,23 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     return report
 
 
+def _cpu_plan(report: dict[str, Any], facts: Facts, sizes: dict[str, Any], env: dict[str, str]) -> dict | None:
+    """The CPU execution plan serve will build for this model (platforms/cpu_plan.py), with the kernel library the
+    install built (its manifest: nothing is loaded here): each field as "value (why)", and the library."""
+    heads, kv_heads, head_dim = sizes.get("attention_heads") or (0, 0, 0)
+    model = cpu_plan.ModelFacts(sizes["dtype"], sizes["kv_cache_dtype"], heads, kv_heads, head_dim,
+                                sizes.get("weight_format") or "none")
+    lib = installed_cpu_kernels(facts.cpu, env)
+    try:
+        plan = cpu_plan.decide(facts.cpu, model, lib, env)
+    except cpu_plan.CpuPlanError as e:
+        report["errors"].append(str(e))
+        return None
+    return {"kernel_library": f"{lib.level or 'none'} ({lib.why})",
+            **{name: f"{c['value']} ({c['why']})" for name, c in plan.to_dict().items() if name not in ("cpu",
+                                                                                                     "kernels")}}
+
+
 def _decode_step_plan(report: dict[str, Any], args: ServerArgs, env: dict[str, str]) -> str:
     """Whether serve will compile the decode step on this CPU, by serve's own rule (runtime/torch_compile_setup)."""
     if args.enable_torch_compile:
@@ -219,7 +243,8 @@ def _decode_step_plan(report: dict[str, Any], args: ServerArgs, env: dict[str, s
     try:
         on, why = default_compile("torch", "cpu", (report.get("architecture") or {}).get("architecture") or "",
                                   sizes.get("weight_format") or "none", sizes["weight_bytes"],
-                                  args.cuda_graph_max_bs is not None, env, cxx_compiler(env))
+                                  args.cuda_graph_max_bs is not None, cpu_plan.override(env, "compile"),
+                                  cxx_compiler(env), env.get("CXX") or "g++")
     except StartupError as e:
         report["errors"].append(str(e))
         return "cannot start as configured (see Errors)"
@@ -305,8 +330,12 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"Architecture       {a['architecture']} ({a['model_type'] or 'no model_type'}): "
                          + ("verified on " + d["backend"] if a["verified"]
                             else f"NOT verified on {d['backend']} (docs/models.md)"))
-        labels = {"linear": "linear", "prefill_attention": "prefill attn", "decode_attention": "decode attn",
-                  "decode_step": "decode step", "weight_pages": "weight pages"}
+        labels = {"kernel_library": "kernel library", "bf16_linear": "bf16 linears", "decode_products": "decode products",
+                  "pack_tied_lm_head": "tied lm_head", "f32_products": "f32 products", "f32_16bit_weights": "16-bit weights",
+                  "int8_products": "int8 products", "prefill_attention": "prefill attn", "decode_attention": "decode attn",
+                  "extend_attention": "extend attn", "extend_kernel": "extend kernel", "compiled_ops": "compiled ops",
+                  "compiled_attention": "compiled attn", "fused_projections": "fused q/k/v", "decode_step": "decode step",
+                  "weight_pages": "weight pages"}
         for layer, kernel in (report.get("cpu_kernels") or {}).items():
             lines.append(f"  {labels.get(layer, layer):<17}{kernel}")
     else:

@@ -1,4 +1,4 @@
-"""--enable-torch-compile (backends/torch/compiled_decode.py): decode steps and short steps through the model
+"""--enable-torch-compile (backends/torch/compile/compiled_decode.py): decode steps and short steps through the model
 compiled by torch.compile, with the paged attention and prepacked linears as opaque ops.
 
 What must hold: the compiled step gives the eager step's logits bit for bit (float32 and bf16: inductor rounds
@@ -10,6 +10,7 @@ load).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -54,7 +55,7 @@ def test_compiled_decode_gives_the_reference_output_and_only_decode_and_short_st
         assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
     # exactly the steps of at most 4 requests that are decode-only or short ran compiled: prefills and mixed steps
     # of at most SHORT_STEP_TOKENS tokens too, 5-request steps not
-    from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS
+    from tierlm.backends.torch.compile.compiled_decode import SHORT_STEP_TOKENS
 
     compiled_shapes = [s for s in shapes if len(s) <= 4 and (all(q == 1 for q in s) or sum(s) <= SHORT_STEP_TOKENS)]
     assert any(len(s) == 5 and all(q == 1 for q in s) for s in shapes)  # a decode step over the max: eager
@@ -84,8 +85,8 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     from tierlm.backends.base import ForwardBatch, SamplingBatch
     from tierlm.backends.torch.backend import TorchBackend
 
-    from tierlm.backends.torch import cpu_product_op
-    from tierlm.backends.torch.compiled_decode import SHORT_STEP_TOKENS, cpp_wrapper_choice
+    from tierlm.backends.torch.compile.compiled_decode import SHORT_STEP_TOKENS, cpp_wrapper_choice
+    from tierlm.backends.torch.cpu import native_ops
 
     backend = TorchBackend(compiled_family, dtype="bfloat16")
     backend.init_kv_pool(6 + SHORT_STEP_TOKENS // PAGE_SIZE, PAGE_SIZE)
@@ -111,21 +112,25 @@ def test_compiled_logits_equal_eager_logits_bit_for_bit(compiled_family):
     steps = (step, mixed, longest)
     eager = [backend.forward_logits(b).clone() for b in steps]
     backend.init_torch_compile(max_bs=4)
-    served, attention_served = cpu_product_op.served(), cpu_product_op.attention_served()
+    before = native_ops.served()
     compiled = [backend.forward_logits(b) for b in steps]  # rewrite the same K/V into the same slots
     stats = backend.torch_compile_stats()
-    # the products ran in the C++ op where it builds (this machine: a C++ compiler and torch's headers)
+    served = {k: v - before[k] for k, v in native_ops.served().items()}
+    # the products ran in the C++ op where the plan has it (this machine's kernel library has the torch ops)
+    plan = backend.cpu_kernels.plan
     fast = any(getattr(m, "fast_rows", 0) for m in backend.model.modules())
-    if fast and cpu_product_op.find_cxx_compiler(os.environ) and os.environ.get(cpu_product_op.ENV) != "0":
-        assert stats["products"] == "C++ op" and cpu_product_op.served() > served, stats["products_why"]
+    if plan.compiled_ops.value == "native":
+        assert stats["products"] == "C++ op", stats["products_why"]
+        assert (served["packed_linear"] > 0) == fast, served
     else:
-        assert stats["products"] == "Python op", stats["products_why"]
-    # the decode-only step's layers ran in the C++ attention op where it loaded (the mixed and the long step, and
-    # every step of a sliding-window model: the Python op), with the Python path's bits (compared below)
-    if cpu_product_op.attention_loaded():
-        windowed = getattr(backend.model.config, "sliding_window", None) is not None
-        expected = 0 if windowed else backend.model.config.num_hidden_layers
-        assert cpu_product_op.attention_served() - attention_served == expected
+        assert stats["products"] == "Python op" and not any(served.values()), stats["products_why"]
+    # the decode-only step's layers ran in the C++ attention op where the plan has it (not the mixed and the long
+    # step, nor any step of a sliding-window model: the Python op), with the Python path's bits (compared below)
+    windowed = getattr(backend.model.config, "sliding_window", None) is not None
+    native_attention = plan.compiled_ops.value == plan.compiled_attention.value == "native" and \
+        plan.decode_attention.value == "paged"
+    expected = 0 if windowed or not native_attention else backend.model.config.num_hidden_layers
+    assert served["paged_attention"] == expected, (served, plan.compiled_attention)
     assert stats["compiled_steps"] == 3 and stats["graphs"] >= 1
     # the C++ wrapper where Python's headers are (this machine's interpreter has them: the step ran through it)
     assert stats["wrapper"] == ("C++" if cpp_wrapper_choice(os.environ)[0] else "Python"), stats["wrapper_why"]
@@ -147,11 +152,10 @@ def test_two_models_of_one_class_run_their_own_graphs_with_the_guards_skipped(ti
 
     from model_factory import build_tiny_model
     from tierlm.backends.base import ForwardBatch, SamplingBatch
-    from tierlm.backends.torch import compiled_direct_call
     from tierlm.backends.torch.backend import TorchBackend
 
     if call == "dynamo":
-        monkeypatch.setenv(compiled_direct_call.ENV, "0")
+        monkeypatch.setenv("TIERLM_CPU_PLAN", "compile_call=dynamo")
 
     other = build_tiny_model("llama", tiny_models_root / "llama-3-layers-wide", num_hidden_layers=3,
                              intermediate_size=96)
@@ -189,9 +193,9 @@ def test_a_direct_call_that_differs_from_dynamos_is_dropped_before_serving(tiny_
     """compile_now runs its steps a second time, each through the direct call and through dynamo: a direct call
     whose hidden states differ (here: shifted by one) is dropped, and the steps serve through dynamo with the
     reference output."""
-    from tierlm.backends.torch import compiled_direct_call
+    from tierlm.backends.torch.compile import direct_call
 
-    real_plan = compiled_direct_call.plan
+    real_plan = direct_call.plan
 
     def off_by_one(gm, example_inputs, compiled, output):
         call, why = real_plan(gm, example_inputs, compiled, output)
@@ -199,7 +203,7 @@ def test_a_direct_call_that_differs_from_dynamos_is_dropped_before_serving(tiny_
             call.compiled = lambda *args: (compiled(*args)[0] + 1,)
         return call, why
 
-    monkeypatch.setattr(compiled_direct_call, "plan", off_by_one)
+    monkeypatch.setattr(direct_call, "plan", off_by_one)
     outs, _, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4, stats_out=(stats := {}))
     for prompt, out in zip(PROMPTS, outs):
         assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS)
@@ -209,7 +213,7 @@ def test_a_direct_call_that_differs_from_dynamos_is_dropped_before_serving(tiny_
 def test_the_direct_call_takes_only_the_traced_arguments_and_only_graphs_of_the_steps_inputs():
     import torch
 
-    from tierlm.backends.torch.compiled_direct_call import plan
+    from tierlm.backends.torch.compile.direct_call import plan
 
     def stack(l_kwargs_input_ids_, s27, l_kwargs_position_ids_, l_fn_self_weight):
         return ((l_kwargs_input_ids_ + l_kwargs_position_ids_).float() * l_fn_self_weight,)
@@ -249,12 +253,14 @@ def test_the_direct_call_takes_only_the_traced_arguments_and_only_graphs_of_the_
 def test_the_direct_call_is_off_when_switched_off_or_where_rope_changes_during_a_forward():
     from types import SimpleNamespace
 
-    from tierlm.backends.torch.compiled_direct_call import ENV, choice
+    from tierlm.backends.torch.compile.direct_call import choice
 
     assert choice({}, SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4}))[0]
     assert choice({}, SimpleNamespace(rope_parameters={"rope_type": "llama3", "factor": 8.0}))[0]
-    off, why = choice({ENV: "0"}, SimpleNamespace(rope_parameters=None))
-    assert not off and ENV in why
+    off, why = choice({"TIERLM_CPU_PLAN": "compile_call=dynamo"}, SimpleNamespace(rope_parameters=None))
+    assert not off and "compile_call=dynamo" in why
+    off, why = choice({"TIERLM_CPU_COMPILE_DIRECT_CALL": "0"}, SimpleNamespace(rope_parameters=None))  # its old name
+    assert not off and "TIERLM_CPU_COMPILE_DIRECT_CALL=0" in why
     dynamic, why = choice({}, SimpleNamespace(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
     assert not dynamic and "dynamic" in why
     per_layer = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "longrope"},
@@ -263,22 +269,22 @@ def test_the_direct_call_is_off_when_switched_off_or_where_rope_changes_during_a
 
 
 def test_the_guards_are_skipped_only_for_tested_families_and_not_when_switched_off():
-    from tierlm.backends.torch.compiled_decode import SKIP_GUARDS_ENV, skip_guards_choice
+    from tierlm.backends.torch.compile.compiled_decode import skip_guards_choice
 
     assert skip_guards_choice({}, "Qwen2ForCausalLM")[0]
-    off, why = skip_guards_choice({SKIP_GUARDS_ENV: "0"}, "LlamaForCausalLM")
-    assert not off and SKIP_GUARDS_ENV in why
+    off, why = skip_guards_choice({"TIERLM_CPU_PLAN": "compile_guards=all"}, "LlamaForCausalLM")
+    assert not off and "compile_guards=all" in why
     other, why = skip_guards_choice({}, "Qwen3NextForCausalLM")
     assert not other and "Qwen3NextForCausalLM" in why
 
 
 def test_the_wrapper_choice_follows_the_switch_and_pythons_headers(tmp_path):
-    from tierlm.backends.torch.compiled_decode import CPP_WRAPPER_ENV, cpp_wrapper_choice
+    from tierlm.backends.torch.compile.compiled_decode import cpp_wrapper_choice
 
     (tmp_path / "Python.h").write_text("")
     assert cpp_wrapper_choice({}, str(tmp_path))[0]
-    off, why = cpp_wrapper_choice({CPP_WRAPPER_ENV: "0"}, str(tmp_path))
-    assert not off and CPP_WRAPPER_ENV in why
+    off, why = cpp_wrapper_choice({"TIERLM_CPU_PLAN": "compile_wrapper=python"}, str(tmp_path))
+    assert not off and "compile_wrapper=python" in why
     empty = tmp_path / "no-headers"
     empty.mkdir()
     missing, why = cpp_wrapper_choice({}, str(empty))
@@ -291,7 +297,7 @@ def test_inductors_cache_has_a_folder_per_machine_kind(monkeypatch, tmp_path):
     an AVX-512 run gave an AVX2-capped one all-zero tokens); a folder the user chose is kept as it is."""
     from test_cpu_features import recorded
 
-    from tierlm.backends.torch import compiled_decode
+    from tierlm.backends.torch.compile import compiled_decode
     from tierlm.platforms.cpu_features import apply_cap
 
     avx2, skylake = recorded("amd-epyc-zen3-avx2.txt", "x86_64"), recorded("intel-xeon-skylake-avx512.txt", "x86_64")
@@ -302,26 +308,38 @@ def test_inductors_cache_has_a_folder_per_machine_kind(monkeypatch, tmp_path):
     assert compiled_decode.inductor_cache_key(apply_cap(skylake, "avx2"), "avx2").startswith("avx2-")
     assert compiled_decode.inductor_cache_key(skylake, None) == compiled_decode.inductor_cache_key(skylake, None)
 
+    import torch._inductor.codecache as codecache
+    from torch._inductor.runtime import runtime_utils
+
     monkeypatch.setattr(compiled_decode, "this_cpu", lambda: skylake)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR"):  # restored after the test, with inductor's default folder
+        monkeypatch.setattr(codecache, name, getattr(codecache, name))
+    monkeypatch.setattr(runtime_utils, "default_cache_dir", runtime_utils.default_cache_dir)
     compiled_decode._cache_dir()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
-        tmp_path / "tierlm" / "inductor" / compiled_decode.inductor_cache_key(skylake, "avx2"))
+    ours = tmp_path / "tierlm" / "inductor" / compiled_decode.inductor_cache_key(skylake, "avx2")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    # what inductor keeps under its default folder (precompiled headers, its on-disk caches) is in ours too, not in
+    # a shared /tmp/torchinductor_<user>
+    assert codecache._HEADER_DIR == str(ours / "precompiled_headers")
+    assert runtime_utils.default_cache_dir() == str(ours)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     compiled_decode._cache_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert codecache._HEADER_DIR == str(tmp_path / "mine" / "precompiled_headers")
 
 
 @pytest.mark.parametrize("how", ["switched off", "fails to build"])
 def test_the_python_wrapper_serves_where_the_cpp_wrapper_does_not(tiny_llama, monkeypatch, how):
-    """TIERLM_CPU_COMPILE_CPP_WRAPPER=0, or a C++ wrapper whose build fails: the compiled step still serves, through
-    inductor's Python wrapper, with the reference output, and the stats say which wrapper and why."""
-    from tierlm.backends.torch import compiled_decode
+    """The plan's override compile_wrapper=python, or a C++ wrapper whose build fails: the compiled step still
+    serves, through inductor's Python wrapper, with the reference output, and the stats say which wrapper and why."""
+    from tierlm.backends.torch.compile import compiled_decode
 
+    no_cache = contextlib.nullcontext()
     if how == "switched off":
-        monkeypatch.setenv(compiled_decode.CPP_WRAPPER_ENV, "0")
+        monkeypatch.setenv("TIERLM_CPU_PLAN", "compile_wrapper=python")
     else:
         if not compiled_decode.cpp_wrapper_choice(os.environ)[0]:
             pytest.skip("no C++ wrapper here to fail (no Python.h)")
@@ -331,13 +349,17 @@ def test_the_python_wrapper_serves_where_the_cpp_wrapper_does_not(tiny_llama, mo
         def no_build(*args, **kwargs):  # what a C++ wrapper that does not compile raises, mid-build
             raise RuntimeError("CppCompileError: simulated: Python.h: No such file or directory")
 
-        monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # build now, not load an earlier build
+        # build now, not load an earlier build. torch's own patch, not monkeypatch.setattr: an inductor option is no
+        # entry of its module's __dict__, so pytest (9.2+) undoes that setattr with delattr, which hides the option
+        # ("fx_graph_cache does not exist") from every later compile of the process.
+        no_cache = inductor_config.patch(fx_graph_cache=False)
         monkeypatch.setattr(codecache.CppWrapperCodeCache, "load_pybinding_async", no_build)
-    outs, _, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4, stats_out=(stats := {}))
+    with no_cache:  # inductor's options are per thread: the backend compiles on this one
+        outs, _, steps = _greedy_outputs(tiny_llama, "float32", compile_max_bs=4, stats_out=(stats := {}))
     for prompt, out in zip(PROMPTS, outs):
         assert out == reference_greedy(tiny_llama, prompt, NEW_TOKENS)
     assert steps > 0 and stats["wrapper"] == "Python"
-    assert ("=0" if how == "switched off" else "failed to build") in stats["wrapper_why"]
+    assert ("compile_wrapper=python" if how == "switched off" else "failed to build") in stats["wrapper_why"]
     assert stats["graphs"] == 2  # one token, several tokens: a failed C++ build is not counted as a graph
 
 
@@ -400,13 +422,13 @@ def test_backends_and_models_that_cannot_compile_stop_startup_with_the_reason(ti
 
 
 def test_the_cpu_default_compiles_where_it_may_and_serves_eagerly_where_compiling_fails(tiny_llama, monkeypatch):
-    """TIERLM_CPU_COMPILE=1 lifts the default's size floor: the engine compiles without the flag and serves the
+    """The plan's override compile=yes lifts the default's size floor: the engine compiles without the flag and serves the
     reference output compiled; a compile that fails leaves it serving eagerly, the reason in /server_info; and
     below the floor (the tiny model, no variable) it does not compile."""
     from tierlm.backends.torch.backend import TorchBackend
 
     prompts = [[5, 9, 13, 2, 7], [11, 4, 6]]
-    monkeypatch.setenv("TIERLM_CPU_COMPILE", "1")
+    monkeypatch.setenv("TIERLM_CPU_PLAN", "compile=yes")
     engine = start_engine(tiny_llama, "torch", dtype="float32", page_size=PAGE_SIZE, torch_compile_max_bs=4)
     try:
         info = engine.server_info()["torch_compile"]
@@ -434,7 +456,7 @@ def test_the_cpu_default_compiles_where_it_may_and_serves_eagerly_where_compilin
     finally:
         engine.shutdown()
 
-    monkeypatch.delenv("TIERLM_CPU_COMPILE")
+    monkeypatch.delenv("TIERLM_CPU_PLAN")
     engine = start_engine(tiny_llama, "torch", dtype="float32", page_size=PAGE_SIZE)
     try:
         info = engine.server_info()["torch_compile"]

@@ -73,7 +73,7 @@ def _transformers_gaps(folder: Path, prompt: list[int], tokens: list[int]) -> li
     ("llama", "FP8_DYNAMIC", "Linear"), ("llama", "FP8", "Linear"),
     ("qwen2", "W8A8", "Int8WeightOnlyLinear"), ("qwen2", "W4A16", "Int4WeightOnlyLinear")])
 def test_greedy_equals_transformers_on_the_same_checkpoint(tiny_models_root, family, scheme, kernel):
-    from tierlm.backends.torch.compressed_tensors import ActivationQDQ
+    from tierlm.backends.torch.weights.compressed_tensors import ActivationQDQ
 
     folder = _checkpoint(tiny_models_root, family, scheme)
     backend = _backend(folder)
@@ -200,7 +200,7 @@ def test_compressed_tensors_on_mlx_is_refused():
 def test_a_missing_compressed_tensors_package_names_the_install(monkeypatch):
     import sys
 
-    from tierlm.backends.torch.compressed_tensors import check_installed
+    from tierlm.backends.torch.weights.compressed_tensors import check_installed
 
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import raises ImportError
     with pytest.raises(WeightFormatError, match=r"pip install 'tierlm\[quant\]'"):
@@ -217,7 +217,7 @@ def test_the_per_token_fast_path_is_bit_equal_to_the_librarys(preset, dtype):
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
-    from tierlm.backends.torch.compressed_tensors import ActivationQDQ
+    from tierlm.backends.torch.weights.compressed_tensors import ActivationQDQ
 
     args = preset_name_to_scheme(preset, ["Linear"]).input_activations
     qdq = ActivationQDQ(torch.nn.Identity(), args, None, None)

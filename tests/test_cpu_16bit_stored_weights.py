@@ -1,30 +1,55 @@
 """float32 serving with exactly-bf16 or exactly-fp16 weights held in their 16 bits
-(backends/torch/cpu_16bit_stored_weights.py): half the bytes, and not one bit of any output changes against holding
-them as float32."""
+(backends/torch/weights/stored_16bit.py, where the CPU plan says f32_16bit_weights=yes): half the bytes, and not one
+bit of any output changes against holding them as float32."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_levels import build_at_level
+from kernel_levels import library_at_level
 from torch import nn
 
-from tierlm.backends.torch import cpu_16bit_stored_weights as stored
-from tierlm.backends.torch import cpu_f32_gemv
-from tierlm.backends.torch.cpu_f32_gemv import F32GemvLinear
+from tierlm.backends.torch.cpu import f32_gemv as cpu_f32_gemv
+from tierlm.backends.torch.cpu import library, plan
+from tierlm.backends.torch.cpu.f32_gemv import F32GemvLinear
+from tierlm.backends.torch.weights import stored_16bit as stored
+from tierlm.platforms.cpu_plan import PLAN_ENV
 
-needs_kernel = pytest.mark.skipif(cpu_f32_gemv.load() is None, reason=f"the float32 kernel does not run here: "
-                                  f"{cpu_f32_gemv.describe()['why']}")
+F32_PRODUCTS = plan.for_model(torch.float32).plan.f32_products  # this CPU's plan for a float32 model
+needs_kernel = pytest.mark.skipif(F32_PRODUCTS.value != "gemv", reason=f"the float32 kernel does not run here: "
+                                  f"{F32_PRODUCTS}")
 
 # Partial weight tiles, columns past the last full vector (K % 16 = 8, 7, 11) and a shape of a real layer.
 SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
 
 
 HELD = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """torch's thread count as it was before the test (a TorchBackend sets the server's: cpu/threads.py)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def as_served():
+    """torch as a server on this machine computes: at its thread count (cpu/threads.configure_cpu_threads; MKL
+    splits a product between threads its own way, so the bits compared are the ones serving gives, whatever count an
+    earlier test left) and in inference mode (the reused scratch may have been made in it: see
+    test_the_scratch_serves_products_in_and_out_of_inference_mode)."""
+    from tierlm.backends.torch.cpu.threads import configure_cpu_threads
+
+    configure_cpu_threads()
+    with torch.inference_mode():
+        yield
 
 
 def _case(m: int, n: int, k: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
@@ -40,7 +65,8 @@ def _case(m: int, n: int, k: int, bias: bool, seed: int = 0, dtype: torch.dtype 
 @pytest.mark.parametrize("n,k", [(100, 24), (257, 72), (1001, 24), (37, 72), (16, 8)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", HELD)
-def test_other_products_widen_the_weight_in_slices_with_f_linears_bits(rows, n, k, bias, dtype, monkeypatch):
+def test_other_products_widen_the_weight_in_slices_with_f_linears_bits(rows, n, k, bias, dtype, monkeypatch,
+                                                                      as_served):
     # slices of 64 or 96 output rows here (the whole weight where it is narrower; a short last slice joins the one
     # before it: N = 100, 257 and 1001 leave 36, 1 and 41 rows), as the real sizes give on real layers
     monkeypatch.setattr(stored, "SHORT_SLICE", 64 * k)
@@ -53,7 +79,7 @@ def test_other_products_widen_the_weight_in_slices_with_f_linears_bits(rows, n, 
     assert torch.equal(cpu_f32_gemv.product(x, w, b), ref)  # not a decode step: the widened weight
 
 
-def test_real_layer_shapes_keep_f_linears_bits_in_slices():
+def test_real_layer_shapes_keep_f_linears_bits_in_slices(as_served):
     """MKL's output column does not depend on the columns beside it: the slices of the sizes served (short steps'
     narrow slices, long steps' wide ones) give the whole product's bits on this machine's MKL."""
     for n, k in [(1536, 512), (2816, 512), (512, 1408), (9728, 896), (896, 4864)]:
@@ -62,21 +88,38 @@ def test_real_layer_shapes_keep_f_linears_bits_in_slices():
             assert torch.equal(stored.widened_product(x, w, b), F.linear(x, w.float(), b)), (n, k, rows)
 
 
+def test_the_scratch_serves_products_in_and_out_of_inference_mode(monkeypatch):
+    """The float32 scratch the widened slices reuse (one per thread) is made by whichever product comes first:
+    a product in inference mode (every served step) must leave it usable by one outside it (an eager caller, a
+    benchmark, a test) on the same thread, and the other way round."""
+    monkeypatch.setattr(stored._SCRATCH, "buf", None)  # this test's own scratch; the thread's is given back after
+    x, w, b = _case(3, 100, 24, True)
+    ref = F.linear(x, w.float(), b)
+    with torch.inference_mode():
+        assert torch.equal(stored.widened_product(x, w, b), ref)
+    assert torch.equal(stored.widened_product(x, w, b), ref)
+    monkeypatch.setattr(stored._SCRATCH, "buf", None)
+    assert torch.equal(stored.widened_product(x, w, b), ref)
+    with torch.inference_mode():
+        assert torch.equal(stored.widened_product(x, w, b), ref)
+
+
 @needs_kernel
 @pytest.mark.parametrize("level", ["avx512", "avx2"])
 @pytest.mark.parametrize("dtype", HELD)
-def test_decode_rows_read_the_16bit_weight_with_the_float32_weights_bits(level, dtype, monkeypatch, tmp_path):
-    build = build_at_level(cpu_f32_gemv, level, monkeypatch, tmp_path)
+def test_decode_rows_read_the_16bit_weight_with_the_float32_weights_bits(level, dtype, monkeypatch):
+    lib = library_at_level(level)
+    assert lib.has("f32_gemv")
     calls = []
-    lib = build.lib
     entry = "f32_linear_bf16w" if dtype == torch.bfloat16 else "f32_linear_f16w"
 
-    class Spy:
+    class Spy:  # that level's library, as the process's, with the 16-bit entry's calls counted
+        has = staticmethod(lib.has)
         f32_linear = lib.f32_linear
         f32_linear_bf16w = f32_linear_f16w = None  # the other 16-bit entry: never called
 
     setattr(Spy, entry, staticmethod(lambda *args: calls.append(args[1]) or getattr(lib, entry)(*args)))
-    monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", Spy)
+    monkeypatch.setattr(library, "load", lambda cpu=None: Spy)
     with cpu_f32_gemv.decode_step():
         for m in range(1, cpu_f32_gemv.MAX_ROWS + 1):
             for n, k in SHAPES:
@@ -123,8 +166,9 @@ def _served(path: Path, monkeypatch, on: bool):
 
     from tierlm.backends.torch.backend import TorchBackend
 
-    monkeypatch.setenv(stored.ENV, "1" if on else "0")
+    monkeypatch.setenv(PLAN_ENV, f"f32_16bit_weights={'yes' if on else 'no'}")
     backend = TorchBackend(path, dtype="float32")
+    assert backend.cpu_kernels.plan.f32_16bit_weights.value == ("yes" if on else "no")
     logits = []
     backend.model.lm_head.register_forward_hook(lambda m, i, out: logits.append(out.detach().clone()))
     prompts = [[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], [1, 84, 104, 101, 32, 99]]
@@ -174,8 +218,10 @@ def test_float32_values_stay_float32(tiny_llama, monkeypatch):
     linears = [m for m in backend.model.modules() if isinstance(m, F32GemvLinear)]
     assert linears and all(m.weight.dtype == torch.float32 for m in linears)
     assert "held as" not in backend.kernels()["linear"]
-    assert stored.decision({stored.ENV: "0"})[0] is False and "float32 weights kept" in stored.decision(
-        {stored.ENV: "0"})[1]
+    # held where exact, by default; the plan's f32_16bit_weights=no keeps float32 weights, saying so
+    assert backend.cpu_kernels.plan.f32_16bit_weights.value == "yes"
+    off = plan.for_model(torch.float32, env={**os.environ, PLAN_ENV: "f32_16bit_weights=no"}).plan.f32_16bit_weights
+    assert off.value == "no" and "f32_16bit_weights=no" in off.why
 
 
 @pytest.mark.slow

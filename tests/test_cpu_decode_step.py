@@ -1,19 +1,16 @@
-"""A decode-only CPU step's attention in one C call per layer (backends/torch/cpu_decode_step.py) against the
-general path of paged_attention.py: the same outputs and the same pool bytes, bit for bit; and the steps it must
-leave to the general path."""
+"""A decode-only CPU step's attention in one C call per layer (backends/torch/cpu/decode_step.py) against the
+general path of paged_attention.py (the C decode kernel per layer): the same outputs and the same pool bytes, bit
+for bit; and the steps it must leave to the general path (among them, where the CPU plan has no decode kernel)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from test_cpu_paged_decode import decode_inputs
+from test_cpu_paged_decode import decode_inputs, kernels_for, lib, needs_kernel
 
-from tierlm.backends.torch import cpu_decode_step, cpu_paged_decode
 from tierlm.backends.torch import paged_attention as pa
+from tierlm.backends.torch.cpu import decode_step, paged_decode
 from tierlm.backends.torch.kv_pool import TorchKVPool
-
-lib = cpu_paged_decode.load()
-needs_kernel = pytest.mark.skipif(lib is None, reason="no C compiler here: the kernel is not built (torch path)")
 
 
 class _Layer:
@@ -26,27 +23,34 @@ def _setup(heads, D, page_size, cached, dtype, seed=0, q_transposed=True):
                          k_transposed=True)
 
 
-def _step(pool, meta, q, k, v, layers=(0, 2), **kw):
-    """paged_attention of ``layers`` over one step: outputs per layer."""
-    pa.CURRENT.meta, pa.CURRENT.pool = meta, pool
+def _step(pool, meta, q, k, v, layers=(0, 2), kernels=None, **kw):
+    """paged_attention of ``layers`` over one step with ``kernels`` (default: the plan of q's dtype and heads with
+    the process's library, as the backend sets it): outputs per layer."""
+    if kernels is None:
+        kernels = kernels_for(q.dtype, heads=(q.shape[1], k.shape[1]), D=q.shape[-1])
+    saved = pa.CURRENT.meta, pa.CURRENT.pool, pa.CURRENT.kernels
+    pa.CURRENT.meta, pa.CURRENT.pool, pa.CURRENT.kernels = meta, pool, kernels
     try:
         return [pa.paged_attention(_Layer(layer), q, k, v, None, scaling=q.shape[-1] ** -0.5, **kw)[0]
                 for layer in layers]
     finally:
-        pa.CURRENT.meta = None
+        pa.CURRENT.meta, pa.CURRENT.pool, pa.CURRENT.kernels = saved
 
 
 def _both(monkeypatch, *setup_args, **setup_kw):
     """(general path's outputs and pool, one-call step's outputs and pool, the step's plan) on equal inputs."""
     pool_a, meta_a, q, k, v = _setup(*setup_args, **setup_kw)
-    monkeypatch.setattr(cpu_decode_step, "ENABLED", False)
+    monkeypatch.setattr(decode_step, "ENABLED", False)
+    decodes = []  # the general path's C decode kernel, one call per layer
+    real_decode = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a: decodes.append(1) or real_decode(*a))
     ref = _step(pool_a, meta_a, q, k, v)
-    assert meta_a.decode_step is None
-    monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
+    assert meta_a.decode_step is None and len(decodes) == len(ref)
+    monkeypatch.setattr(decode_step, "ENABLED", True)
     pool_b, meta_b, q, k, v = _setup(*setup_args, **setup_kw)
     runs = []
-    real = cpu_decode_step.DecodeStep.run
-    monkeypatch.setattr(cpu_decode_step.DecodeStep, "run", lambda *a: runs.append(1) or real(*a))
+    real = decode_step.DecodeStep.run
+    monkeypatch.setattr(decode_step.DecodeStep, "run", lambda *a: runs.append(1) or real(*a))
     got = _step(pool_b, meta_b, q, k, v)
     assert len(runs) == len(got)  # every layer took the one-call path
     return ref, pool_a, got, pool_b, meta_b.decode_step
@@ -63,7 +67,7 @@ def _both(monkeypatch, *setup_args, **setup_kw):
 def test_one_call_step_equals_the_general_path(heads, D, page_size, cached, q_transposed, dtype, monkeypatch):
     ref, pool_a, got, pool_b, plan = _both(monkeypatch, heads, D, page_size, cached, dtype,
                                            q_transposed=q_transposed)
-    assert isinstance(plan, cpu_decode_step.DecodeStep)  # the step really took the one-call path
+    assert isinstance(plan, decode_step.DecodeStep)  # the step really took the one-call path
     for a, b in zip(ref, got):
         assert b.shape == a.shape == (1, len(cached), heads[0], D) and b.is_contiguous()
         assert torch.equal(a, b)
@@ -90,20 +94,27 @@ def test_steps_it_leaves_to_the_general_path(monkeypatch):
     pool, _, q, k, v = _setup((8, 4), 64, 16, [30], torch.bfloat16)
     meta = pa.StepMeta(np.array([3]), np.array([33]), np.arange(30, 33), np.arange(3, dtype=np.int32)[None], 16,
                        torch.device("cpu"))
-    assert cpu_decode_step.plan(meta, pool, torch.zeros(1, 8, 3, 64, dtype=torch.bfloat16)) is None
+    assert decode_step.plan(meta, pool, torch.zeros(1, 8, 3, 64, dtype=torch.bfloat16), lib) is None
     # fp8 pages (their write quantizes) and a query dtype other than the pages'
     pool8, meta8, q8, _, _ = _setup((8, 4), 64, 16, [3, 9], torch.bfloat16)
     fp8 = TorchKVPool(3, pool8.num_pages, 16, 4, 64, torch.float8_e4m3fn, torch.device("cpu"))
-    assert cpu_decode_step.plan(meta8, fp8, q8) is None
-    assert cpu_decode_step.plan(meta8, pool8, q8.float()) is None
+    assert decode_step.plan(meta8, fp8, q8, lib) is None
+    assert decode_step.plan(meta8, pool8, q8.float(), lib) is None
     # Triton's metadata
     meta_t = pa.StepMeta(np.ones(2, np.int64), np.array([4, 10]), np.array([3, 9]), meta8.groups[0].page_rows.numpy(),
                          16, torch.device("cpu"), pa.TRITON)
-    assert cpu_decode_step.plan(meta_t, pool8, q8) is None
+    assert decode_step.plan(meta_t, pool8, q8, lib) is None
+    # a plan without the decode kernel (no library, or decode_attention=torch): no library to call
+    assert isinstance(decode_step.plan(meta8, pool8, q8, lib), decode_step.DecodeStep)
+    assert decode_step.plan(meta8, pool8, q8, None) is None
+    pool_p, meta_p, q_p, k_p, v_p = _setup((8, 4), 64, 16, [3, 9], torch.bfloat16)
+    _step(pool_p, meta_p, q_p, k_p, v_p, layers=(0,),
+          kernels=kernels_for(torch.bfloat16, heads=(8, 4), D=64, plan="decode_attention=torch"))
+    assert meta_p.decode_step is None
     # a sliding window or attention sinks: the general path serves the layer, and the result is its own
     pool, meta, q, k, v = _setup((8, 4), 64, 16, [3, 200], torch.bfloat16)
     calls = []
-    monkeypatch.setattr(cpu_decode_step.DecodeStep, "run", lambda *a: calls.append(1))
+    monkeypatch.setattr(decode_step.DecodeStep, "run", lambda *a: calls.append(1))
     out = _step(pool, meta, q, k, v, layers=(0,), sliding_window=8)[0]
     assert not calls and out.shape == (1, 2, 8, 64)
 

@@ -1,26 +1,41 @@
-"""The float32 decode-product kernel (backends/torch/cpu_f32_gemv.py): in a decode step its product equals
+"""The float32 decode-product kernel (backends/torch/cpu/f32_gemv.py): in a decode step its product equals
 x @ W.T (+ bias) within float32 rounding for 1..8 rows, every tile remainder and 2-D / 3-D / strided inputs, on each
-x86 code path this CPU can run (AVX-512, AVX2), each row the same bits whatever the row count; threads split it
-without changing a value; more rows than it takes, and every product outside a decode step (prefill chunks, whose
-bits must not depend on the chunking), go to F.linear unchanged; the loader gives float32 models' linears its
-forward (the model's greedy output stays transformers'), and where it cannot run (switched off, ARM) F.linear
-serves, with the reason."""
+x86 code path this CPU can run (the avx512 and avx2 levels' libraries), each row the same bits whatever the row
+count; threads split it without changing a value; more rows than it takes, and every product outside a decode step
+(prefill chunks, whose bits must not depend on the chunking), go to F.linear unchanged; the loader gives float32
+models' linears its forward where the CPU plan says f32_products=gemv (the model's greedy output stays
+transformers'), and where it cannot run (switched off, ARM, a library without its vector code) F.linear serves,
+with the reason. Compiled steps call it from C++ (``tierlm_native::f32_linear``, cpu/native_ops.py) with the Python
+op's bits."""
 from __future__ import annotations
 
-import ctypes
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_levels import build_at_level, fresh_build
+from kernel_levels import library_at_level
 from torch import nn
 
-from tierlm.backends.torch import cpu_f32_gemv
-from tierlm.backends.torch.cpu_f32_gemv import F32GemvLinear
-from tierlm.platforms.cpu_features import CpuFeatures
+from tierlm.backends.torch.cpu import f32_gemv as cpu_f32_gemv
+from tierlm.backends.torch.cpu import library, plan
+from tierlm.backends.torch.cpu.f32_gemv import F32GemvLinear
+from tierlm.backends.torch.cpu.library import KernelLibrary
+from tierlm.platforms import cpu_plan
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
-needs_kernel = pytest.mark.skipif(cpu_f32_gemv.load() is None, reason=f"the float32 kernel does not run here: "
-                                  f"{cpu_f32_gemv.describe()['why']}")
+F32_PRODUCTS = plan.for_model(torch.float32).plan.f32_products  # this CPU's plan for a float32 model
+needs_kernel = pytest.mark.skipif(F32_PRODUCTS.value != "gemv", reason=f"the float32 kernel does not run here: "
+                                  f"{F32_PRODUCTS}")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """torch's thread count as it was before the test (a TorchBackend sets the server's: cpu/threads.py)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
 
 # Partial weight tiles (N % 4 = 1, 2, 3), columns past the last full vector (K % 16 = 8, 7, 11; K % 8 = 7, 3), and
 # rows 5, 6, 8: two passes over a tile (4 rows a pass; AVX2 takes 2 a pass in its tiles for one or two rows).
@@ -46,8 +61,8 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_the_product(m, n, k, bias, monkeypatch):
     calls = []
-    lib = cpu_f32_gemv._kernel.lib
-    monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", _Spy(lib, calls))
+    spy = _Spy(library.load(), calls)
+    monkeypatch.setattr(library, "load", lambda cpu=None: spy)
     x, w, b, ref = _case(m, n, k, bias)
     with cpu_f32_gemv.decode_step():
         y = cpu_f32_gemv.product(x, w, b)
@@ -58,14 +73,20 @@ def test_kernel_equals_the_product(m, n, k, bias, monkeypatch):
 
 
 class _Spy:
-    """The loaded library with its f32_linear calls counted (rows per call)."""
+    """The process's library with its f32_linear calls counted (rows per call)."""
 
-    def __init__(self, lib: ctypes.CDLL, calls: list) -> None:
+    def __init__(self, lib: KernelLibrary, calls: list) -> None:
         self._lib, self._calls = lib, calls
+
+    def has(self, kernel: str) -> bool:
+        return self._lib.has(kernel)
 
     def f32_linear(self, *args):
         self._calls.append(args[1])
         return self._lib.f32_linear(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name)
 
 
 @pytest.fixture
@@ -101,10 +122,10 @@ def test_threads_split_the_output_without_changing_a_value(monkeypatch, in_decod
 
 @needs_kernel
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
-def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path, in_decode_step):
-    build = build_at_level(cpu_f32_gemv, level, monkeypatch, tmp_path)
-    assert build.lib.f32_gemv_simd_bits() == bits
-    monkeypatch.setattr(cpu_f32_gemv._kernel, "lib", build.lib)
+def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, in_decode_step):
+    lib = library_at_level(level)
+    assert lib.has("f32_gemv") and lib.f32_gemv_simd_bits() == bits
+    monkeypatch.setattr(library, "load", lambda cpu=None: lib)  # the products run on that level's library
     # 4 x 4 tiles for 1-2 rows, 4 x 6 from 3 (AVX2: 2 x 4, then 4 x 2); each sum in the same order in all
     for m in range(1, 9):
         for n, k in SHAPES:
@@ -114,18 +135,30 @@ def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeyp
             assert torch.equal(cpu_f32_gemv.product(x[-1:], w, b), y[-1:])
 
 
-def test_where_it_cannot_run_f_linear_serves(monkeypatch, tmp_path):
+def test_where_it_cannot_run_f_linear_serves(monkeypatch):
+    """The plan leaves float32 products to MKL on ARM (its library has no float32 kernel: plain C is slower than
+    MKL), with a library of a level below AVX2, without a library, and where switched off (f32_products=mkl); and
+    a library without the kernel computes F.linear's bits even inside a decode step."""
+    f32 = cpu_plan.ModelFacts("float32", "float32", 8, 4, 64)
     arm = CpuFeatures(arch="aarch64", flags=frozenset({"fp", "asimd", "bf16"}))
-    build = fresh_build(cpu_f32_gemv, monkeypatch, tmp_path, arm)
-    assert build.lib is None and "aarch64" in build.why and "F.linear" in build.why
-    monkeypatch.setenv(cpu_f32_gemv.ENV, "0")
-    monkeypatch.setattr(cpu_f32_gemv, "_kernel", cpu_f32_gemv._kernel.fresh())  # set up again, under the env
+    neon = cpu_plan.LibraryFacts("bf16", frozenset({"paged_decode", "softmax_rows", "torch_ops"}), "installed")
+    decided = cpu_plan.decide(arm, f32, neon, {}).f32_products
+    assert decided.value == "mkl" and "no AVX2/AVX-512 float32 kernel" in decided.why
+    none = cpu_plan.decide(arm, f32, cpu_plan.LibraryFacts(None, why="TIERLM_CPU_KERNELS=0"), {}).f32_products
+    assert none.value == "mkl" and "no kernel library (TIERLM_CPU_KERNELS=0)" in none.why
+    with pytest.raises(cpu_plan.CpuPlanError, match="cannot run here"):  # asked for where it cannot run
+        cpu_plan.decide(arm, f32, neon, {cpu_plan.PLAN_ENV: "f32_products=gemv"})
+    off = plan.for_model(torch.float32, env={**os.environ, cpu_plan.PLAN_ENV: "f32_products=mkl"})
+    assert off.plan.f32_products.value == "mkl" and "f32_products=mkl" in off.plan.f32_products.why
     model = nn.Sequential(nn.Linear(64, 40))
-    assert cpu_f32_gemv.use_for_linears(model) == 0 and type(model[0]) is nn.Linear
-    assert f"off ({cpu_f32_gemv.ENV}=0)" in cpu_f32_gemv.describe()["why"]
+    assert cpu_f32_gemv.use_for_linears(model, off) == 0 and type(model[0]) is nn.Linear
     x = torch.randn(2, 64)
-    with cpu_f32_gemv.decode_step():
-        assert torch.equal(cpu_f32_gemv.product(x, model[0].weight, model[0].bias), model[0](x))
+    # no library; the x86-64 level's (plain C, which the plan never runs: the library does not name the kernel)
+    for lib in [None] + ([library_at_level("x86-64")] if this_cpu().arch == "x86_64" else []):
+        assert lib is None or not lib.has("f32_gemv")
+        monkeypatch.setattr(library, "load", lambda cpu=None, lib=lib: lib)
+        with cpu_f32_gemv.decode_step():
+            assert torch.equal(cpu_f32_gemv.product(x, model[0].weight, model[0].bias), model[0](x))
 
 
 @needs_kernel
@@ -136,6 +169,7 @@ def test_float32_models_get_the_kernel_and_keep_transformers_greedy_output(tiny_
     from tierlm.backends.torch.backend import TorchBackend
 
     backend = TorchBackend(tiny_llama, dtype="float32")
+    assert backend.cpu_kernels.plan.f32_products.value == "gemv"
     linears = [m for m in backend.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is F32GemvLinear for m in linears)
     assert backend.kernels()["linear"].startswith(f"float32: up to {cpu_f32_gemv.MAX_ROWS} rows on tierlm's C kernel")
@@ -151,32 +185,42 @@ def test_float32_models_get_the_kernel_and_keep_transformers_greedy_output(tiny_
 
 @needs_kernel
 def test_compiled_steps_call_the_kernel_from_cpp_with_the_python_ops_bits():
-    """tierlm_native::f32_linear (cpu_product_op.py) runs decode steps' products itself, float32 or bf16-held
-    weight, and hands every other case to the Python op: the same bits either way."""
-    from tierlm.backends.torch import compiled_decode, cpu_product_op  # noqa: F401 (the ops)
+    """tierlm_native::f32_linear (cpu/native_ops.py) runs decode steps' products itself (the step record says the
+    step is one), float32 or bf16-held weight, and hands every other case to the Python op: the same bits either
+    way."""
+    from tierlm.backends.torch import ops
+    from tierlm.backends.torch.cpu import native_ops
 
+    kernels = plan.for_model(torch.float32)
+    if kernels.plan.compiled_ops.value != "native":
+        pytest.skip(f"the plan has no C++ ops here: {kernels.plan.compiled_ops}")
     model = nn.Sequential(nn.Linear(512, 256), nn.Linear(896, 192, bias=False))
-    assert cpu_f32_gemv.use_for_linears(model) == 2
-    ok, why = cpu_product_op.ready(model)
-    if not ok:
-        pytest.skip(f"the C++ op does not load here: {why}")
+    assert cpu_f32_gemv.use_for_linears(model, kernels) == 2
+    record, why = native_ops.prepare(model, kernels)
+    assert record is not None and "2 float32 products" in why, why
+    assert all(getattr(m, ops.BUFFER) is record.tensor for m in model)  # the compiled calls pass the record on
 
     def both(x, w, b):
-        before = cpu_product_op.served()
-        got = torch.ops.tierlm_native.f32_linear(x, w, b)
-        return got, cpu_f32_gemv.product(x, w, b), cpu_product_op.served() - before
+        before = native_ops.served()["f32_linear"]
+        got = torch.ops.tierlm_native.f32_linear(x, w, b, record.tensor)
+        return got, cpu_f32_gemv.product(x, w, b), native_ops.served()["f32_linear"] - before
 
-    for m in model:
-        for w in (m.weight, m.weight.to(torch.bfloat16)):
-            for rows in range(1, cpu_f32_gemv.MAX_ROWS + 1):
-                x = torch.randn(1, rows, m.in_features, generator=torch.Generator().manual_seed(rows))
-                with cpu_f32_gemv.decode_step():
-                    got, want, served = both(x, w, m.bias)
-                assert served == 1 and got.shape == (1, rows, m.out_features) and torch.equal(got, want)
-            x = torch.randn(3, m.in_features)
-            got, want, served = both(x, w, m.bias)  # not a decode step: MKL's bits
-            assert served == 0 and torch.equal(got, want) and torch.equal(got, F.linear(x, w.float(), m.bias))
-            with cpu_f32_gemv.decode_step():
-                for x in (torch.randn(9, m.in_features), torch.randn(3, 2 * m.in_features)[:, :m.in_features]):
-                    got, want, served = both(x, w, m.bias)  # more rows than it takes; rows not contiguous
-                    assert served == 0 and torch.equal(got, want)
+    # in inference mode, as compiled steps run (where the bf16 weight's widening scratch may have been made)
+    with torch.inference_mode():
+        for m in model:
+            for w in (m.weight, m.weight.to(torch.bfloat16)):
+                for rows in range(1, cpu_f32_gemv.MAX_ROWS + 1):
+                    x = torch.randn(1, rows, m.in_features, generator=torch.Generator().manual_seed(rows))
+                    with cpu_f32_gemv.decode_step(), record.step(True):
+                        got, want, served = both(x, w, m.bias)
+                    assert served == 1 and got.shape == (1, rows, m.out_features) and torch.equal(got, want)
+                x = torch.randn(3, m.in_features)
+                with cpu_f32_gemv.decode_step(False), record.step(False):
+                    got, want, served = both(x, w, m.bias)  # not a decode step: MKL's bits
+                assert served == 0 and torch.equal(got, want) and torch.equal(got, F.linear(x, w.float(), m.bias))
+                got, want, served = both(x, w, m.bias)  # outside any step: the record says none
+                assert served == 0 and torch.equal(got, want)
+                with cpu_f32_gemv.decode_step(), record.step(True):
+                    for x in (torch.randn(9, m.in_features), torch.randn(3, 2 * m.in_features)[:, :m.in_features]):
+                        got, want, served = both(x, w, m.bias)  # more rows than it takes; rows not contiguous
+                        assert served == 0 and torch.equal(got, want)

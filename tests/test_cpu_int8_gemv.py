@@ -1,22 +1,28 @@
-"""The int8 weight-only decode kernel (backends/torch/cpu_int8_gemv.py): its product equals the dequantized one
-for every row count, tile remainder and dtype, on each x86 code path this CPU can run (AVX-512, AVX2) and in the
-plain-C tail; threads split it without changing a value; Int8WeightOnlyLinear sends decode rows to it and the
-rest to torch's kernel; where it cannot run (switched off, ARM, a build without vector code) torch's kernel serves."""
+"""The int8 weight-only decode kernel (backends/torch/cpu/int8_gemv.py): its product equals the dequantized one
+for every row count, tile remainder and dtype, on each x86 code path this CPU can run (the avx512 and avx2 levels'
+libraries) and in the plain-C tail (the x86-64 level's); threads split it without changing a value;
+Int8WeightOnlyLinear sends decode rows to it and the rest to torch's kernel; where the CPU plan does not run it
+(switched off, ARM, a library without vector code) torch's kernel serves."""
 from __future__ import annotations
 
-import ctypes
+import os
 
 import pytest
 import torch
-from kernel_levels import build_at_level, fresh_build
+from kernel_levels import library_at_level
 
-from tierlm.backends.torch import c_kernel_build, cpu_int8_gemv
-from tierlm.backends.torch.cpu_quant_linear import Int8WeightOnlyLinear
-from tierlm.platforms import cpu_features
+from tierlm.backends.torch.cpu import int8_gemv as cpu_int8_gemv
+from tierlm.backends.torch.cpu import plan
+from tierlm.backends.torch.cpu.library import KernelLibrary
+from tierlm.backends.torch.weights.quant_linear import Int8WeightOnlyLinear, use_kernel
+from tierlm.platforms import cpu_plan
 from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
-needs_kernel = pytest.mark.skipif(cpu_int8_gemv.load() is None, reason=f"the int8 kernel does not run here: "
-                                  f"{cpu_int8_gemv.describe()['why']}")
+INT8 = "torchao:int8wo+embedding"  # a weight format whose linears are int8 weight-only layers
+KERNELS = plan.for_model(torch.bfloat16, weight_format=INT8)  # this CPU's plan for such a model
+LIB = KERNELS.lib if KERNELS.plan.int8_products.value == "gemv" else None
+needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the int8 kernel does not run here: "
+                                  f"{KERNELS.plan.int8_products}")
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -54,26 +60,26 @@ SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_the_dequantized_product(dtype, m, n, k, bias):
     x, q, scales, b, ref = _case(m, n, k, dtype, bias)
-    _check(cpu_int8_gemv.int8_linear(x, q, scales, b), ref, dtype)
+    _check(cpu_int8_gemv.int8_linear(LIB, x, q, scales, b), ref, dtype)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_threads_split_the_output_without_changing_a_value(dtype, monkeypatch):
     x, q, scales, b, _ = _case(3, 101, 160, dtype, True)
-    one = cpu_int8_gemv.int8_linear(x, q, scales, b)
+    one = cpu_int8_gemv.int8_linear(LIB, x, q, scales, b)
     monkeypatch.setattr(cpu_int8_gemv, "MIN_WEIGHTS_PER_THREAD", 1)
     before = torch.get_num_threads()
     try:
         for threads in (2, 3):
             torch.set_num_threads(threads)
-            assert torch.equal(cpu_int8_gemv.int8_linear(x, q, scales, b), one)
+            assert torch.equal(cpu_int8_gemv.int8_linear(LIB, x, q, scales, b), one)
     finally:
         torch.set_num_threads(before)
 
 
-def _call(lib: ctypes.CDLL, x, q, scales, b) -> torch.Tensor:
-    """One call of a loaded build, single-threaded (what int8_linear does with one thread)."""
+def _call(lib: KernelLibrary, x, q, scales, b) -> torch.Tensor:
+    """One call of a level's library, single-threaded (what int8_linear does with one thread)."""
     m, k = x.shape
     y = torch.empty((m, q.shape[0]), dtype=x.dtype)
     bf16 = x.dtype == torch.bfloat16
@@ -86,50 +92,54 @@ def _call(lib: ctypes.CDLL, x, q, scales, b) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
-def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, tmp_path):
-    build = build_at_level(cpu_int8_gemv, level, monkeypatch, tmp_path)
-    assert build.lib.int8_gemv_simd_bits() == bits
+def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits):
+    lib = library_at_level(level)
+    assert lib.has("int8_gemv") and lib.int8_gemv_simd_bits() == bits
     for dtype in (torch.bfloat16, torch.float32):
         for m, (n, k) in zip((1, 2, 6, 8), SHAPES):
             x, q, scales, b, ref = _case(m, n, k, dtype, True)
-            _check(_call(build.lib, x, q, scales, b), ref, dtype)
+            _check(_call(lib, x, q, scales, b), ref, dtype)
 
 
-def test_the_plain_c_build_computes_the_product_but_is_left_to_torch(monkeypatch, tmp_path):
-    cc = cpu_features.find_c_compiler({})
-    if cc is None:
-        pytest.skip("no C compiler here")
-    path = c_kernel_build.build_library("int8_gemv", cpu_int8_gemv._SOURCE, cpu_int8_gemv.CFLAGS, cc,
-                                        c_kernel_build.compiler_identity(cc), "baseline", (), tmp_path)
-    lib = ctypes.CDLL(str(path))
-    cpu_int8_gemv._bind(lib)
-    vector = lib.int8_gemv_simd_bits() > 0  # a compiler whose default target has AVX2 compiles the vector code
+def test_the_plain_c_library_computes_the_product_but_is_left_to_torch():
+    """The x86-64 level's library (no AVX2: the kernel's plain C) computes the product, but does not name the
+    kernel, so the plan leaves int8 products to torch's kernel, which outruns it."""
+    if this_cpu().arch != "x86_64":
+        pytest.skip(f"the x86-64 level is an x86_64 one; this CPU is {this_cpu().arch}")
+    lib = library_at_level("x86-64")
+    assert lib.int8_gemv_simd_bits() == 0 and not lib.has("int8_gemv")
     for dtype in (torch.bfloat16, torch.float32):
         for m, (n, k) in zip((5, 2), SHAPES[1:3]):
             x, q, scales, b, ref = _case(m, n, k, dtype, True)
             _check(_call(lib, x, q, scales, b), ref, dtype)
-    # a level whose flags the compiler refuses falls back to a baseline build, which torch's kernel outruns
-    cpu = CpuFeatures(arch="x86_64", flags=this_cpu().flags if this_cpu().arch == "x86_64" else frozenset())
-    monkeypatch.setitem(cpu_features.COMPILE_FLAGS, cpu.level, ("-mno-such-target-flag",))
-    build = fresh_build(cpu_int8_gemv, monkeypatch, tmp_path, cpu)
-    if vector:
-        assert build.lib is not None and build.level == "baseline"
-    else:
-        assert build.lib is None and "baseline build has no AVX2/AVX-512 code" in build.why, build.why
+    facts = cpu_plan.LibraryFacts(lib.level, lib.kernels, "the installed x86-64 library")
+    decided = cpu_plan.decide(this_cpu(), cpu_plan.ModelFacts("bfloat16", "bfloat16", weight_format=INT8), facts,
+                              {}).int8_products
+    assert decided.value == "torch" and "(x86-64) has no AVX2/AVX-512 int8 kernel" in decided.why
 
 
-def test_where_it_cannot_run_torch_kernel_serves(monkeypatch, tmp_path):
+def test_where_it_cannot_run_torch_kernel_serves(monkeypatch):
     arm = CpuFeatures(arch="aarch64", flags=frozenset({"fp", "asimd", "bf16"}))
-    build = fresh_build(cpu_int8_gemv, monkeypatch, tmp_path, arm)
-    assert build.lib is None and "aarch64" in build.why and "_weight_int8pack_mm" in build.why
-    monkeypatch.setenv("TIERLM_CPU_INT8_GEMV", "0")
-    assert "off (TIERLM_CPU_INT8_GEMV=0)" in fresh_build(cpu_int8_gemv, monkeypatch, tmp_path, this_cpu()).why
-    monkeypatch.setattr(cpu_int8_gemv, "_kernel", cpu_int8_gemv._kernel.fresh())  # set up again, under the env
-    assert not cpu_int8_gemv.takes(1, torch.bfloat16)
+    model = cpu_plan.ModelFacts("bfloat16", "bfloat16", weight_format=INT8)
+    neon = cpu_plan.LibraryFacts("bf16", frozenset({"paged_decode", "softmax_rows", "torch_ops"}), "installed")
+    decided = cpu_plan.decide(arm, model, neon, {}).int8_products
+    assert decided.value == "torch" and "has no AVX2/AVX-512 int8 kernel" in decided.why
+    with pytest.raises(cpu_plan.CpuPlanError, match="cannot run here"):  # asked for where it cannot run
+        cpu_plan.decide(arm, model, neon, {cpu_plan.PLAN_ENV: "int8_products=gemv"})
+    half = cpu_plan.decide(this_cpu(), cpu_plan.ModelFacts("float16", "float16", weight_format=INT8),
+                           cpu_plan.LibraryFacts("avx2", frozenset({"int8_gemv"})), {}).int8_products
+    assert half.value == "torch" and "not float16" in half.why  # activations the kernel does not take
+    off = plan.for_model(torch.bfloat16, weight_format=INT8,
+                         env={**os.environ, cpu_plan.PLAN_ENV: "int8_products=torch"})
+    assert off.plan.int8_products.value == "torch" and "int8_products=torch" in off.plan.int8_products.why
     # the layer still computes its product, through torch's kernel
     x, q, scales, b, ref = _case(2, 40, 64, torch.bfloat16, True)
     layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=torch.bfloat16)
+    assert use_kernel(layer, off) == 0 and layer.lib is None
+    calls = []
+    monkeypatch.setattr(cpu_int8_gemv, "int8_linear", lambda *a: calls.append(1))  # must not be called
     _check(layer(x), ref, torch.bfloat16, torch_kernel=True)
+    assert not calls
 
 
 @needs_kernel
@@ -137,9 +147,10 @@ def test_the_layer_sends_decode_rows_to_the_kernel_and_other_bf16_rows_elsewhere
     calls: list[tuple[int, torch.dtype]] = []
     real = cpu_int8_gemv.int8_linear
 
-    def spy(x, *args):
+    def spy(lib, x, *args):
+        assert lib is LIB
         calls.append((x.shape[0], x.dtype))
-        return real(x, *args)
+        return real(lib, x, *args)
 
     monkeypatch.setattr(cpu_int8_gemv, "int8_linear", spy)
     for dtype, rows, expect in ((torch.bfloat16, 1, True), (torch.bfloat16, 8, True), (torch.bfloat16, 9, False),
@@ -147,7 +158,10 @@ def test_the_layer_sends_decode_rows_to_the_kernel_and_other_bf16_rows_elsewhere
         calls.clear()
         x, q, scales, b, ref = _case(rows, 40, 64, dtype, True)
         layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=dtype)
-        _check(layer(x), ref, dtype, torch_kernel=not expect)
+        assert use_kernel(layer, KERNELS) == 1 and layer.lib is LIB  # where the plan has the kernel
+        with torch.inference_mode():  # as served (bf16 prefill's reused scratch may have been made in it)
+            out = layer(x)
+        _check(out, ref, dtype, torch_kernel=not expect)
         assert (calls == [(rows, dtype)]) == expect, (dtype, rows, calls)
 
 
@@ -157,8 +171,10 @@ def test_prefill_and_decode_of_the_same_rows_agree_within_bf16_rounding():
     through the decode kernel: a cache hit replays either, so they must not drift apart."""
     x, q, scales, b, ref = _case(40, 70, 96, torch.bfloat16, True, seed=5)
     layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=torch.bfloat16)
-    prefill = layer(x)
-    decode = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    assert use_kernel(layer, KERNELS) == 1
+    with torch.inference_mode():  # as served (bf16 prefill's reused scratch may have been made in it)
+        prefill = layer(x)
+        decode = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
     _check(decode, ref, torch.bfloat16)
     _check(prefill, ref, torch.bfloat16, torch_kernel=True)
     assert ((prefill.double() - decode.double()).abs() <= 2.0 ** -7 * ref.abs() + 1e-2).all()
@@ -166,11 +182,13 @@ def test_prefill_and_decode_of_the_same_rows_agree_within_bf16_rounding():
 
 @needs_kernel
 def test_torch_compile_keeps_the_layer_in_one_graph():
-    """--enable-torch-compile: the kernel is one custom op (compiled_decode.py), not a graph break per layer."""
+    """--enable-torch-compile: the kernel is one custom op (backends/torch/ops.py ``tierlm::int8_weight_only``), not
+    a graph break per layer."""
     import torch._dynamo
 
     layers = torch.nn.Sequential(*[Int8WeightOnlyLinear.from_quantized(*_case(1, 64, 64, torch.float32, True)[1:4],
                                                                        dtype=torch.float32) for _ in range(3)])
+    assert use_kernel(layers, KERNELS) == 3
     x = torch.randn(1, 64)
     explained = torch._dynamo.explain(layers)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons

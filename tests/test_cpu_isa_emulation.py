@@ -24,9 +24,9 @@ from tierlm.cli import cap_torch_isa
 cap_torch_isa()  # what `tierlm serve` and launch_server do first
 import torch
 from backend_driver import run_greedy
-from tierlm.backends.torch import cpu_paged_decode
 from tierlm.backends.torch.backend import TorchBackend
-from tierlm.backends.torch.cpu_linear import PackedLinear
+from tierlm.backends.torch.cpu import library
+from tierlm.backends.torch.cpu.linear import PackedLinear
 from transformers import AutoModelForCausalLM
 
 try:
@@ -44,7 +44,8 @@ for dtype in ("bfloat16", "float32"):
         ref = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     out[dtype] = {"equal": ours == ref, "packed": any(isinstance(m, PackedLinear) for m in backend.model.modules()),
                   "kernels": backend.kernels()}
-out["kernel_level"] = cpu_paged_decode.describe()["level"]
+lib = library.load()
+out["kernel_level"], out["kernel_library"] = (lib.level if lib is not None else None), library.status()["why"]
 for path in sys.argv[3:]:  # 16-bit checkpoints served in float32: their weights held so, read by the float32 kernel
     backend = TorchBackend(path, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
@@ -79,7 +80,8 @@ def test_a_process_capped_at_avx2_runs_bf16_and_float32_like_an_avx2_machine(tin
         assert out[dtype]["equal"], f"{dtype} greedy differs from transformers under the AVX2 cap"
         assert not out[dtype]["packed"]
     assert "needs AVX-512 BW/VL/DQ" in out["bfloat16"]["kernels"]["linear"]
-    assert out["kernel_level"] in ("avx2", None)  # None: no C compiler here (the torch path then serves)
+    # None: no kernel library here (none installed and no first-use build: the torch path then serves)
+    assert out["kernel_level"] in ("avx2", None), out["kernel_library"]
     # what --dtype auto serves there for a bf16 or fp16 checkpoint: float32 on weights held in their 16 bits (fp16
     # widened by F16C's conversion), transformers' output
     for dtype, path in half.items():
@@ -89,12 +91,22 @@ def test_a_process_capped_at_avx2_runs_bf16_and_float32_like_an_avx2_machine(tin
             assert "built for avx2" in held["kernels"]["linear"] and f"held as {dtype}" in held["kernels"]["linear"]
 
 
-def test_torch_capped_alone_is_caught_by_the_reorder_probe(tiny_llama):
-    out = _run(tiny_llama, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+@pytest.fixture(scope="module")
+def torch_capped_alone(tiny_llama) -> dict:
+    """A process where only torch is capped (ATen's capability, oneDNN's ISA): tierlm's cpuinfo still says AVX-512."""
+    return _run(tiny_llama, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+
+
+def test_torch_capped_alone_is_caught_by_the_reorder_probe(torch_capped_alone):
+    out = torch_capped_alone
     assert out["torch_refuses_reorder"]
     assert out["bfloat16"]["equal"] and not out["bfloat16"]["packed"]
-    assert "torch refuses the oneDNN bf16 reorder" in out["bfloat16"]["kernels"]["linear"] \
-        or "needs AVX-512 BW/VL/DQ" in out["bfloat16"]["kernels"]["linear"]  # a real AVX2-only machine
+
+
+def test_torch_capped_alone_says_torch_refused_the_reorder(torch_capped_alone):
+    linear = torch_capped_alone["bfloat16"]["kernels"]["linear"]
+    assert "torch refuses the oneDNN bf16 reorder" in linear \
+        or "needs AVX-512 BW/VL/DQ" in linear  # a real AVX2-only machine
 
 
 @pytest.mark.skipif(not this_cpu().has("avx512_bf16", "avx512bw", "avx512vl"), reason="needs AVX512-BF16")

@@ -1,40 +1,29 @@
-"""float32 extend attention reading pages in place (backends/torch/cpu_paged_extend_f32.py), at the AVX2 build (what
-an AVX2-only CPU serves float32 with) and the AVX-512 build, wherever this CPU runs them: against the float64
-attention of each request over its own pages for GQA and MHA shapes, head sizes 8 to 128, pages of 16, 8 and 4
-tokens, several requests in one call (outputs only in their own rows), passes of 64 query vectors; through
-paged_attention it takes short float32 extends and leaves longer ones, bf16 and builds without it to the paths
-they replace."""
+"""float32 extend attention reading pages in place (backends/torch/cpu/paged_extend.py's ``f32`` kernel), in the
+AVX2 library (what an AVX2-only CPU serves float32 with) and the AVX-512 one, wherever this CPU runs them: against
+the float64 attention of each request over its own pages for GQA and MHA shapes, head sizes 8 to 128, pages of 16,
+8 and 4 tokens, several requests in one call (outputs only in their own rows), passes of 64 query vectors; through
+paged_attention with the CPU plan of a float32 model (cpu/plan.py: ``extend_kernel=f32``) it takes short float32
+extends and leaves longer ones, bf16 and libraries without it to the paths they replace."""
 from __future__ import annotations
-
-import ctypes
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cpu_paged_decode import run_step, skip_unless_this_cpu_runs
+from test_cpu_paged_decode import kernels_for, library_at, run_step
 from test_cpu_paged_extend import _paged_problem
 
-from tierlm.backends.torch import c_kernel_build, cpu_paged_decode, cpu_paged_extend, cpu_paged_extend_f32
 from tierlm.backends.torch import paged_attention as pa
+from tierlm.backends.torch.cpu import paged_extend
+from tierlm.backends.torch.cpu.library import KernelLibrary
 from tierlm.backends.torch.kv_pool import TorchKVPool
-from tierlm.platforms.cpu_features import COMPILE_FLAGS, find_c_compiler
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
-def built(request, tmp_path_factory) -> ctypes.CDLL:
-    """cpu_paged_decode's library built for the level (its 8-lane or its 16-lane code), where this CPU runs it."""
-    skip_unless_this_cpu_runs(request.param)
-    cc = find_c_compiler({})
-    if cc is None:
-        pytest.skip("no C compiler here: float32 extends take torch's SDPA (tested below)")
-    path = c_kernel_build.build_library(f"extend_f32_{request.param}", cpu_paged_decode._SOURCE,
-                                        cpu_paged_decode.CFLAGS, cc, c_kernel_build.compiler_identity(cc),
-                                        request.param, COMPILE_FLAGS[request.param],
-                                        tmp_path_factory.mktemp(request.param))
-    lib = ctypes.CDLL(str(path))
-    cpu_paged_decode._bind(lib)
-    assert cpu_paged_extend_f32.available(lib)
+def built(request) -> KernelLibrary:
+    """The kernel library of the level (its 8-lane or its 16-lane code), where this CPU runs it."""
+    lib = library_at(request.param)
+    assert lib.has("paged_extend_f32")
     return lib
 
 
@@ -75,8 +64,8 @@ def _reference(q, k_slots, v_slots, table, kv_lens, q_lens, page_size, scale) ->
 def _extend(lib, q, k_slots, v_slots, table, kv_lens, q_lens, page_size, scale, out=None) -> torch.Tensor:
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     out = torch.full_like(q, 7.0) if out is None else out
-    cpu_paged_extend.paged_extend(lib, q, k_slots, v_slots, t32(table), t32(kv_lens), t32(starts), t32(q_lens),
-                                  page_size, scale, int(kv_lens.max()), out)
+    paged_extend.paged_extend(lib, "f32", q, k_slots, v_slots, t32(table), t32(kv_lens), t32(starts), t32(q_lens),
+                              page_size, scale, int(kv_lens.max()), out)
     return out
 
 
@@ -122,8 +111,8 @@ def test_extend_kernel_writes_only_the_rows_of_its_requests(built):
     q_lens, cached = [4, 6], [20, 9]
     q, k_slots, v_slots, table, kv_lens = _problem(q_lens, cached, 8, 4, 64, 16, seed=1)
     out = torch.full_like(q, 7.0)
-    cpu_paged_extend.paged_extend(built, q, k_slots, v_slots, t32(table[1:]), t32(kv_lens[1:]), t32([4]), t32([6]),
-                                  16, 0.125, int(kv_lens[1]), out)
+    paged_extend.paged_extend(built, "f32", q, k_slots, v_slots, t32(table[1:]), t32(kv_lens[1:]), t32([4]),
+                              t32([6]), 16, 0.125, int(kv_lens[1]), out)
     assert torch.all(out[:4] == 7.0)
     ref = _reference(q, k_slots, v_slots, table, kv_lens, q_lens, 16, 0.125)
     torch.testing.assert_close(out[4:], ref[4:], rtol=0, atol=3e-6)
@@ -141,8 +130,8 @@ def test_threads_split_the_work_items_and_write_the_same_bits(built):
 
 def _step(q_lens, cached, monkeypatch, lib, dtype=torch.float32, H=8, Hkv=4, D=64, page_size=16):
     """paged_attention over one float32 step whose requests bring q_lens new tokens after ``cached`` pool tokens,
-    with ``lib`` as the C library; returns the output [T, H, D], the queries [H, T, D], the pool, its page table,
-    kv_lens and the rows each extend-kernel call took."""
+    with the plan of a float32 model on ``lib``; returns the output [T, H, D], the queries [H, T, D], the pool, its
+    page table, kv_lens and the rows each extend-kernel call took."""
     g = torch.Generator().manual_seed(sum(q_lens))
     q_lens, cached = np.asarray(q_lens, np.int64), np.asarray(cached, np.int64)
     kv_lens = cached + q_lens
@@ -154,12 +143,18 @@ def _step(q_lens, cached, monkeypatch, lib, dtype=torch.float32, H=8, Hkv=4, D=6
     positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
     q = torch.randn(1, T, H, D, generator=g).to(dtype).transpose(1, 2)
     k, v = (torch.randn(1, T, Hkv, D, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+    kernels = kernels_for(dtype, heads=(H, Hkv), D=D, lib=lib)
     calls = []
-    real = cpu_paged_extend.paged_extend
-    monkeypatch.setattr(cpu_paged_extend, "paged_extend", lambda *a: calls.append(a[7].tolist()) or real(*a))
-    monkeypatch.setattr(cpu_paged_decode, "load", lambda: lib)
+    real = paged_extend.paged_extend
+
+    def counted(*a):
+        assert a[0] is lib and a[1] == "f32"  # the plan's library, its float32 kernel
+        calls.append(a[8].tolist())
+        return real(*a)
+
+    monkeypatch.setattr(paged_extend, "paged_extend", counted)
     out = run_step(pa.StepMeta(q_lens, kv_lens, positions, table, page_size, torch.device("cpu")), pool, q, k, v,
-                   D ** -0.5, monkeypatch)
+                   D ** -0.5, monkeypatch, kernels)
     return out[0], q[0], pool, table, kv_lens, calls
 
 
@@ -181,26 +176,31 @@ def test_paged_attention_sends_short_float32_extends_to_the_kernel(built, monkey
     torch.testing.assert_close(out, _pool_reference(q, pool, table, kv_lens, q_lens), rtol=0, atol=3e-6)
 
 
-def test_longer_extends_bf16_and_builds_without_the_kernel_take_sdpa(built, monkeypatch, tmp_path):
-    """Past MAX_ROWS rows per request, in bf16 (the bf16 paths) and with a library that lacks the kernel (a baseline
-    x86 or ARM build) float32 extends go to torch's SDPA over gathered pages, with the same results."""
-    rows = cpu_paged_extend_f32.MAX_ROWS + 1
+def test_longer_extends_bf16_and_libraries_without_the_kernel_take_sdpa(built, monkeypatch):
+    """Past MAX_ROWS_F32 rows per request, in bf16 (the bf16 paths) and with a library that lacks the kernel (the
+    baseline x86 level's, or an ARM one: the plan has no float32 extend kernel) float32 extends go to torch's SDPA
+    over gathered pages, with the same results."""
+    assert kernels_for(torch.float32, lib=built).plan.extend_kernel.value == "f32"
+    rows = paged_extend.MAX_ROWS_F32 + 1
     out, q, pool, table, kv_lens, calls = _step([rows, 3], [40, 10], monkeypatch, built)
     assert calls == []
     torch.testing.assert_close(out, _pool_reference(q, pool, table, kv_lens, [rows, 3]), rtol=0, atol=3e-6)
-    monkeypatch.undo()
-    assert not cpu_paged_extend.runs(built, torch.zeros(3, 8, 64, dtype=torch.bfloat16), torch.float32, 4, 3)
-    assert not cpu_paged_extend.runs(built, torch.zeros(3, 8, 64), torch.float8_e4m3fn, 4, 3)
-    assert not cpu_paged_extend.runs(built, torch.zeros(3, 8, 60), torch.float32, 4, 3)  # 60 dims: not 8-aligned
+    q = torch.zeros(8, 3, 64)  # [H, T, D]: 8 query heads over 4 KV heads
+    assert paged_extend.runs("f32", q, torch.float32, 4, paged_extend.MAX_ROWS_F32)
+    assert not paged_extend.runs("f32", q, torch.float32, 4, rows)
+    assert not paged_extend.runs("f32", q.bfloat16(), torch.float32, 4, 3)
+    assert not paged_extend.runs("f32", q.bfloat16(), torch.bfloat16, 4, 3)
+    assert not paged_extend.runs("avx512", q, torch.float32, 4, 3)  # the bf16 kernels take bf16 only
+    assert not paged_extend.runs("f32", q, torch.float8_e4m3fn, 4, 3)
+    assert not paged_extend.runs("f32", torch.zeros(8, 3, 60), torch.float32, 4, 3)  # 60 dims: not 8-aligned
+    assert not paged_extend.runs("f32", torch.zeros(6, 3, 64), torch.float32, 4, 3)  # 6 heads over 4 KV heads
+    # a bf16 model's plan never takes the float32 kernel
+    assert kernels_for(torch.bfloat16, lib=built).plan.extend_kernel.value != "f32"
 
-    cc = find_c_compiler({})
-    skip_unless_this_cpu_runs("x86-64")
-    path = c_kernel_build.build_library("extend_f32_baseline", cpu_paged_decode._SOURCE, cpu_paged_decode.CFLAGS,
-                                        cc, c_kernel_build.compiler_identity(cc), "x86-64", COMPILE_FLAGS["x86-64"],
-                                        tmp_path)
-    baseline = ctypes.CDLL(str(path))
-    cpu_paged_decode._bind(baseline)
-    assert not cpu_paged_extend_f32.available(baseline)
+    baseline = library_at("x86-64")
+    assert not baseline.has("paged_extend_f32")
+    plan = kernels_for(torch.float32, lib=baseline).plan
+    assert plan.extend_kernel.value == "none" and plan.extend_attention.value == "torch"
     out, q, pool, table, kv_lens, calls = _step([20, 5], [33, 200], monkeypatch, baseline)
     assert calls == []
     torch.testing.assert_close(out, _pool_reference(q, pool, table, kv_lens, [20, 5]), rtol=0, atol=3e-6)

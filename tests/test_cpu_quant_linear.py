@@ -1,5 +1,5 @@
-"""CPU weight-only int8 / int4 linears (backends/torch/cpu_quant_linear.py) and the quantized input embedding
-(cpu_quant_embedding.py): outputs equal a dequantized reference (the value conventions of ``from_quantized`` as
+"""CPU weight-only int8 / int4 linears (backends/torch/weights/quant_linear.py) and the quantized input embedding
+(weights/quant_embedding.py): outputs equal a dequantized reference (the value conventions of ``from_quantized`` as
 documented), ``from_linear`` holds exactly the weights torchao's int8wo / int4wo recipes make, an embedding lookup
 gives the rows the lm_head kernel multiplies by (one table when tied), and greedy output through the backend
 equals transformers' model running the same dequantized weights (embedding included), token for token."""
@@ -10,13 +10,22 @@ import torch
 from torch import nn
 
 from backend_driver import run_greedy
-from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
-from tierlm.backends.torch.cpu_quant_linear import (QUANT_LINEARS, Int4WeightOnlyLinear, Int8WeightOnlyLinear,
-                                                    int4_tinygemm_recipe, quantize_linears)
+from tierlm.backends.torch.cpu import library
+from tierlm.backends.torch.weights.quant_embedding import QuantizedEmbedding
+from tierlm.backends.torch.weights.quant_linear import (QUANT_LINEARS, Int4WeightOnlyLinear, Int8WeightOnlyLinear,
+                                                        int4_tinygemm_recipe, quantize_linears)
 from tierlm.backends.weight_format import parse_weight_quant
 
 # Float32 activations: the kernels accumulate in float32, so only the summation order differs from the reference.
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _int8_kernel_library():
+    """The process's kernel library where it has the int8 streaming kernel (x86 AVX2 / AVX-512 code), else skip."""
+    lib = library.load()
+    if lib is None or not lib.has("int8_gemv"):
+        pytest.skip(f"no kernel library with the int8 streaming kernel here ({library.status()['why']})")
+    return lib
 
 
 def _bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -26,15 +35,21 @@ def _bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 4 * 2.0 ** -8 * ref.abs().max().item(), err
 
 
+@pytest.mark.parametrize("kernel", ["torch", "library"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64), (0, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_from_quantized_equals_the_dequantized_product(dtype, shape, bias):
+def test_int8_from_quantized_equals_the_dequantized_product(dtype, shape, bias, kernel):
+    """On torch's kernels (a layer without a library) and on tierlm's streaming kernel (``lib`` set, as the plan
+    sets it where int8_products=gemv): the same dequantized product."""
     torch.manual_seed(0)
     q = torch.randint(-128, 128, (40, 64), dtype=torch.int8)
     scales = torch.rand(40, 1) * 0.01 + 1e-3  # [N, 1] as compressed-tensors stores channel scales
     b = torch.randn(40) if bias else None
     layer = Int8WeightOnlyLinear.from_quantized(q, scales, b, dtype=dtype)
+    assert layer.lib is None  # torch's kernel until the plan gives the layer the library
+    if kernel == "library":
+        layer.lib = _int8_kernel_library()
     x = torch.randn(*shape).to(dtype)
     w = q.float() * scales.to(dtype).float()  # scales held in the activation dtype, as documented
     ref = x.float() @ w.t() + (b.to(dtype).float() if bias else 0)
@@ -147,14 +162,14 @@ def test_embedding_rows_are_the_rows_the_lm_head_kernel_multiplies_by(dtype, bit
 def test_int4_rows_read_the_packed_layout_of_this_torch_build_or_an_unpacked_copy(monkeypatch):
     """The probe finds how this torch build packs int4 (AVX512: 64-row blocks, AVX2: 32); where no known layout
     reads it, the embedding reads an unpacked copy of the same values: same rows."""
-    from tierlm.backends.torch import cpu_quant_embedding
+    from tierlm.backends.torch.weights import quant_embedding
 
-    assert cpu_quant_embedding._packed_int4_layout() is not None
+    assert quant_embedding._packed_int4_layout() is not None
     torch.manual_seed(5)
     lin = nn.Linear(64, 285, bias=False)
     table = Int4WeightOnlyLinear.from_linear(lin, 32)
     packed_rows = QuantizedEmbedding(table, torch.float32).dequantized()
-    monkeypatch.setattr(cpu_quant_embedding, "_packed_int4_layout", lambda: None)
+    monkeypatch.setattr(quant_embedding, "_packed_int4_layout", lambda: None)
     with pytest.raises(ValueError, match="unpacked values"):
         QuantizedEmbedding(table, torch.float32)
     q = int4_tinygemm_recipe(lin.weight.detach(), 32)[0]
@@ -225,8 +240,12 @@ def test_backend_greedy_equals_transformers_on_the_dequantized_weights(tiny_llam
     assert (Int8WeightOnlyLinear if value == "int8wo" else Int4WeightOnlyLinear) in kinds
     linear = backend.kernels()["linear"]
     assert "weight-only" in linear
-    from tierlm.backends.torch import cpu_int8_gemv
-    assert ("streaming kernel for all rows" in linear) == (value == "int8wo" and cpu_int8_gemv.load() is not None)
+    lib = library.load()
+    streams = value == "int8wo" and lib is not None and lib.has("int8_gemv")
+    assert ("streaming kernel for all rows" in linear) == streams
+    assert (backend.cpu_kernels.plan.int8_products.value == "gemv") == streams
+    assert all(m.lib is (lib if streams else None) for m in backend.model.modules()
+               if isinstance(m, Int8WeightOnlyLinear))
     prompts = [[1, 17, 42, 99, 7, 250, 31], [1, 5, 6, 200, 201, 202, 12, 13, 14]]
     got = run_greedy(backend, prompts, 12)
     assert got == [_dequantized_reference(model_dir, backend, p, 12) for p in prompts]
@@ -253,9 +272,8 @@ def test_int8_weight_at_an_unaligned_address_and_activations_in_another_dtype():
 def test_an_embedding_left_in_the_model_dtype_is_not_labelled_quantized(tiny_llama, monkeypatch):
     """quantize_embedding declines (a scaled embedding subclass, rows the kernel cannot take): the weights keep the
     plain int8wo label, so their L3 pages are never read under "+embedding" (which computes other numbers)."""
-    from tierlm.backends.torch import weight_quant
     from tierlm.backends.torch.backend import TorchBackend
-    from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
+    from tierlm.backends.torch.weights import weight_quant
 
     monkeypatch.setattr(weight_quant, "quantize_embedding", lambda *a: "declined for the test")
     backend = TorchBackend(tiny_llama, dtype="float32", device="cpu", weight_quant=parse_weight_quant(None, "int8wo"))
@@ -266,20 +284,19 @@ def test_an_embedding_left_in_the_model_dtype_is_not_labelled_quantized(tiny_lla
 @pytest.mark.parametrize("value", ["int8wo", "int4wo-32"])
 def test_a_long_lookup_in_slices_gives_the_rows_of_a_short_one(tiny_qwen2, value, monkeypatch):
     """Lookups longer than LOOKUP_CHUNK go in slices (bounded temporaries): the same rows as one lookup."""
-    from tierlm.backends.torch import cpu_quant_embedding
     from tierlm.backends.torch.backend import TorchBackend
-    from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
+    from tierlm.backends.torch.weights import quant_embedding
 
     backend = TorchBackend(tiny_qwen2, dtype="float32", device="cpu", weight_quant=parse_weight_quant(None, value))
     emb = next(m for m in backend.model.modules() if isinstance(m, QuantizedEmbedding))
     ids = torch.randint(0, emb.num_embeddings, (3, 50))
     whole = emb(ids)
-    monkeypatch.setattr(cpu_quant_embedding, "LOOKUP_CHUNK", 7)
+    monkeypatch.setattr(quant_embedding, "LOOKUP_CHUNK", 7)
     assert torch.equal(emb(ids), whole) and whole.shape == (3, 50, emb.embedding_dim)
 
 
 def test_int8_bf16_prefill_goes_through_the_widened_weight_in_slices(monkeypatch):
-    from tierlm.backends.torch import cpu_quant_linear
+    from tierlm.backends.torch.weights import quant_linear as cpu_quant_linear
 
     g = torch.Generator().manual_seed(3)
     q = torch.randint(-128, 128, (70, 96), generator=g, dtype=torch.int8)

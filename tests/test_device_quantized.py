@@ -24,7 +24,7 @@ def _report(capsys, what: str, backend, doctor_bytes: int) -> None:
 
 def test_mxfp4_gpt_oss_greedy_and_resident_bytes(tiny_models_root, capsys):
     from tierlm.backends.torch.backend import TorchBackend
-    from tierlm.backends.torch.mxfp4_experts import PackedMxfp4Experts
+    from tierlm.backends.torch.weights.mxfp4_experts import PackedMxfp4Experts
 
     folder = build_tiny_gpt_oss(tiny_models_root / "gpt_oss_mxfp4", mxfp4=True)
     device = device_under_test()

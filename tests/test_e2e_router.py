@@ -132,5 +132,11 @@ def test_cache_aware_sends_a_shared_prefix_to_the_same_worker(cluster) -> None:
     # The first computes the prefix on one worker; every later one lands on that worker and reuses its 2+ pages
     # (round-robin or random routing would send some to the other worker, whose cache lacks the prefix).
     assert all(c >= 32 for c in cached[1:]), cached
-    served = [sum(SHARED_PREFIX[:40] in line for line in w.log_text().splitlines()) for w in workers]
+    # a worker logs a request's line as its response goes out: read the logs once every line is in (or 10 s passed)
+    deadline = time.monotonic() + 10
+    while True:
+        served = [sum(SHARED_PREFIX[:40] in line for line in w.log_text().splitlines()) for w in workers]
+        if sum(served) >= len(ENDINGS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert sorted(served) == [0, len(ENDINGS)], served

@@ -4,7 +4,8 @@ What must hold: on every covered family (llama, qwen2, qwen3, mistral) the loade
 MLP and RMSNorm forms in bf16 (float32: the RMSNorm only, the projections stay separate with the reason), each
 layer then makes 4 linear calls instead of 7, and the logits of prefill and decode steps equal the unfused
 model's bit for bit (bf16 packed where the CPU packs); a family or an option it does not cover keeps
-transformers' module, with the reason, and the same output; the environment switch turns it off.
+transformers' module, with the reason, and the same output; the CPU plan's override fused_projections=no (and the
+old TIERLM_CPU_FUSED_PROJECTIONS=0, read as it) turns it off.
 """
 from __future__ import annotations
 
@@ -14,19 +15,22 @@ import torch
 from torch import nn
 
 from tierlm.backends.base import ForwardBatch, SamplingBatch
-from tierlm.backends.torch import fused_projections
 from tierlm.backends.torch.backend import TorchBackend
-from tierlm.backends.torch.cpu_linear import PackedLinear, packing_available
+from tierlm.backends.torch.cpu.linear import PackedLinear, torch_refusal
 from tierlm.backends.torch.fused_projections import (FusedGateUpMLP, FusedQKVAttention, FusedRMSNorm,
                                                      fuse_projections)
+from tierlm.platforms.cpu_features import this_cpu
 
 PAGE_SIZE = 4
 PROMPTS = [[5, 9, 13, 2, 7, 40, 41], [11, 4, 6], [8, 1, 70, 71, 72, 73, 74, 75, 76]]
 
 
-def _backend(model_dir, dtype: str, fused: bool, monkeypatch) -> TorchBackend:
-    monkeypatch.setenv(fused_projections.ENV, "1" if fused else "0")
+def _backend(model_dir, dtype: str, fused: bool, monkeypatch, env: dict[str, str] | None = None) -> TorchBackend:
+    """``env``: the switch's setting (default: the CPU plan's override fused_projections=yes|no)."""
+    for name, value in (env or {"TIERLM_CPU_PLAN": f"fused_projections={'yes' if fused else 'no'}"}).items():
+        monkeypatch.setenv(name, value)
     backend = TorchBackend(model_dir, dtype=dtype)
+    assert backend.cpu_kernels.plan.fused_projections.value == ("yes" if fused else "no")
     backend.init_kv_pool(16, PAGE_SIZE)
     return backend
 
@@ -60,7 +64,8 @@ def test_every_family_runs_fused_with_the_unfused_logits_bit_for_bit(tiny_model,
     linear = (nn.Linear, PackedLinear)
     n_plain = sum(isinstance(m, linear) for m in plain.model.modules())
     assert sum(isinstance(m, linear) for m in fused.model.modules()) == n_plain - 3 * len(layers)
-    if dtype == "bfloat16" and packing_available()[0]:  # the fused weights are the ones prepacked
+    if dtype == "bfloat16" and this_cpu().onednn_bf16_prepack[0] and torch_refusal() is None:
+        # the fused weights are the ones prepacked
         assert isinstance(layers[0].self_attn.qkv_proj, PackedLinear)
         assert isinstance(layers[0].mlp.gate_up_proj, PackedLinear)
     assert plain.weight_bytes() == fused.weight_bytes()  # the parts are dropped: no second copy
@@ -137,8 +142,12 @@ def test_adapted_or_hooked_projections_stay_unfused_and_the_rest_fuses():
     assert torch.equal(before, after)
 
 
-def test_the_switch_turns_it_off(tiny_llama, monkeypatch):
-    backend = _backend(tiny_llama, "float32", False, monkeypatch)
+@pytest.mark.parametrize("env,why", [
+    ({"TIERLM_CPU_PLAN": "fused_projections=no"}, "TIERLM_CPU_PLAN fused_projections=no"),
+    ({"TIERLM_CPU_FUSED_PROJECTIONS": "0"}, "TIERLM_CPU_FUSED_PROJECTIONS=0")])  # the old switch, read as the override
+def test_the_switch_turns_it_off(tiny_llama, monkeypatch, env, why):
+    backend = _backend(tiny_llama, "float32", False, monkeypatch, env)
+    assert backend.cpu_kernels.plan.fused_projections.why == why
     assert not any(isinstance(m, (FusedQKVAttention, FusedGateUpMLP, FusedRMSNorm)) for m in backend.model.modules())
     assert hasattr(backend.model.model.layers[0].self_attn, "q_proj")
 

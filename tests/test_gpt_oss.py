@@ -318,7 +318,7 @@ def test_mxfp4_checkpoint_matches_reference(gpt_oss_mxfp4, gpt_oss, backend_name
         from safetensors import safe_open
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-        from tierlm.backends.torch.mxfp4_experts import PackedMxfp4Experts
+        from tierlm.backends.torch.weights.mxfp4_experts import PackedMxfp4Experts
         from tierlm.backends.weight_format import mxfp4_experts_mode
 
         with safe_open(str(gpt_oss_mxfp4 / "model.safetensors"), "pt") as f:

@@ -1,6 +1,7 @@
-"""Weights on transparent huge pages (platforms/huge_pages.py decides, backends/torch/huge_pages.py applies).
+"""Weights on transparent huge pages (platforms/huge_pages.py decides, backends/torch/cpu/huge_pages.py applies).
 
-What must hold: the decision follows the kernel's THP mode, its version (MADV_COLLAPSE from 6.1) and the switch, on
+What must hold: the decision follows the kernel's THP mode, its version (MADV_COLLAPSE from 6.1) and the switch (the
+CPU plan's override huge_pages=no, TIERLM_CPU_PLAN; the old TIERLM_HUGE_PAGES=0 is read as it), on
 texts recorded from real machines; moving memory onto huge pages never changes its contents and the kernel really
 maps it with huge pages where the plan says it can; the backend reports what it moved, and keeps 4 KB pages when
 switched off.
@@ -12,11 +13,16 @@ import re
 
 import pytest
 
-from tierlm.platforms.huge_pages import SWITCH_ENV, HugePagePlan, plan, this_machine
+from tierlm.platforms.huge_pages import HugePagePlan, plan, this_machine
 
 MIB = 2 ** 20
 # /sys/kernel/mm/transparent_hugepage/enabled as Debian, Ubuntu and RHEL ship it, and with THP turned off
 MADVISE, ALWAYS, NEVER = "always [madvise] never\n", "[always] madvise never\n", "always madvise [never]\n"
+# The switch that keeps 4 KB pages, and what the plan says set it: the CPU plan's override, and the old variable
+OFF = {"TIERLM_CPU_PLAN": "huge_pages=no"}
+OFF_SAID = "TIERLM_CPU_PLAN huge_pages=no"
+OLD_OFF = {"TIERLM_HUGE_PAGES": "0"}
+OLD_OFF_SAID = "TIERLM_HUGE_PAGES=0"
 
 
 def test_the_plan_follows_the_thp_mode_and_the_kernel_version():
@@ -30,7 +36,8 @@ def test_the_plan_follows_the_thp_mode_and_the_kernel_version():
 
 
 @pytest.mark.parametrize("env,system,enabled,said", [
-    ({SWITCH_ENV: "0"}, "Linux", MADVISE, f"{SWITCH_ENV}=0"),
+    (OFF, "Linux", MADVISE, OFF_SAID),
+    (OLD_OFF, "Linux", MADVISE, OLD_OFF_SAID),
     ({}, "Linux", NEVER, "echo madvise"),
     ({}, "Linux", None, "no transparent huge pages"),
     ({}, "Darwin", None, "Darwin"),
@@ -41,7 +48,7 @@ def test_no_huge_pages_says_why(env, system, enabled, said):
 
 
 def test_ranges_and_the_bytes_inside_them():
-    from tierlm.backends.torch.huge_pages import bytes_per_range
+    from tierlm.backends.torch.cpu.huge_pages import bytes_per_range
 
     page = 2 * MIB
     regions = [(3 * MIB, 2 * MIB), (5 * MIB, MIB), (10 * MIB + 100, 100)]  # 3-5 MiB crosses the 4 MiB boundary
@@ -54,7 +61,7 @@ def test_huge_pages_larger_than_2_mib_are_not_asked_for():
 
 
 def test_sparse_ranges_are_advised_not_collapsed_and_without_collapse_the_report_says_advised(monkeypatch):
-    from tierlm.backends.torch import huge_pages
+    from tierlm.backends.torch.cpu import huge_pages
 
     calls = []
     monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda addr, n, advice: calls.append((addr, n, advice)) or 0)
@@ -71,7 +78,7 @@ def test_sparse_ranges_are_advised_not_collapsed_and_without_collapse_the_report
 
 
 def test_one_advice_per_run_of_adjacent_ranges_and_a_refused_run_falls_back(monkeypatch):
-    from tierlm.backends.torch import huge_pages
+    from tierlm.backends.torch.cpu import huge_pages
 
     page, calls = 2 * MIB, []
     mapped = [(10 * MIB, 21 * MIB), (30 * MIB, 32 * MIB), (40 * MIB, 48 * MIB + 8192)]
@@ -96,7 +103,7 @@ def test_one_advice_per_run_of_adjacent_ranges_and_a_refused_run_falls_back(monk
 
 
 def test_the_switch_for_torchs_allocator_is_set_unless_the_user_set_it():
-    from tierlm.backends.torch.huge_pages import ALLOC_ENV, ask_at_allocation
+    from tierlm.backends.torch.cpu.huge_pages import ALLOC_ENV, ask_at_allocation
 
     yes = HugePagePlan(True, 2 * MIB, True, "")
     env: dict[str, str] = {}
@@ -137,7 +144,7 @@ def test_memory_moved_onto_huge_pages_keeps_its_contents():
 
     import numpy as np
 
-    from tierlm.backends.torch.huge_pages import move_onto_huge_pages
+    from tierlm.backends.torch.cpu.huge_pages import move_onto_huge_pages
 
     machine = this_machine(os.environ)
     if not (machine.use and machine.collapse):
@@ -169,19 +176,22 @@ def test_memory_moved_onto_huge_pages_keeps_its_contents():
         mapping.close()
 
 
-@pytest.mark.parametrize("switch", ["on", "off"])
+@pytest.mark.parametrize("switch", ["on", "off", "old off"])
 def test_the_backend_reports_its_weight_pages_and_the_switch_keeps_4k_pages(tiny_llama, monkeypatch, switch):
     from tierlm.backends.torch.backend import TorchBackend
 
-    if switch == "off":
-        monkeypatch.setenv(SWITCH_ENV, "0")
+    env, off_said = {"off": (OFF, OFF_SAID), "old off": (OLD_OFF, OLD_OFF_SAID)}.get(switch, ({}, None))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     backend = TorchBackend(tiny_llama, dtype="bfloat16")
     said = backend.kernels()["weight_pages"]
     report = backend.huge_pages
     assert report.weight_bytes > 0
     machine = this_machine(os.environ)
-    if switch == "off":
-        assert report.on_huge_pages == 0 and f"{SWITCH_ENV}=0" in said
+    decided = backend.cpu_kernels.plan.extra["huge_pages"]  # the plan's record of the decision
+    assert decided.value == ("yes" if machine.use else "no") and decided.why == machine.why
+    if off_said:
+        assert report.on_huge_pages == 0 and off_said in said and not machine.use and off_said in decided.why
     elif machine.use and machine.collapse:
         # the tiny model's weights lie among other allocations; how many ranges the kernel moves depends on them
         assert report.ranges > 0 and "of weights on huge pages" in said
@@ -201,4 +211,5 @@ def test_doctor_says_where_the_weights_will_lie(tiny_llama):
     report, said = pages({})
     assert said == this_machine({}).why
     assert "weight pages" in doctor_cmd.render_text(report)
-    assert f"{SWITCH_ENV}=0" in pages({SWITCH_ENV: "0"})[1]
+    assert OFF_SAID in pages(OFF)[1]
+    assert OLD_OFF_SAID in pages(OLD_OFF)[1]

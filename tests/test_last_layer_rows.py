@@ -15,12 +15,21 @@ import pytest
 import torch
 
 from tierlm.backends.base import ForwardBatch, SamplingBatch
-from tierlm.backends.torch import cpu_blocked_attention, last_layer_rows
+from tierlm.backends.torch import last_layer_rows
 from tierlm.backends.torch.backend import TorchBackend
+from tierlm.backends.torch.cpu import blocked_attention
 from tierlm.backends.torch.last_layer_rows import ReadRowsLayer
 
 PAGE_SIZE = 4
 FRESH = 70  # a fresh prefill long enough for two blocks of the blocked attention's query rows
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A backend sets torch's thread count when it loads (cpu/threads.py): the process's own count after the test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def _backend(model_dir, dtype: str, read_rows: bool, monkeypatch) -> TorchBackend:
@@ -82,12 +91,16 @@ def test_read_rows_give_the_every_row_logits_and_kv(tiny_model, dtype, monkeypat
     rows_every, rows_read = _mlp_rows(every), _mlp_rows(read)
     want = _steps(every)
     queries: list[int] = []  # query rows of each blocked-attention call (bf16 fresh prefills, where it runs)
-    blocked = cpu_blocked_attention.blocked_attention
-    monkeypatch.setattr(cpu_blocked_attention, "blocked_attention",
+    blocked = blocked_attention.blocked_attention
+    monkeypatch.setattr(blocked_attention, "blocked_attention",
                         lambda lib, q, *args: queries.append(q.shape[2]) or blocked(lib, q, *args))
     got = _steps(read)
-    if cpu_blocked_attention.runs_on("cpu", read.dtype):  # the fresh prefill's last layer: the read query alone
+    # where the model's CPU plan has the blocked path (bf16, a library loaded, no AMX or prefill_attention=blocked)
+    if read.cpu_kernels is not None and read.cpu_kernels.blocked is not None and read.dtype == torch.bfloat16:
+        # the fresh prefill's last layer: the read query alone
         assert queries.count(FRESH) == read.info.num_layers - 1 and queries.count(1) == 1
+    else:
+        assert not queries
     assert rows_every == [17, 2, 2, FRESH, 6, 4, 4]
     assert rows_read == [2, 0, 1, 1, 3, 4, 4]  # request 1's chunks read none; decode reads every row
     for a, b in zip(want, got):
@@ -126,13 +139,15 @@ def test_outside_a_read_rows_step_the_layer_is_transformers_own(tiny_llama, monk
     ids = torch.tensor([[5, 9, 13, 2, 7]])
     batch = _batch(ids[0].numpy(), np.arange(5), [5], [5], np.arange(16).reshape(1, 16), [4])
     outs = []
+    current = paged_attention.CURRENT
     for backend in (every, read):
-        paged_attention.CURRENT.meta = paged_attention.StepMeta(batch.q_lens, batch.kv_lens, batch.positions,
-                                                                batch.page_table, PAGE_SIZE, torch.device("cpu"))
-        paged_attention.CURRENT.pool = backend.pool
+        saved = current.meta, current.pool, current.kernels
+        current.meta = paged_attention.StepMeta(batch.q_lens, batch.kv_lens, batch.positions, batch.page_table,
+                                                PAGE_SIZE, torch.device("cpu"))
+        current.pool, current.kernels = backend.pool, backend.cpu_kernels  # as the backend's own steps set them
         try:
             with torch.inference_mode():
                 outs.append(backend.model.model(input_ids=ids, position_ids=torch.arange(5)[None]).last_hidden_state)
         finally:
-            paged_attention.CURRENT.meta = None
+            current.meta, current.pool, current.kernels = saved
     assert outs[1].shape == (1, 5, outs[1].shape[-1]) and torch.equal(outs[0], outs[1])

@@ -108,3 +108,42 @@ def test_engine_and_the_fake_engine_both_satisfy_the_engine_api():
 
     assert isinstance(Engine(ServerArgs()), EngineAPI)
     assert isinstance(FakeEngine(), EngineAPI)
+
+
+def _package_import_cycles(folder: str) -> list[list[str]]:
+    """The import cycles among the modules under ``folder`` (every import counts, function-level ones too: a lazy
+    import that closes a circle is still one)."""
+    modules = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(("tierlm", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for mod in _imported_modules(path):
+            found |= {mod} & modules.keys()
+        tree = ast.parse(path.read_text())
+        found |= {f"{node.module}.{alias.name}" for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module for alias in node.names} & modules.keys()
+        graph[name] = {m for m in found if m != name and not name.startswith(m + ".")}  # a package's own parents
+    cycles, done = [], set()
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycle = trail[trail.index(node):]
+            if frozenset(cycle) not in done:
+                done.add(frozenset(cycle))
+                cycles.append(cycle + [node])
+            return
+        for nxt in sorted(graph[node]):
+            visit(nxt, trail + [node])
+
+    for start in sorted(graph):
+        visit(start, [])
+    return cycles
+
+
+def test_the_backends_have_no_import_circle():
+    # ops.py (the op schemas) sits at the bottom of backends/torch: a kernel never imports the compile path that
+    # records it, nor the compile path the kernels.
+    assert _package_import_cycles("backends") == []

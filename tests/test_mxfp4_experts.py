@@ -1,4 +1,4 @@
-"""gpt-oss MXFP4 experts kept packed on the torch backend (backends/torch/mxfp4_experts.py, issue #30).
+"""gpt-oss MXFP4 experts kept packed on the torch backend (backends/torch/weights/mxfp4_experts.py, issue #30).
 
 What must hold: the packed experts compute exactly what the experts dequantized while loading compute (the decode is
 transformers' bit for bit, the forward its grouped_mm path), so greedy output equals transformers' own MXFP4
@@ -21,8 +21,8 @@ from model_factory import build_tiny_gpt_oss
 from test_gpt_oss import PS, mxfp4_reference, prompts
 
 from tierlm.backends.model_source.folder_facts import weight_bytes
-from tierlm.backends.torch import mxfp4_experts
-from tierlm.backends.torch.mxfp4_experts import PackedMxfp4Experts, dequantize
+from tierlm.backends.torch.weights import mxfp4_experts
+from tierlm.backends.torch.weights.mxfp4_experts import PackedMxfp4Experts, dequantize
 from tierlm.backends.weight_format import MXFP4_EXPERTS_ENV, WeightFormatError, mxfp4_experts_mode
 
 # openai/gpt-oss-20b's config.json (the shapes; quantization_config as released).

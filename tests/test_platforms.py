@@ -564,6 +564,70 @@ def test_doctor_sizes_tiers_in_tokens_for_a_local_model(tmp_path, monkeypatch, c
     assert report["architecture"] == {"architecture": "LlamaForCausalLM", "model_type": "llama", "verified": True}
 
 
+def _cpu_model(folder: Path) -> Path:
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, hidden_size=256, torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros(1024, np.float32)}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("env", [{}, {"TIERLM_CPU_PLAN": "decode_attention=torch,fused_projections=no"},
+                                 {"TIERLM_CPU_KERNELS": "0"}])
+def test_doctor_reports_the_cpu_plan_serve_builds(tmp_path, monkeypatch, capsys, env):
+    """torch on this CPU: doctor's cpu_kernels are the CPU plan's fields (platforms/cpu_plan.py), each "value (why)",
+    decided from the model's config and the kernel library the install built, plus the library, the decode step and
+    the weight pages; the text report shows them."""
+    from tierlm.backends.torch.cpu import library
+    from tierlm.platforms import cpu_plan
+    from tierlm.platforms.facts import detect
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # the library's switch is read from the process, as serve reads it
+    facts = detect()
+    report = doctor_cmd.diagnose(facts, {"TIERLM_BACKEND": "torch", **env},
+                                 ["--json", "--model-path", str(_cpu_model(tmp_path)), "--device", "cpu"])
+    assert report["errors"] == [], report["errors"]
+    model = report["model"]
+    lib = library.installed_facts(facts.cpu, env)
+    plan = cpu_plan.decide(facts.cpu, cpu_plan.ModelFacts(model["dtype"], model["kv_cache_dtype"], 8, 2, 32,
+                                                          model.get("weight_format") or "none"), lib, env)
+    kernels = report["cpu_kernels"]
+    fields = {name: f"{c['value']} ({c['why']})" for name, c in plan.to_dict().items()
+              if name not in ("cpu", "kernels")}
+    assert set(kernels) == set(fields) | {"kernel_library", "decode_step", "weight_pages"}
+    assert {k: v for k, v in kernels.items() if k in fields} == fields
+    assert kernels["kernel_library"] == f"{lib.level or 'none'} ({lib.why})"
+    if "TIERLM_CPU_KERNELS" in env:
+        assert kernels["kernel_library"] == "none (TIERLM_CPU_KERNELS=0)"
+        assert kernels["decode_attention"].startswith("torch (no kernel library (TIERLM_CPU_KERNELS=0))")
+    if "TIERLM_CPU_PLAN" in env:
+        assert kernels["decode_attention"] == "torch (TIERLM_CPU_PLAN decode_attention=torch)"
+        assert kernels["fused_projections"] == "no (TIERLM_CPU_PLAN fused_projections=no)"
+    text = doctor_cmd.render_text(report)
+    for label in ("kernel library", "decode attn", "prefill attn", "decode step", "weight pages"):
+        assert label in text, label
+
+
+def test_doctor_reports_an_override_the_plan_cannot_run_as_an_error(tmp_path):
+    """A well-formed override of a value this CPU or its library cannot run: an error with the reason, as at
+    startup, and no plan."""
+    from tierlm.platforms.facts import detect
+
+    facts = detect()
+    if facts.cpu.has("amx_bf16", "amx_tile"):
+        pytest.skip("this CPU runs the AMX kernel")
+    env = {"TIERLM_BACKEND": "torch", "TIERLM_CPU_PLAN": "decode_products=amx"}
+    report = doctor_cmd.diagnose(facts, env, ["--json", "--model-path", str(_cpu_model(tmp_path)), "--device", "cpu",
+                                              "--dtype", "bfloat16"])
+    if report["model"]["dtype"] != "bfloat16" or not facts.cpu.onednn_bf16_prepack[0]:
+        pytest.skip("no packed bf16 weights here: the decode-product kernels do not apply")
+    assert any("decode_products=amx cannot run here" in e for e in report["errors"]), report["errors"]
+    assert report["cpu_kernels"] is None
+
+
 def test_tierlm_cli_dispatches_doctor(capsys, monkeypatch):
     from tierlm.cli import main as cli_main
 

@@ -6,7 +6,8 @@ triton with the variable set, puts it back, and sets it again around each test; 
 unaffected. When triton was already imported without it (another test module got there first), the kernel tests
 run in a child pytest process that has it from the start. With TIERLM_TEST_DEVICE=cuda on a GPU the same cases
 run compiled. Each case runs ``paged_attention`` twice on one random pool and step, once per backend, and
-compares.
+compares; on a CPU with the CPU plan the backend would run (backends/torch/cpu/plan.py: torch_native reads pages
+with tierlm's C kernels where the plan has them), on a GPU with none.
 """
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported with
 
 
 @pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A torch backend sets torch's thread count when it loads (backends/torch/cpu/threads.py): the process's own
+    count after the test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
     if DEVICE.type == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter checks it at every launch
@@ -77,6 +87,26 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 class _Layer:
     layer_idx = 1  # not the first layer of the pool: strides of a per-layer view
+
+
+def _kernels(dtype, kv_dtype, H, Hkv, D):
+    """What the backend sets as paged_attention.CURRENT.kernels: on CPU the model's plan with the process's kernel
+    library, on a GPU none."""
+    if DEVICE.type != "cpu":
+        return None
+    from tierlm.backends.torch.cpu import plan as cpu_plan
+
+    return cpu_plan.for_model(dtype, kv_dtype, H, Hkv, D)
+
+
+def _attention(meta, pool, kernels, *args, **kw):
+    """paged_attention of ``_Layer`` in a step of ``meta`` over ``pool`` with ``kernels``; CURRENT put back after."""
+    saved = pa.CURRENT.meta, pa.CURRENT.pool, pa.CURRENT.kernels
+    pa.CURRENT.meta, pa.CURRENT.pool, pa.CURRENT.kernels = meta, pool, kernels
+    try:
+        return pa.paged_attention(_Layer, *args, **kw)
+    finally:
+        pa.CURRENT.meta, pa.CURRENT.pool, pa.CURRENT.kernels = saved
 
 
 def _step(q_lens, cached, page_size=4, heads=(4, 2), D=16, dtype=torch.float32, kv_dtype=None, window=None,
@@ -101,13 +131,11 @@ def _step(q_lens, cached, page_size=4, heads=(4, 2), D=16, dtype=torch.float32, 
     v = torch.randn(1, Hkv, T, D, generator=g).to(dtype).to(DEVICE)
     s_aux = (torch.randn(H, generator=g) + 0.5).to(dtype).to(DEVICE) if sinks else None
     outs = []
+    kernels = _kernels(dtype, kv_dtype or dtype, H, Hkv, D)
     for backend in (pa.TORCH_NATIVE, pa.TRITON):
-        pa.CURRENT.meta = pa.StepMeta(q_lens, kv_lens, positions, page_table, page_size, DEVICE, backend)
-        pa.CURRENT.pool = pool
-        try:
-            out, _ = pa.paged_attention(_Layer, q, k, v, None, scaling=D ** -0.5, sliding_window=window, s_aux=s_aux)
-        finally:
-            pa.CURRENT.meta = None
+        meta = pa.StepMeta(q_lens, kv_lens, positions, page_table, page_size, DEVICE, backend)
+        out, _ = _attention(meta, pool, kernels, q, k, v, None, scaling=D ** -0.5, sliding_window=window,
+                            s_aux=s_aux)
         assert out.shape == (1, T, H, D) and out.dtype == dtype
         outs.append(out[0].float().cpu())
     return outs
@@ -198,13 +226,9 @@ def test_static_decode_buffers_with_padding_match_torch_native(page_size):
     got = graphs.run(batch).cpu()
     static_pool = pool.buffer.clone()
     pool.buffer.copy_(start)
-    pa.CURRENT.meta = pa.StepMeta(np.ones(3, np.int64), kv_lens, cached, page_table, page_size, DEVICE,
-                                  pa.TORCH_NATIVE)
-    pa.CURRENT.pool = pool
-    try:
-        ref, _ = pa.paged_attention(_Layer, q[:, :, :3], k[:, :, :3], v[:, :, :3], None, scaling=D ** -0.5)
-    finally:
-        pa.CURRENT.meta = None
+    meta = pa.StepMeta(np.ones(3, np.int64), kv_lens, cached, page_table, page_size, DEVICE, pa.TORCH_NATIVE)
+    ref, _ = _attention(meta, pool, _kernels(torch.float32, torch.float32, H, Hkv, D), q[:, :, :3], k[:, :, :3],
+                        v[:, :, :3], None, scaling=D ** -0.5)
     assert got.shape == (3, H * D)
     assert (got - ref[0].reshape(3, -1).cpu()).abs().max().item() <= TOL[torch.float32] * 10
     real_slots = num_pages * page_size  # the padded row wrote the scratch page only

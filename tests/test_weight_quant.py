@@ -40,19 +40,25 @@ def _attention_as_transformers(monkeypatch, name: str) -> None:
     """int8dq quantizes each activation row to 255 levels at every linear, so a float32 attention that sums in
     another order can change later tokens (the C paged kernels' AVX2 build: 1.5e-7 of the float64 attention, as
     the AVX-512 one, yet the 11th token of the tied qwen2 changed under TIERLM_CPU_ISA=avx2): for it, attention
-    takes the torch path, which computes as transformers' eager attention does. The kernels' accuracy has tests of
-    its own."""
+    takes the torch path (the CPU plan's overrides decode_attention=torch, extend_attention=torch), which computes
+    as transformers' eager attention does. The kernels' accuracy has tests of its own."""
     if name == "int8dq":
-        from tierlm.backends.torch import cpu_paged_decode
+        monkeypatch.setenv("TIERLM_CPU_PLAN", "decode_attention=torch,extend_attention=torch")
 
-        monkeypatch.setattr(cpu_paged_decode, "load", lambda cpu=None: None)
+
+def _check_attention_as_transformers(backend, name: str) -> None:
+    """The plan the backend built took the torch path for attention where ``_attention_as_transformers`` asked."""
+    if name == "int8dq":
+        kernels = backend.cpu_kernels
+        assert kernels.decode is None and kernels.extend is None
+        assert (kernels.plan.decode_attention.value, kernels.plan.extend_attention.value) == ("torch", "torch")
 
 
 def _torchao_reference(model_dir: Path, name: str, prompt: list[int]) -> list[int]:
     """transformers' eager float32 model with torchao's quantize_ applied the same way, greedy."""
     import torch
 
-    from tierlm.backends.torch.weight_quant import torchao_config
+    from tierlm.backends.torch.weights.weight_quant import torchao_config
     from torchao.quantization import quantize_
     from transformers import AutoModelForCausalLM
 
@@ -74,6 +80,7 @@ def test_torchao_greedy_matches_transformers_with_same_quantization(tiny_llama, 
     monkeypatch.setenv("TIERLM_CPU_QUANT_LINEAR", "0")
     _attention_as_transformers(monkeypatch, name)
     backend = _torch_backend(tiny_llama, flag, value)
+    _check_attention_as_transformers(backend, name)
     assert backend.info.weight_format == f"torchao:{name}"
     got = run_greedy(backend, PROMPTS, NEW)
     for prompt, out in zip(PROMPTS, got):
@@ -120,7 +127,7 @@ def test_torchao_configs_this_cpu_cannot_run_are_refused_with_the_alternative(ti
 
 
 def test_int4_weight_only_runs_on_cpu_and_cuda_only():
-    """int4wo: torch's CPU kernel (cpu_quant_linear.py) or torchao's CUDA kernels; another device is refused."""
+    """int4wo: torch's CPU kernel (weights/quant_linear.py) or torchao's CUDA kernels; another device is refused."""
     from tierlm.backends.weight_format import device_refusal
 
     quant = parse_weight_quant(None, "int4wo-128")
@@ -184,7 +191,7 @@ def test_quantized_model_hits_in_every_tier_give_the_cold_output(tiny_llama, sto
 
     def names_the_format(engine):
         info = engine.server_info()
-        # int8wo on CPU: the embedding is int8 too (cpu_quant_embedding.py), which the label says
+        # int8wo on CPU: the embedding is int8 too (weights/quant_embedding.py), which the label says
         assert info["weight_format"] == f"torchao:{name}" + ("+embedding" if name == "int8wo" else "")
         assert 0 < info["weight_bytes"] < engine.parts.backend.info.num_layers * 4 * 64 * 64 * 4 * 4
 
@@ -412,6 +419,7 @@ def test_tied_embeddings_quantize_on_torch(tiny_qwen2, monkeypatch):
     _torchao()
     _attention_as_transformers(monkeypatch, "int8dq")
     backend = _torch_backend(tiny_qwen2, "torchao_config", "int8dq")
+    _check_attention_as_transformers(backend, "int8dq")
     got = run_greedy(backend, PROMPTS[:1], NEW)
     assert got[0] == _torchao_reference(tiny_qwen2, "int8dq", PROMPTS[0])
 

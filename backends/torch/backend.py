@@ -13,13 +13,12 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
-from tierlm.backends.torch import (cpu_f32_gemv, cpu_int8_gemv, cpu_paged_decode, cpu_product_op, huge_pages,
-                                   last_layer_rows, paged_attention)
-from tierlm.backends.torch.compiled_decode import CompiledDecode
-from tierlm.backends.torch.cpu_quant_embedding import QuantizedEmbedding
-from tierlm.backends.torch.cpu_linear import packed_bytes
-from tierlm.backends.torch.cpu_quant_linear import Int8WeightOnlyLinear
-from tierlm.backends.torch.cpu_threads import configure_cpu_threads
+from tierlm.backends.torch import last_layer_rows, paged_attention
+from tierlm.backends.torch.compile.compiled_decode import CompiledDecode
+from tierlm.backends.torch.cpu import f32_gemv, huge_pages
+from tierlm.backends.torch.cpu import plan as cpu_plan
+from tierlm.backends.torch.cpu.linear import packed_bytes
+from tierlm.backends.torch.cpu.threads import configure_cpu_threads
 from tierlm.backends.torch.decode_graphs import DecodeGraphs
 from tierlm.backends.torch.grammar_mask import apply_token_bitmask
 from tierlm.backends.torch.kernel_report import kernel_report
@@ -27,11 +26,13 @@ from tierlm.backends.torch.kv_pool import KV_TORCH_DTYPES, TorchKVPool
 from tierlm.backends.torch.linear_state import install_linear_state
 from tierlm.backends.torch.logprobs import fill_logprobs, raw_logprobs
 from tierlm.backends.torch.model_loader import load_model, resolve_dtype
-from tierlm.backends.torch.mxfp4_experts import packed_bytes as mxfp4_packed_bytes
 from tierlm.backends.torch.sampler import row_argmax, sample
-from tierlm.backends.torch.weight_quant import tensor_bytes
+from tierlm.backends.torch.weights.mxfp4_experts import packed_bytes as mxfp4_packed_bytes
+from tierlm.backends.torch.weights.quant_embedding import QuantizedEmbedding
+from tierlm.backends.torch.weights.weight_quant import tensor_bytes
 from tierlm.backends.verified_architectures import check_architecture
 from tierlm.backends.weight_format import EMBEDDING_SUFFIX, WeightQuant, weight_format_label
+from tierlm.platforms.cpu_plan import Choice
 from tierlm.platforms.huge_pages import this_machine as huge_page_plan
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,18 @@ class TorchBackend(ModelBackend):
             log.warning(self.architecture_check.warning)
         self.torch_device = torch.device(device)
         self.device = self.torch_device.type
-        pages = None
-        if self.device == "cpu":
-            configure_cpu_threads()  # before any kernel runs: one core left to the server (cpu_threads.py)
-            pages = huge_page_plan(os.environ)
-            huge_pages.ask_at_allocation(pages)  # large weights born on huge pages (huge_pages.py)
         self.dtype = resolve_dtype(dtype, self.torch_device)
-        self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code, weight_quant)
+        pages = None
+        # On CPU, the execution plan (platforms/cpu_plan.py): which kernel each part of a step runs, decided here
+        # from the CPU, the model's config and the kernel library, read by every CPU call site
+        self.cpu_kernels: cpu_plan.CpuKernels | None = None
+        if self.device == "cpu":
+            threads = configure_cpu_threads()  # before any kernel runs: one core left to the server (threads.py)
+            pages = huge_page_plan(os.environ)
+            huge_pages.ask_at_allocation(pages)  # large weights born on huge pages (cpu/huge_pages.py)
+            self.cpu_kernels = self._cpu_plan(folder, kv_cache_dtype, weight_quant, threads, pages)
+        self.model = load_model(self.model_dir, self.dtype, self.torch_device, trust_remote_code, weight_quant,
+                                self.cpu_kernels)
         # eager forwards: the last layer runs the rows whose logits are read (last_layer_rows.py)
         self.last_layer_rows = last_layer_rows.install(self.model)
         self.last_layer_read_rows = last_layer_rows.installed(self.model)
@@ -90,11 +96,6 @@ class TorchBackend(ModelBackend):
         self.info.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.info.dtype)
         self.kv_torch_dtype = KV_TORCH_DTYPES[self.info.kv_dtype]
         self.attention_backend = self._check_attention_backend(attention_backend)
-        if self.device == "cpu" and cpu_paged_decode.supported(self.dtype, self.kv_torch_dtype, num_heads,
-                                                               self.info.num_kv_heads, head_dim):
-            cpu_paged_decode.load()  # built (or found) now, not inside the first request's decode step
-        if self.device == "cpu" and any(isinstance(m, Int8WeightOnlyLinear) for m in self.model.modules()):
-            cpu_int8_gemv.load()  # int8wo and int8 checkpoints alike: built before the first request too
         self.pool: TorchKVPool | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.compiled: CompiledDecode | None = None  # --enable-torch-compile (compiled_decode.py)
@@ -103,6 +104,22 @@ class TorchBackend(ModelBackend):
         self.linear_state = install_linear_state(self.model, folder.text_config, self.info.dtype, self.torch_device)
         if self.linear_state is not None:
             self.info.state = self.linear_state.geometry
+
+    def _cpu_plan(self, folder: ModelFolder, kv_cache_dtype: str, weight_quant: WeightQuant | None, threads: int,
+                  pages) -> cpu_plan.CpuKernels:
+        """The model's CPU plan from its config, before any weights load (logged, and in /server_info kernels)."""
+        text = folder.text_config
+        heads = text.get("num_attention_heads") or 0
+        dtype = str(self.dtype).removeprefix("torch.")
+        kv = KV_TORCH_DTYPES[kv_storage_dtype(kv_cache_dtype, dtype)]
+        kernels = cpu_plan.for_model(self.dtype, kv, heads, text.get("num_key_value_heads") or heads,
+                                     text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else 0),
+                                     weight_format_label(folder.config, weight_quant, self.device))
+        plan = kernels.plan.with_decision("threads", Choice(str(threads), "torch's intra-op threads (cpu/threads.py)"))
+        plan = plan.with_decision("huge_pages", Choice("yes" if pages.use else "no", pages.why))
+        kernels = cpu_plan.CpuKernels(plan, kernels.lib)
+        log.info("CPU plan: %s", "; ".join(f"{k} {v['value']}" for k, v in plan.to_dict().items()))
+        return kernels
 
     def _weight_format(self, config, weight_quant: WeightQuant | None) -> str:
         """The label of the weights as loaded: "+embedding" only where the embedding really was quantized (it stays
@@ -180,7 +197,7 @@ class TorchBackend(ModelBackend):
             raise ValueError(f"--enable-torch-compile: implemented for the CPU; on {self.device} decode steps run "
                              "as captured CUDA graphs instead (the default); drop the flag")
         assert self.pool is not None, "init_kv_pool() first"
-        self.compiled = CompiledDecode(self.model, max_bs)
+        self.compiled = CompiledDecode(self.model, max_bs, self.cpu_kernels)
         steps = self._compile_steps
         try:
             self.compiled.compile_now(steps)
@@ -213,7 +230,8 @@ class TorchBackend(ModelBackend):
         text_cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
             else self.model.config
         report = kernel_report(self.model, self.device, self.dtype, self.kv_torch_dtype, self.attention_backend,
-                               text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim)
+                               text_cfg.num_attention_heads, self.info.num_kv_heads, self.info.head_dim,
+                               self.cpu_kernels)
         report["last_layer"] = self.last_layer_rows
         if self.huge_pages is not None:
             report["weight_pages"] = self.huge_pages.summary()
@@ -264,18 +282,18 @@ class TorchBackend(ModelBackend):
         if batch.num_logprob_rows:
             rows = np.concatenate([rows, np.asarray(batch.logprob_indices, np.int64)])
         keep = torch.from_numpy(rows).to(dev)
-        paged_attention.CURRENT.meta, paged_attention.CURRENT.pool = meta, self.pool
+        current = paged_attention.CURRENT
+        current.meta, current.pool, current.kernels = meta, self.pool, self.cpu_kernels
         if self.linear_state is not None:
             self.linear_state.begin(batch)
         try:
-            with cpu_f32_gemv.decode_step(meta.decode_rows is not None):  # float32 decode rows on its kernel
+            with f32_gemv.decode_step(meta.decode_rows is not None):  # float32 decode rows on its kernel
                 if self.compiled is not None and self.compiled.accepts(batch):
-                    with cpu_product_op.decode_attention(meta, self.pool, self.num_heads, self.info.head_dim,
-                                                         self.dtype, dev.type):  # decode-only CPU steps: in C++
+                    with self.compiled.step(meta, self.pool, self.num_heads, self.info.head_dim, self.dtype):
                         return self.compiled.run(batch, lambda: self._run_model(input_ids, positions, keep))
                 return self._run_model(input_ids, positions, keep, read_rows_only=True)
         finally:
-            paged_attention.CURRENT.meta = None
+            current.meta = current.kernels = None
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = batch.sampling

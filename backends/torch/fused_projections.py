@@ -23,13 +23,12 @@ Everything else keeps transformers' module, with the reason logged: other
 families (gpt-oss, hybrids, remote code), quantized or adapted projections (torchao tensor subclasses,
 compressed-tensors / int8 / int4 layers, anything with hooks), other devices. The loader fuses before the CPU
 weight-only int8 / int4 quantization (model_loader.py), which then quantizes the fused linears: per output row or
-group of a row, the same values as the unfused ones. TIERLM_CPU_FUSED_PROJECTIONS=0 turns it off (benchmarks
-compare both).
+group of a row, the same values as the unfused ones. The CPU plan's ``fused_projections=no`` turns it off
+(benchmarks compare both).
 """
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,7 +41,6 @@ from tierlm.backends.torch import paged_attention
 
 log = logging.getLogger(__name__)
 
-ENV = "TIERLM_CPU_FUSED_PROJECTIONS"
 # Where one wider product saves time: bf16/fp16 linears (oneDNN, packed or not) pay a fixed cost per call that
 # dominates at decode's 1-8 rows. float32 (MKL sgemm) measured 0.87-1.06x fused vs separate on the llama-small and
 # Qwen2.5-0.5B shapes (AVX512 EPYC, 1 and 8 rows), so float32 keeps its separate projections.
@@ -261,14 +259,9 @@ def _linear_calls(model: nn.Module) -> int:
 def fuse_projections(model: nn.Module) -> FusionReport:
     """Give the covered attention / MLP / RMSNorm modules of ``model`` their fused forms (module docstring);
     returns what changed. Call after the weights are in their serving dtype and on their device, before
-    cpu_linear.pack_linears or the CPU weight-only quantization (which then pack or quantize the fused weights);
+    cpu/linear.pack_linears or the CPU weight-only quantization (which then pack or quantize the fused weights);
     layers that are already quantized keep transformers' forward."""
     report = FusionReport(linears_before=_linear_calls(model))
-    if os.environ.get(ENV, "1") == "0":
-        report.left_unfused["*"] = f"{ENV}=0"
-        report.linears_after = report.linears_before
-        log.info("CPU decoder layers: transformers' own modules (%s=0)", ENV)
-        return report
     for m in list(model.modules()):
         found = _family_of(m)
         cls = type(m).__name__

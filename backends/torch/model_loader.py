@@ -8,11 +8,15 @@ from pathlib import Path
 import torch
 
 from tierlm.backends.dtypes import serving_dtype
-from tierlm.backends.torch import compressed_tensors, cpu_f32_gemv, paged_attention
-from tierlm.backends.torch.cpu_linear import pack_linears
+from tierlm.backends.torch import paged_attention
+from tierlm.backends.torch.cpu import f32_gemv
+from tierlm.backends.torch.cpu.linear import pack_linears
+from tierlm.backends.torch.cpu.plan import CpuKernels
 from tierlm.backends.torch.fused_projections import fuse_projections
-from tierlm.backends.torch.mxfp4_experts import packed_model_class
-from tierlm.backends.torch.weight_quant import check_device, native_cpu, quantize_model
+from tierlm.backends.torch.weights import compressed_tensors
+from tierlm.backends.torch.weights.mxfp4_experts import packed_model_class
+from tierlm.backends.torch.weights.quant_linear import use_kernel
+from tierlm.backends.torch.weights.weight_quant import check_device, native_cpu, quantize_model
 from tierlm.backends.weight_format import WeightQuant, check_backend_kind, check_checkpoint, mxfp4_experts_mode
 
 log = logging.getLogger(__name__)
@@ -26,8 +30,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               quant: WeightQuant | None = None):
-    """``quant``: a load-time quantization (--torchao-config / --quantization), applied after the weights load."""
+               quant: WeightQuant | None = None, kernels: CpuKernels | None = None):
+    """``quant``: a load-time quantization (--torchao-config / --quantization), applied after the weights load.
+    ``kernels``: on CPU, the model's plan and kernel library (cpu/plan.py): how its layers are laid out and which
+    kernels they call."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     paged_attention.register()
@@ -57,16 +63,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_
         compressed_tensors.convert_model(model, dtype)  # on the device: the CPU kernels prepack there
     model.eval()
     model.requires_grad_(False)
-    if device.type == "cpu" and (quant is None or native_cpu(quant, device)):
+    cpu = device.type == "cpu" and kernels is not None
+    if cpu and (quant is None or native_cpu(quant, device)):
         # q/k/v and gate/up as one linear each, same products; packed below where bf16, or quantized below by the
         # CPU weight-only formats (per output row / group of a row: the same values as the unfused layers)
-        fuse_projections(model)
+        if kernels.plan.fused_projections.value == "yes":
+            fuse_projections(model)
+        else:
+            log.info("CPU decoder layers: transformers' own modules (%s)", kernels.plan.fused_projections.why)
     if quant is not None:
-        quantize_model(model, quant)
-    elif device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TIERLM_CPU_PACKED_LINEAR", "1") != "0":
-        pack_linears(model)  # oneDNN-prepacked weights where the CPU runs them: same products, faster decode
-    elif device.type == "cpu" and dtype == torch.float32 and method is None:
-        cpu_f32_gemv.use_for_linears(model)  # decode rows on tierlm's kernel: MKL's one-row path is slow on AMD
+        quantize_model(model, quant, kernels)
+    elif cpu and dtype == torch.bfloat16:
+        pack_linears(model, kernels)  # oneDNN-prepacked weights where the plan has them: same products, faster
+    elif cpu and dtype == torch.float32 and method is None:
+        f32_gemv.use_for_linears(model, kernels)  # decode rows on tierlm's kernel: MKL's one-row path is slow on AMD
+    if cpu and method == "compressed-tensors":
+        use_kernel(model, kernels)  # an int8 checkpoint's decode rows on tierlm's kernel where the plan has it
     return model
 
 

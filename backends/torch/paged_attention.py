@@ -11,9 +11,10 @@ keys at p-window+1..p, transformers' ``sliding_window_overlay``) and, for gpt-os
 one learned logit per head that joins the softmax and carries no value). The pool keeps every layer's K/V for
 all positions, so a sliding layer always finds its window, whatever position a cached prefix ends at.
 
-On CPU the groups' kernels read the pages in place where they can: decode rows through cpu_paged_decode's C kernel,
-extend groups of a few rows per request through cpu_paged_extend's (bf16: AMX tiles, or AVX-512 where the blocked
-path runs; float32: cpu_paged_extend_f32's AVX2 / AVX-512 code).
+On CPU the groups' kernels read the pages in place where the model's CPU plan has them (``CURRENT.kernels``,
+cpu/plan.py): decode rows through cpu/paged_decode.py's C kernel, extend groups of a few rows per request through
+cpu/paged_extend.py's (bf16: AMX tiles, or AVX-512 where the blocked path runs; float32: AVX2 / AVX-512 code), bf16
+prefill through cpu/blocked_attention.py.
 
 ``--attention-backend``: this file's SDPA over gathered pages is ``torch_native`` (the reference); with
 ``triton`` the same two groups go to the kernels of ``triton_attention.py``, which read the pages in place
@@ -29,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierlm.backends.torch import (compiled_decode, cpu_blocked_attention, cpu_decode_step, cpu_paged_decode,
-                                   cpu_paged_extend)
+from tierlm.backends.torch import ops
+from tierlm.backends.torch.cpu import blocked_attention, decode_step, paged_decode, paged_extend
 
 ATTN_IMPLEMENTATION = "tierlm_paged"
 # --attention-backend values of the torch backend: "torch_native" (this file: SDPA over gathered pages, the
@@ -65,12 +66,12 @@ class _Group:
     kv_pages: torch.Tensor  # [G*P] pool pages holding positions 0..L-1 (padded with page 0, masked)
     kv_pos: torch.Tensor  # [L] 0..L-1
     window_masks: dict  # sliding window -> mask, built on first use
-    page_rows: torch.Tensor  # [G, P] int32: each request's pages (cpu_paged_decode reads the pool through them)
+    page_rows: torch.Tensor  # [G, P] int32: each request's pages (cpu/paged_decode.py reads the pool through them)
     kv_lens: torch.Tensor  # [G] int32
     row_limits: np.ndarray  # [G, Q] int32: keys each query row sees (the mask's per-row length; padded rows: 1)
     max_kv_len: int  # kv_lens' maximum
     kv_page_run: slice | None = None  # kv_pages as one ascending run of pool pages: read as a view, no gather
-    q_starts: torch.Tensor | None = None  # [G] int32: each request's first flat row (cpu_paged_extend)
+    q_starts: torch.Tensor | None = None  # [G] int32: each request's first flat row (cpu/paged_extend.py)
     q_lens: torch.Tensor | None = None  # [G] int32
 
     @functools.cached_property
@@ -92,7 +93,7 @@ class StepMeta:
         self.device = device
         self.page_size = page_size
         self.attention_backend = attention_backend
-        self.decode_step = False  # cpu_decode_step.DecodeStep | None once the first layer has asked
+        self.decode_step = False  # cpu/decode_step.DecodeStep | None once the first layer has asked
         # decode-only steps: (page rows [R, P] int32, kv_lens [R] int32, their max), what the one-call step reads
         self.decode_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._groups: list[_Group] | None = None
@@ -103,7 +104,7 @@ class StepMeta:
         decode = q_lens == 1
         if attention_backend != TRITON and device.type == "cpu" and bool(decode.all()):
             # One query per request, rows in request order: the page rows now, the general path's group (~15
-            # index tensors, ~100 us) only if a layer asks for it (cpu_decode_step.py serves most).
+            # index tensors, ~100 us) only if a layer asks for it (cpu/decode_step.py serves most).
             self.single_fresh_prefill, self.identity_rows = False, True
             max_kv = int(kv_lens.max())
             pages = -(-max_kv // page_size)
@@ -202,6 +203,7 @@ class StepMeta:
 class _Current(threading.local):
     meta: StepMeta | None = None
     pool = None
+    kernels = None  # the model's CpuKernels (cpu/plan.py) on CPU: which C kernels its steps run; None: torch's
 
 
 CURRENT = _Current()
@@ -216,8 +218,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     ``s_aux`` [H]: attention sinks (gpt-oss), see ``attend``. ``out_rows`` [R] (last_layer_rows.py): every row's
     K/V are written, the output is [1, R, H, D], these rows' attention only.
     """
-    if torch.compiler.is_compiling():  # --enable-torch-compile: the graph records one opaque op (compiled_decode.py)
-        return compiled_decode.attention_op(module, query, key, value, scaling, sliding_window, s_aux), None
+    if torch.compiler.is_compiling():  # a compiled step: the graph records one opaque op (ops.py)
+        return ops.attention(module, query, key, value, scaling, sliding_window, s_aux), None
     out, only_read_rows = _attend(module, query, key, value, scaling, sliding_window, s_aux, out_rows)
     if out_rows is not None and not only_read_rows:
         out = out.index_select(1, out_rows)
@@ -234,7 +236,7 @@ def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out = decode_step_attention(layer, query, key, value, scaling)
         if out is not None:
             return out, False
-    meta, pool = CURRENT.meta, CURRENT.pool
+    meta, pool, kernels = CURRENT.meta, CURRENT.pool, CURRENT.kernels
     if meta is None:
         raise RuntimeError("tierlm paged attention called outside a tierlm forward step")
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
@@ -247,12 +249,14 @@ def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if meta.single_fresh_prefill and sliding_window is None and s_aux is None:
         # K/V as the pool holds them (fp8 / bf16 pages round them): a later hit on these pages reads the same.
         key, value = pool.as_stored(key), pool.as_stored(value)
-        if cpu_blocked_attention.usable(lib := cpu_paged_decode.load(), q, key):
+        lib = kernels.blocked if kernels is not None else None
+        if blocked_attention.usable(lib, q, key):
             if out_rows is None:
-                limits = cpu_blocked_attention.causal_limits(q.shape[1])
+                limits = blocked_attention.causal_limits(q.shape[1])
             else:  # row i sees keys 0..i: only the read rows' queries
                 q, limits = q.index_select(1, out_rows), (out_rows.numpy() + 1).astype(np.int32)[None, :]
-            out = cpu_blocked_attention.blocked_attention(lib, q[None], key, value, limits, scaling)
+            out = blocked_attention.blocked_attention(lib, q[None], key, value, limits, scaling,
+                                                      kernels.plan.prefill_attention.value == "one_pass")
             return out.transpose(1, 2), out_rows is not None
         out = F.scaled_dot_product_attention(q[None], key, value, is_causal=True, scale=scaling,
                                              enable_gqa=q.shape[0] != key.shape[1])
@@ -264,21 +268,25 @@ def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         _triton_groups(meta, pool, layer, q.transpose(0, 1), out, scaling, sliding_window, s_aux)
         return out[None], False
     k_pages, v_pages = pool.k_pages[layer], pool.v_pages[layer]  # [pages, page_size, Hkv, D]
+    extend_lib = kernels.extend if kernels is not None else None
+    extend_kernel = kernels.plan.extend_kernel.value if extend_lib is not None else "none"
+    decode_lib = kernels.decode if kernels is not None else None
+    blocked_lib = kernels.blocked if kernels is not None else None
     for g in meta.groups:
         if g.Q > 1 and s_aux is None and sliding_window is None and \
-                cpu_paged_extend.runs(lib := cpu_paged_decode.load(), q, pool.kv_dtype, k_pages.shape[2], g.Q):
+                paged_extend.runs(extend_kernel, q, pool.kv_dtype, k_pages.shape[2], g.Q):
             # a few rows per request over cached pages, read in place: the outputs land in their rows of ``out``
-            cpu_paged_extend.paged_extend(lib, q.transpose(0, 1), pool.k[layer], pool.v[layer], g.page_rows,
-                                          g.kv_lens, g.q_starts, g.q_lens, pool.page_size, scaling, g.max_kv_len, out)
+            paged_extend.paged_extend(extend_lib, extend_kernel, q.transpose(0, 1), pool.k[layer], pool.v[layer],
+                                      g.page_rows, g.kv_lens, g.q_starts, g.q_lens, pool.page_size, scaling,
+                                      g.max_kv_len, out)
             continue
         qg = q if meta.identity_rows else q.index_select(1, g.rows_flat)
         qg = qg.view(H, g.G, g.Q, D).transpose(0, 1)  # [G, H, Q, D]
-        if g.Q == 1 and s_aux is None and sliding_window is None and q.device.type == "cpu" and \
-                cpu_paged_decode.supported(q.dtype, pool.kv_dtype, H, k_pages.shape[2], D) and \
-                (lib := cpu_paged_decode.load()) is not None:
+        if g.Q == 1 and s_aux is None and sliding_window is None and decode_lib is not None and \
+                q.device.type == "cpu" and paged_decode.supported(q.dtype, pool.kv_dtype, H, k_pages.shape[2], D):
             # bf16/float32 decode reading the pages in place (no gathers, no copies), transformers' numerics
-            og = cpu_paged_decode.paged_decode(lib, qg[:, :, 0], pool.k[layer], pool.v[layer], g.page_rows,
-                                               g.kv_lens, pool.page_size, scaling, g.max_kv_len)[:, :, None]
+            og = paged_decode.paged_decode(decode_lib, qg[:, :, 0], pool.k[layer], pool.v[layer], g.page_rows,
+                                           g.kv_lens, pool.page_size, scaling, g.max_kv_len)[:, :, None]
         else:
             if g.kv_page_run is not None:
                 kg = pool.dequantize(k_pages[g.kv_page_run], q.dtype)
@@ -291,9 +299,9 @@ def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             mask = g.mask if sliding_window is None else StepMeta.window_mask(g, sliding_window)
             if g.Q == 1 and s_aux is None and q.dtype in _EAGER_DECODE_DTYPES and q.device.type == "cpu":
                 og = attend_decode_eager(qg, kg, vg, mask, scaling)
-            elif s_aux is None and sliding_window is None and \
-                    cpu_blocked_attention.usable(lib := cpu_paged_decode.load(), qg, kg):
-                og = cpu_blocked_attention.blocked_attention(lib, qg, kg, vg, g.row_limits, scaling)
+            elif s_aux is None and sliding_window is None and blocked_attention.usable(blocked_lib, qg, kg):
+                og = blocked_attention.blocked_attention(blocked_lib, qg, kg, vg, g.row_limits, scaling,
+                                                         kernels.plan.prefill_attention.value == "one_pass")
             else:
                 og = attend(qg, kg, vg, mask, scaling, s_aux)  # [G, H, Q, D]
         og = og.transpose(1, 2).reshape(g.G * g.Q, H, D)
@@ -308,14 +316,16 @@ def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def decode_step_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           scaling: float | None) -> torch.Tensor | None:
-    """A decode-only CPU step's layer in one C call (cpu_decode_step.py): the new K/V stored, [1, R, H, D]
+    """A decode-only CPU step's layer in one C call (cpu/decode_step.py): the new K/V stored, [1, R, H, D]
     returned; None when the step or this layer's tensors take the general path. No window, no sinks: the caller."""
     meta = CURRENT.meta
     if meta is None:
         return None
     step = meta.decode_step
     if step is False:  # not looked at yet: decided on the step's first layer
-        step = meta.decode_step = cpu_decode_step.plan(meta, CURRENT.pool, query)
+        kernels = CURRENT.kernels
+        step = meta.decode_step = decode_step.plan(meta, CURRENT.pool, query,
+                                                   kernels.decode if kernels is not None else None)
     if step is None or not step.fits(query, key, value):
         return None
     return step.run(layer, query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling)
@@ -401,3 +411,24 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+class _Layer:
+    """What paged_attention reads of transformers' attention module."""
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+
+
+def _python_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+               sliding_window: int, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """``tierlm::paged_attention``: ``paged_attention`` as one opaque op of a compiled step; it writes this layer's
+    K/V into the pool (state outside the graph, reached through ``CURRENT``) and returns [1, T, H, D]."""
+    out, _ = paged_attention(_Layer(layer), query, key, value, None, scaling=scaling,
+                             sliding_window=sliding_window or None, s_aux=s_aux)
+    return out.contiguous()
+
+
+ops.implement("paged_attention", _python_op,
+              lambda query, key, value, layer, scaling, sliding_window, s_aux:
+              query.new_empty((1, query.shape[2], query.shape[1], query.shape[3])))

@@ -2,9 +2,11 @@
 backend under test (``backend_name``, torch and mlx), and the ``mlx`` marker's skip."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -26,6 +28,33 @@ def pytest_report_header(config) -> str:
     cap = f", capped by TIERLM_CPU_ISA={cpu['cap']}" if cpu["cap"] else ""
     return (f"tierlm CPU: {cpu['model_name'] or cpu['arch']}, level {cpu['level']}{cap}, native bf16 "
             f"{cpu['native_bf16'] or 'none'}, oneDNN bf16 prepacking {'yes' if cpu['onednn_bf16_prepack'] else 'no'}")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept() -> Iterator[None]:
+    """A torch backend sets torch's thread count for the whole process when it loads (backends/torch/cpu/threads.py,
+    as a server should): every test ends with the count it began with."""
+    if "torch" not in sys.modules:  # a test that never imports torch changes no thread count
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch computes with ``n`` intra-op threads inside the block."""
+    import torch
+
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
 
 
 @pytest.fixture(scope="session")

@@ -31,14 +31,6 @@ SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
 HELD = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def _torch_threads():
-    """torch's thread count as it was before the test (a TorchBackend sets the server's: cpu/threads.py)."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def as_served():
     """torch as a server on this machine computes: at its thread count (cpu/threads.configure_cpu_threads; MKL

@@ -6,11 +6,11 @@ sends them, torch's SDPA without the C library or where the plan chooses it, the
 greedy output through the backend (a prefix-cache hit included) against transformers' bf16 eager model."""
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest
 import torch
+from conftest import torch_threads as threads
 from test_cpu_paged_decode import kernels_for, lib, library_at, needs_kernel, run_step
 
 from tierlm.backends.torch import paged_attention as pa
@@ -32,23 +32,6 @@ def prefill_kernels(prefill: str, lib=True, dtype=torch.bfloat16, kv_dtype=None,
         pytest.skip(str(e))
     assert kernels.plan.prefill_attention.value == prefill
     return kernels
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    was = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads_kept():
-    """A backend sets torch's thread count when it loads (cpu/threads.py): the process's own count after the test."""
-    with threads(torch.get_num_threads()):
-        yield
 
 
 def eager_reference(q, k, v, limits, scale):

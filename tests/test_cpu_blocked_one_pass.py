@@ -7,12 +7,12 @@ V's pair layouts. Where the library has no kernel, the GEMM path serves (test_cp
 kernel's tests skip."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import torch_threads as threads
 from test_cpu_blocked_attention import _step, assert_bf16_equal, eager_reference, prefill_kernels
 from test_cpu_paged_decode import kernels_for, lib
 
@@ -28,16 +28,6 @@ needs_kernel = pytest.mark.skipif(
     lib is None or not lib.has("blocked_attention"),
     reason=f"the kernel library here ({lib.level if lib is not None else 'none'}) has no AVX512-BF16 block kernel: "
            "the GEMM path serves")
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    was = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
 
 
 def inputs(G, H, Hkv, Q, L, D, seed=0):

@@ -29,14 +29,6 @@ needs_kernel = pytest.mark.skipif(F32_PRODUCTS.value != "gemv", reason=f"the flo
                                   f"{F32_PRODUCTS}")
 
 
-@pytest.fixture(autouse=True)
-def _torch_threads():
-    """torch's thread count as it was before the test (a TorchBackend sets the server's: cpu/threads.py)."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 # Partial weight tiles (N % 4 = 1, 2, 3), columns past the last full vector (K % 16 = 8, 7, 11; K % 8 = 7, 3), and
 # rows 5, 6, 8: two passes over a tile (4 rows a pass; AVX2 takes 2 a pass in its tiles for one or two rows).
 SHAPES = [(37, 72), (38, 23), (39, 27), (96, 896)]
@@ -124,7 +116,7 @@ def test_threads_split_the_output_without_changing_a_value(monkeypatch, in_decod
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
 def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits, monkeypatch, in_decode_step):
     lib = library_at_level(level)
-    assert lib.has("f32_gemv") and lib.f32_gemv_simd_bits() == bits
+    assert lib.has("f32_gemv") and lib.tierlm_vector_bits() == bits
     monkeypatch.setattr(library, "load", lambda cpu=None: lib)  # the products run on that level's library
     # 4 x 4 tiles for 1-2 rows, 4 x 6 from 3 (AVX2: 2 x 4, then 4 x 2); each sum in the same order in all
     for m in range(1, 9):

@@ -94,7 +94,7 @@ def _call(lib: KernelLibrary, x, q, scales, b) -> torch.Tensor:
 @pytest.mark.parametrize("level,bits", [("avx512", 512), ("avx2", 256)])
 def test_each_x86_code_path_this_cpu_runs_gives_the_product(level, bits):
     lib = library_at_level(level)
-    assert lib.has("int8_gemv") and lib.int8_gemv_simd_bits() == bits
+    assert lib.has("int8_gemv") and lib.tierlm_vector_bits() == bits
     for dtype in (torch.bfloat16, torch.float32):
         for m, (n, k) in zip((1, 2, 6, 8), SHAPES):
             x, q, scales, b, ref = _case(m, n, k, dtype, True)
@@ -107,7 +107,7 @@ def test_the_plain_c_library_computes_the_product_but_is_left_to_torch():
     if this_cpu().arch != "x86_64":
         pytest.skip(f"the x86-64 level is an x86_64 one; this CPU is {this_cpu().arch}")
     lib = library_at_level("x86-64")
-    assert lib.int8_gemv_simd_bits() == 0 and not lib.has("int8_gemv")
+    assert lib.tierlm_vector_bits() == 0 and not lib.has("int8_gemv")
     for dtype in (torch.bfloat16, torch.float32):
         for m, (n, k) in zip((5, 2), SHAPES[1:3]):
             x, q, scales, b, ref = _case(m, n, k, dtype, True)

@@ -26,14 +26,6 @@ PACK_REFUSAL = packing_refusal()
 needs_packing = pytest.mark.skipif(PACK_REFUSAL is not None, reason=PACK_REFUSAL or "")
 
 
-@pytest.fixture(autouse=True)
-def _torch_threads():
-    """torch's thread count as it was before the test (a TorchBackend sets the server's: cpu/threads.py)."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def cpu_without_avx512(monkeypatch):
     """The process's CPU view capped at AVX2 (TIERLM_CPU_ISA), as on an AVX2-only machine, with the kernel library

@@ -24,14 +24,6 @@ PAGE_SIZE = 4
 FRESH = 70  # a fresh prefill long enough for two blocks of the blocked attention's query rows
 
 
-@pytest.fixture(autouse=True)
-def _torch_threads_kept():
-    """A backend sets torch's thread count when it loads (cpu/threads.py): the process's own count after the test."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def _backend(model_dir, dtype: str, read_rows: bool, monkeypatch) -> TorchBackend:
     monkeypatch.setenv(last_layer_rows.ENV, "1" if read_rows else "0")
     backend = TorchBackend(model_dir, dtype=dtype)

@@ -14,7 +14,6 @@ ON, OFF = {"TIERLM_CPU_PLAN": "compile=yes"}, {"TIERLM_CPU_PLAN": "compile=no"}
 OLD_ON, OLD_OFF = {"TIERLM_CPU_COMPILE": "1"}, {"TIERLM_CPU_COMPILE": "0"}
 
 
-
 def decide(env=None, backend="torch", device="cpu", arch="LlamaForCausalLM", fmt="none", size=BIG, static=False,
            cxx="/usr/bin/g++"):
     return default_compile(backend, device, arch, fmt, size, static, override(env or {}, "compile"), cxx)

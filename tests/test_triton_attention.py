@@ -58,15 +58,6 @@ in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported with
 
 
 @pytest.fixture(autouse=True)
-def _torch_threads_kept():
-    """A torch backend sets torch's thread count when it loads (backends/torch/cpu/threads.py): the process's own
-    count after the test."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
     if DEVICE.type == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter checks it at every launch

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import test_hybrid_models
-import torch
 from backends_under_test import BACKEND_NAMES
 from engine_harness import greedy, run, start_engine
 from model_factory import FAMILIES, HYBRIDS, build_tiny_hybrid, hybrid_available
@@ -28,15 +27,6 @@ from tierlm.backends.verified_architectures import (FLAG, RECURRENT_MODEL_TYPES,
 from tierlm.runtime.errors import StartupError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads_kept():
-    """A torch backend sets torch's thread count when it loads (backends/torch/cpu/threads.py): the process's own
-    count after the test."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))

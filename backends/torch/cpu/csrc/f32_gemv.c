@@ -10,16 +10,6 @@
 #include <immintrin.h>
 #endif
 
-/* The vector width of the code below: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
-int f32_gemv_simd_bits(void) {
-#if defined(TIERLM_AVX512)
-    return 512;
-#elif defined(TIERLM_AVX2)
-    return 256;
-#else
-    return 0;
-#endif
-}
 
 /* Weight element types: WT is 0 (float32), 1 (bf16, widened exactly: its bits are a float32's upper half) or 2
    (fp16, widened exactly); WB(WT) is the element's size in bytes. */

@@ -8,16 +8,6 @@
 #include <immintrin.h>
 #endif
 
-/* The vector width of the code below: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
-int int8_gemv_simd_bits(void) {
-#if defined(TIERLM_AVX512)
-    return 512;
-#elif defined(TIERLM_AVX2)
-    return 256;
-#else
-    return 0;
-#endif
-}
 
 #define NR 4  /* weight rows per tile */
 #define MR 4  /* activation rows per pass over a tile */

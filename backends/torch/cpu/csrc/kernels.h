@@ -55,7 +55,6 @@ TIERLM_API void blocked_attention_rows_bf16(const uint16_t *q, const uint32_t *k
 /* --- products --- */
 
 /* float32 decode products, y[M, N] = x[M, K] @ w[N, K].T (+ bias) for columns n0..n1-1 (f32_gemv.c) */
-TIERLM_API int f32_gemv_simd_bits(void);
 TIERLM_API void f32_linear(const float *x, long M, long K, const float *w, const float *bias, float *y, long N,
                            long n0, long n1);
 TIERLM_API void f32_linear_bf16w(const float *x, long M, long K, const uint16_t *w, const float *bias, float *y,
@@ -63,7 +62,6 @@ TIERLM_API void f32_linear_bf16w(const float *x, long M, long K, const uint16_t 
 TIERLM_API void f32_linear_f16w(const float *x, long M, long K, const uint16_t *w, const float *bias, float *y,
                                 long N, long n0, long n1);
 /* int8 weight-only decode products (int8_gemv.c) */
-TIERLM_API int int8_gemv_simd_bits(void);
 TIERLM_API void int8_linear_bf16(const uint16_t *x, float *xf, int convert, long M, long K, const int8_t *q,
                                  const uint16_t *scale, const uint16_t *bias, uint16_t *y, long N, long n0, long n1);
 TIERLM_API void int8_linear_f32(const float *x, float *xf, int convert, long M, long K, const int8_t *q,
@@ -95,6 +93,8 @@ typedef struct {
 TIERLM_API const tierlm_kernel_table *tierlm_kernels(void);
 /* the level's name, and its kernels' names separated by commas (what Python's plan reads) */
 TIERLM_API const char *tierlm_library_level(void);
+/* the vector width of its products: 512 (AVX-512), 256 (AVX2) or 0 (plain C) */
+TIERLM_API int tierlm_vector_bits(void);
 TIERLM_API const char *tierlm_kernel_names(void);
 
 /* --- the torch ops (torch_ops.cpp) --- */

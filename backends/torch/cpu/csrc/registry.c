@@ -35,6 +35,17 @@ const tierlm_kernel_table *tierlm_kernels(void) { return &table; }
 
 const char *tierlm_library_level(void) { return TIERLM_LEVEL; }
 
+/* The vector width of the level's products (f32_gemv.c, int8_gemv.c): 512 (AVX-512), 256 (AVX2) or 0 (plain C) */
+int tierlm_vector_bits(void) {
+#if defined(TIERLM_AVX512)
+    return 512;
+#elif defined(TIERLM_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 /* The kernel families compiled in, as the CPU plan names them (backends/torch/cpu/library.py) */
 const char *tierlm_kernel_names(void) {
     return "paged_decode,softmax_rows,torch_ops"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 METHOD = "compressed-tensors"
-# What the torch backend serves (backends/torch/compressed_tensors.py): int8 per-channel weights (activations
+# What the torch backend serves (backends/torch/weights/compressed_tensors.py): int8 per-channel weights (activations
 # none, or int8 per token/tensor), int4 (symmetric) or int8 weights in groups or per channel with 16-bit
 # activations, fp8 weights per channel or per tensor (activations none, dynamic per token, or static per tensor).
 SUPPORTED = ("w8a8-int8 (llm-compressor W8A8/INT8)", "w4a16 / w8a16 (W4A16, W8A16; symmetric, per channel or "

@@ -39,7 +39,7 @@ CHECKPOINT_METHODS = {"torch": ("mxfp4", "compressed-tensors"), "mlx": ("mlx", "
 CUDA_EXTENSION_METHODS = {"gptq": "gptqmodel", "awq": "gptqmodel"}
 
 
-# gpt-oss MXFP4 experts on the torch backend: "packed" (backends/torch/mxfp4_experts.py: 4.25 bits per weight
+# gpt-oss MXFP4 experts on the torch backend: "packed" (backends/torch/weights/mxfp4_experts.py: 4.25 bits per weight
 # resident, the router's experts dequantized per forward) or "dequantized" (to the serving dtype while loading).
 MXFP4_EXPERTS_ENV = "TIERLM_MXFP4_EXPERTS"
 MXFP4_EXPERTS_MODES = ("packed", "dequantized")
@@ -48,7 +48,7 @@ MXFP4_EXPERTS_MODES = ("packed", "dequantized")
 # TIERLM_CPU_QUANT_LINEAR=0: int8wo on CPU through torchao's own path instead (benchmarks compare the two).
 NATIVE_ENV = "TIERLM_CPU_QUANT_LINEAR"
 # Appended to the label where the CPU weight-only path also quantizes the input embedding (llama.cpp's token_embd;
-# backends/torch/cpu_quant_embedding.py): other numerics than torchao's int8wo/int4wo (embedding in the model
+# backends/torch/weights/quant_embedding.py): other numerics than torchao's int8wo/int4wo (embedding in the model
 # dtype, as on CUDA and as tierlm held it before), so another L3 namespace.
 EMBEDDING_SUFFIX = "+embedding"
 INPUT_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight")  # the input embedding's tensor, by family

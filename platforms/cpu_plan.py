@@ -106,9 +106,14 @@ def kernels_override(env: Mapping[str, str]) -> str:
     return f"{KERNELS_ENV}=0" if value == "0" else ""
 
 
+_WARNED: set[str] = set()  # the renamed switches already warned about (a start reads the overrides several times)
+
+
 def read_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """field -> (value, which variable set it), from TIERLM_CPU_PLAN and the renamed switches (logged); raises
-    CpuPlanError on anything it does not know."""
+    """field -> (value, which variable set it), from TIERLM_CPU_PLAN and the renamed switches (each warned about
+    once); raises CpuPlanError on anything it does not know. Switches that set one field together combine as the
+    switches did: their ruled-out values add up, and a value one of them sets that another rules out stays ruled out
+    (TIERLM_CPU_PAGED_DECODE=0 with TIERLM_CPU_PREFILL_ATTENTION=blocked: not blocked). TIERLM_CPU_PLAN wins."""
     found: dict[str, tuple[str, str]] = {}
     for name, meanings in RENAMED.items():
         value = (env.get(name) or "").strip().lower()
@@ -117,12 +122,22 @@ def read_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
         if value not in meanings:
             raise CpuPlanError(f"{name}={value}: use one of {', '.join(meanings)} (or set {PLAN_ENV})")
         sets = meanings[value]
-        if sets:
+        if sets and f"{name}={value}" not in _WARNED:
+            _WARNED.add(f"{name}={value}")
             log.warning("%s=%s is read as %s", name, value, "; ".join(
                 f"{k} not {v.replace('!', '').replace(',', ' nor ')}" if v.startswith("!") else f"{PLAN_ENV}={k}={v}"
                 for k, v in sets.items()))
         for k, v in sets.items():
-            found[k] = (v, f"{name}={value}")
+            source = f"{name}={value}"
+            if k in found:
+                (was, was_source), out = found[k], set()
+                for each in (was, v):
+                    if each.startswith("!"):
+                        out |= set(each.split(","))
+                chosen = next((each for each in (was, v) if not each.startswith("!") and f"!{each}" not in out), None)
+                v = chosen if chosen is not None else ",".join(sorted(out))
+                source = f"{was_source} and {source}"
+            found[k] = (v, source)
     for item in (env.get(PLAN_ENV) or "").split(","):
         if not item.strip():
             continue
@@ -366,7 +381,9 @@ class _Decider:
 
     def prefill_attention(self) -> Choice:
         if self.model.dtype != "bfloat16":
-            return Choice("sdpa", f"torch's SDPA: the blocked path is for bf16, this model is {self.model.dtype}")
+            why = f"the blocked path is for bf16, this model is {self.model.dtype}"
+            return self.pick("prefill_attention", Choice("sdpa", f"torch's SDPA: {why}"),
+                             {"sdpa": "", "blocked": why, "one_pass": why}, ("one_pass", "blocked", "sdpa"))
         amx = self.cpu.arch == "x86_64" and self.cpu.has("amx_bf16", "amx_tile")
         no_lib = "" if self.lib.level is not None else f"no kernel library ({self.lib.why})"
         one_pass = no_lib or ("" if self.lib.has("blocked_attention") else

@@ -4,7 +4,7 @@ A decode step streams every weight once. On 4 KB pages one core's stream stalls 
 weights are 20,000 pages; the second-level TLB covers ~12 MB): the decode-product kernel read 18-20 GB/s where
 numpy's read rate on this machine was 31-34 GB/s, and numpy asks for huge pages for its large arrays. On 2 MB pages
 the same kernel read 33-37 GB/s (AMD EPYC VM, lm_head 32000 x 512). The backend applies this plan
-(backends/torch/huge_pages.py): it asks for huge pages before the weights load, and moves weights that still lie on
+(backends/torch/cpu/huge_pages.py): it asks for huge pages before the weights load, and moves weights that still lie on
 4 KB pages onto huge pages with ``MADV_COLLAPSE`` (Linux 6.1+) once they are loaded and packed.
 
 The kernel's THP mode decides what is allowed: ``always`` and ``madvise`` let tierlm ask; ``never`` refuses, and

@@ -1,6 +1,6 @@
 """How many threads a CPU backend computes with when the user did not say (OMP_NUM_THREADS): the decision, from
 the machine's facts, so that the torch backend and the benchmarks (which size a memory-bandwidth bound by it)
-take the same one. Why one core is left over: backends/torch/cpu_threads.py."""
+take the same one. Why one core is left over: backends/torch/cpu/threads.py."""
 from __future__ import annotations
 
 import os

@@ -104,7 +104,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False  # CUDA: decode steps eager instead of captured (backends/torch/decode_graphs.py)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; on CPU: the static path without capture
     # CPU: decode steps (and steps of <= 32 tokens) of up to torch_compile_max_bs requests run through torch.compile
-    # (compiled_decode.py)
+    # (backends/torch/compile/compiled_decode.py)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     enable_metrics: bool = False  # accepted: /metrics is always on

@@ -1,7 +1,7 @@
 """Compiled decode on CPU: SGLang's ``--enable-torch-compile``, and the default that compiles where it pays.
 
 SGLang keeps torch.compile opt-in; vLLM CPU compiles its model at every start. tierlm's torch backend on a CPU
-compiles the decode step by default (backends/torch/compiled_decode.py) for the dense families that step is tested
+compiles the decode step by default (backends/torch/compile/compiled_decode.py) for the dense families that step is tested
 on, when the weights are big enough for a step's eager glue to be worth the startup. Measured server to server on
 llama-small bf16 (AMX Xeon, 2 cores, `tierlm bench peers`, medians of three runs): 1.06x decode at one stream,
 1.08x at 8 streams, 1.13x at 3.9k tokens of context (in process 1.15-1.19x at one stream), for ~15 s more

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 from tierlm.backends.dtypes import DTYPE_BYTES, HALF_DTYPES, dtype_decision, kv_storage_dtype
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
-from tierlm.backends.model_source.folder_facts import model_size, weight_bytes
+from tierlm.backends.model_source.folder_facts import attention_shape, model_size, weight_bytes
 from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
@@ -87,10 +87,7 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
     size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype, cpu_bf16=native_bf16).to_dict()
     size["path"] = label
     size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
-    text = folder.text_config
-    heads = text.get("num_attention_heads") or 0
-    size["attention_heads"] = [heads, text.get("num_key_value_heads") or heads,
-                               text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else 0)]
+    size["attention_heads"] = list(attention_shape(folder.text_config))
     size["max_position_embeddings"] = int(folder.text_config.get("max_position_embeddings")
                                           or DEFAULT_CONTEXT_LENGTH)
     # The weight format serve reports (/server_info weight_format); a load-time quantization sizes the weights

@@ -95,14 +95,31 @@ def test_a_folder_others_can_write_or_another_user_owns_is_refused(tmp_path, mon
         library.check_folder(folder, own=True)
 
 
+def test_a_manifest_others_can_write_or_that_names_another_file_is_refused(tmp_path):
+    folder = _copy_install(tmp_path)
+    (folder / build.MANIFEST).chmod(0o664)
+    with pytest.raises(LibraryRefused, match="manifest.json is writable by other users"):
+        library.read_manifest(folder, own=False)
+    (folder / build.MANIFEST).chmod(0o644)
+    manifest = library.read_manifest(folder, own=False)
+    level = library.load().level
+    manifest["libraries"][level]["file"] = "../elsewhere.so"
+    with pytest.raises(LibraryRefused, match="names '../elsewhere.so'"):
+        library.open_level(folder, manifest, level, "installed")
+
+
 def test_a_build_of_other_sources_or_for_another_torch_is_refused(tmp_path):
     folder = _copy_install(tmp_path)
     manifest = json.loads((folder / build.MANIFEST).read_text())
-    for key, value, message in (("sources", "0" * 64, "other sources"), ("torch", "1.0.0", "for torch 1.0.0"),
+    for key, value, message in (("sources", "0" * 64, "other sources"), ("torch", "1.0.0+cpu", "for torch 1.0.0"),
                                 ("format", 0, "another format")):
         (folder / build.MANIFEST).write_text(json.dumps({**manifest, key: value}))
         with pytest.raises(LibraryRefused, match=message):
             library.read_manifest(folder, own=False)
+    # another build of the same torch release (+cpu, +cu130) has the same headers and ABI: accepted
+    release = build.torch_release(manifest["torch"])
+    (folder / build.MANIFEST).write_text(json.dumps({**manifest, "torch": f"{release}+cu130"}))
+    assert library.read_manifest(folder, own=False)["libraries"]
 
 
 def test_without_a_usable_install_this_cpus_level_is_built_on_first_use_then_cached(tmp_path, monkeypatch, caplog):
@@ -116,10 +133,10 @@ def test_without_a_usable_install_this_cpus_level_is_built_on_first_use_then_cac
         lib, why = library.library_for(cpu)
     assert lib is not None and lib.level == "x86-64" and lib.origin == "built on first use", why
     assert "no build in" in why and "building the x86-64 library into" in caplog.text
-    folder = library.cached_build_folder()
-    assert folder.parent == tmp_path / "cache" / "kernels" and (folder.stat().st_mode & 0o077) == 0
+    folder = library.cached_build_folder("x86-64")
+    assert folder.parent.parent == tmp_path / "cache" / "kernels" and (folder.stat().st_mode & 0o077) == 0
     assert json.loads((folder / build.MANIFEST).read_text())["sources"] == build.sources_hash()
-    assert not list(folder.glob(".build-*")) and not list(folder.parent.glob(".build-*"))
+    assert not list(folder.glob(".build-*")) and not list(folder.parent.parent.glob(".build-*"))
     again, _ = library.library_for(cpu)
     assert again.origin == "cached first-use build"
     cached = folder / build.library_file("x86-64")
@@ -135,7 +152,7 @@ def test_without_a_usable_install_this_cpus_level_is_built_on_first_use_then_cac
 def test_no_cmake_or_switched_off_means_no_library_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(library, "INSTALLED", tmp_path / "no-build")
     monkeypatch.setattr(library, "cache_root", lambda: tmp_path / "cache")
-    monkeypatch.setattr(build, "find_cmake", lambda: None)
+    monkeypatch.setattr(build, "find_tool", lambda name: None)
     lib, why = library.library_for(this_cpu())
     assert lib is None and "cmake was not found: install it (pip install cmake" in why
     monkeypatch.setenv("TIERLM_CPU_KERNELS", "0")
@@ -170,3 +187,57 @@ def test_the_install_builds_against_the_torch_the_install_sets_pin():
     manifest = _manifest()
     if os.environ.get("TIERLM_KERNELS_WERROR") == "1":  # CI: every level built with -Wall -Werror
         assert manifest["werror"] is True
+
+
+def test_the_constants_the_torch_ops_copy_are_the_python_sides():
+    """torch_ops.cpp serves the Python op's cases only where its limits are the Python side's: each constant it
+    copies names its source (``// module.NAME``), and the values agree."""
+    import importlib
+
+    found = re.findall(r"constexpr int64_t k\w+ = ([^;]+);\s*// (\w+)\.(\w+)", (build.CSRC / "torch_ops.cpp").read_text())
+    assert len(found) == 4
+    for value, module, name in found:
+        assert eval(value) == getattr(importlib.import_module(f"tierlm.backends.torch.cpu.{module}"), name), name
+    rows = re.search(r"#define BS_QR (\d+)", (build.CSRC / "blocked_attention.c").read_text())
+    assert int(rows.group(1)) == importlib.import_module("tierlm.backends.torch.cpu.blocked_one_pass").ROWS
+
+
+def test_without_torch_headers_or_a_cpp_compiler_the_kernels_build_without_the_torch_ops(tmp_path):
+    """A machine with gcc but no g++ (or a build where torch does not import) still gets every C kernel; the library
+    says it has no torch ops, and the plan then calls the kernels from Python in compiled steps."""
+    from tierlm.platforms import cpu_plan
+
+    (tmp_path / "lib").mkdir(mode=0o775)  # a umask of 002 (Ubuntu's default for users): the build takes group write
+    os.chmod(tmp_path / "lib", 0o775)
+    manifest = build.build(tmp_path / "lib", tmp_path / "tree", ["x86-64"], torch_info=None, say=lambda _: None)
+    assert (tmp_path / "lib").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "lib" / build.MANIFEST).stat().st_mode & 0o777 == 0o644
+    assert manifest["torch"] is None and manifest["torch_ops"].startswith("no torch headers")
+    kernels = set(manifest["libraries"]["x86-64"]["kernels"])
+    assert "paged_decode" in kernels and "torch_ops" not in kernels
+    lib = library.open_level(tmp_path / "lib", library.read_manifest(tmp_path / "lib", own=True), "x86-64", "test")
+    assert not hasattr(lib, "tierlm_register_torch_ops") and lib.tierlm_vector_bits() == 0
+    facts = cpu_plan.LibraryFacts("x86-64", lib.kernels, "test")
+    plan = cpu_plan.decide(apply_cap(this_cpu(), "x86-64"), cpu_plan.ModelFacts("float32", "float32", 8, 4, 64), facts,
+                           {})
+    assert plan.compiled_ops.value == "python" and plan.decode_attention.value == "paged"
+
+
+def test_a_level_the_compiler_cannot_build_on_first_use_gives_way_to_the_one_below(monkeypatch):
+    """An AMX machine whose gcc is older than 11 (no -mamx-tile) still gets the avx512_bf16 library built."""
+    tried = []
+
+    def build_level(level):
+        tried.append(level)
+        if level == "avx2":
+            raise build.BuildError("the avx2 library is not built: the compiler does not take -march=x86-64-v3")
+        return level
+
+    monkeypatch.setattr(library, "build_on_first_use", build_level)
+    assert library.first_use(apply_cap(this_cpu(), "avx2")) == "x86-64" and tried == ["avx2", "x86-64"]
+    tried.clear()
+    monkeypatch.setattr(library, "build_on_first_use", lambda level: (tried.append(level), (_ for _ in ()).throw(
+        build.BuildError("cmake was not found: install it")))[1])
+    with pytest.raises(build.BuildError, match="avx2: cmake was not found"):
+        library.first_use(apply_cap(this_cpu(), "avx2"))
+    assert tried == ["avx2"]  # no cmake: no lower level would build either

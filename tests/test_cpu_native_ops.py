@@ -253,7 +253,7 @@ def test_the_attention_op_serves_the_records_step_and_hands_the_rest_to_the_pyth
                     f"{kernels.plan.decode_attention}")
     lib = native_ops.registered(kernels.lib)
     assert lib is kernels.lib  # the process's library registered the ops
-    record = StepRecord(lib)
+    record = StepRecord(lib, attention=True)
     pool, meta, q, k, v = _decode_step_inputs(H, Hkv, D, 16, [3, 200, 17], dtype)
     monkeypatch.setattr(pa.CURRENT, "meta", meta)
     monkeypatch.setattr(pa.CURRENT, "pool", pool)

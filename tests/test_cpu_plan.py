@@ -128,9 +128,12 @@ def test_overrides_set_fields_the_plan_can_run_and_refuse_the_rest():
     assert decide(cpu, F32, lib, {cpu_plan.PLAN_ENV: "decode_products=onednn"}).decode_products.value == "n/a"
     with pytest.raises(CpuPlanError, match="decode_products=amx does not apply to this model"):
         decide(cpu, F32, lib, {cpu_plan.PLAN_ENV: "decode_products=amx"})
+    with pytest.raises(CpuPlanError, match="prefill_attention=one_pass cannot run here.*for bf16"):
+        decide(cpu, F32, lib, {cpu_plan.PLAN_ENV: "prefill_attention=one_pass"})
 
 
-def test_the_switches_of_earlier_versions_are_read_as_the_fields_they_set(caplog):
+def test_the_switches_of_earlier_versions_are_read_as_the_fields_they_set(caplog, monkeypatch):
+    monkeypatch.setattr(cpu_plan, "_WARNED", set())  # each switch is warned about once a process
     cpu, lib = _cpu("amd-epyc-zen4-avx512bf16.txt"), _library("avx512_bf16")
     with caplog.at_level(logging.WARNING, logger="tierlm.platforms.cpu_plan"):
         plan = decide(cpu, BF16, lib, {"TIERLM_CPU_PAGED_DECODE": "0", "TIERLM_CPU_AVX512_LINEAR": "0"})
@@ -145,6 +148,13 @@ def test_the_switches_of_earlier_versions_are_read_as_the_fields_they_set(caplog
     assert decide(cpu, BF16, lib, {"TIERLM_CPU_BLOCKED_SCORES": "0"}).prefill_attention.value == "blocked"
     none = LibraryFacts(None, why="TIERLM_CPU_KERNELS=0")
     assert decide(cpu, BF16, none, {"TIERLM_CPU_BLOCKED_SCORES": "0"}).prefill_attention.value == "sdpa"
+    # switches of one field together: what each ruled out stays out, as when each turned its kernel off
+    both = decide(_cpu("intel-xeon-sapphire-rapids-amx.txt"), BF16, _library("amx"),
+                  {"TIERLM_CPU_AMX_LINEAR": "0", "TIERLM_CPU_AVX512_LINEAR": "0"})
+    assert both.decode_products.value == "onednn"
+    for second in ({"TIERLM_CPU_BLOCKED_SCORES": "0"}, {"TIERLM_CPU_PREFILL_ATTENTION": "blocked"}):
+        off = decide(cpu, BF16, lib, {"TIERLM_CPU_PAGED_DECODE": "0", **second})
+        assert off.prefill_attention.value == "sdpa", second
     assert cpu_plan.override({"TIERLM_CPU_COMPILE": "1"}, "compile") == ("yes", "TIERLM_CPU_COMPILE=1")
     assert cpu_plan.override({}, "compile") is None
     with pytest.raises(CpuPlanError, match="TIERLM_CPU_PREFILL_ATTENTION=flash"):

@@ -38,6 +38,13 @@ class ModelSize:
         return dataclasses.asdict(self)
 
 
+def attention_shape(text_config: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a config's text model (head size: ``head_dim``, else hidden / heads)."""
+    heads = int(text_config["num_attention_heads"])
+    return heads, int(text_config.get("num_key_value_heads") or heads), \
+        int(text_config.get("head_dim") or text_config["hidden_size"] // heads)
+
+
 def model_size(model_dir: ModelFolder | Path, dtype: str = "auto", device: str = "cpu", kv_cache_dtype: str = "auto",
                cpu_bf16: bool = False) -> ModelSize:
     """KV bytes per token and weight bytes of a local model folder served in ``dtype`` on ``device`` (auto: as
@@ -49,9 +56,7 @@ def model_size(model_dir: ModelFolder | Path, dtype: str = "auto", device: str =
     if dtype == "auto" and is_builtin_model(folder.path):
         dtype = "float32"  # builtin_model.BUILTIN_DTYPE_WHY
     dtype = serving_dtype(dtype, device, stored if isinstance(stored, str) else None, cpu_bf16)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    heads, kv_heads, head_dim = attention_shape(cfg)
     vocab = cfg.get("vocab_size")
     layout = hybrid_layout(cfg)
     state = 0 if layout is None else StateGeometry(len(layout.linear_layers), layout.conv_dim, layout.conv_kernel,

@@ -11,7 +11,7 @@ A model is built once into ``<user cache>/tierlm/synthetic/<name>`` (a private t
 place, as the demo model is) and rebuilt only when its spec changes. The safetensors file is written one
 tensor at a time, so building Qwen2.5-0.5B needs about one embedding matrix of memory. Weights are stored as
 bf16 (and config.json says so), as the published checkpoints of these shapes are: a server loading them sees the
-bytes and the dtype a real checkpoint gives it (a float32-serving CPU holds them as bf16: cpu_16bit_stored_weights).
+bytes and the dtype a real checkpoint gives it (a float32-serving CPU holds them as bf16: backends/torch/weights/stored_16bit.py).
 """
 from __future__ import annotations
 

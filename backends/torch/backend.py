@@ -12,6 +12,7 @@ from tierlm.backends.base import (SHARED_PAGE_LAYOUT, ForwardBatch, ForwardOutpu
                                   ModelBackend, ModelInfo, SamplingBatch)
 from tierlm.backends.dtypes import kv_storage_dtype
 from tierlm.backends.model_source.fingerprint import model_fingerprint
+from tierlm.backends.model_source.folder_facts import attention_shape
 from tierlm.backends.model_source.model_folder import ModelFolder, as_model_folder
 from tierlm.backends.torch import last_layer_rows, paged_attention
 from tierlm.backends.torch.compile.compiled_decode import CompiledDecode
@@ -98,7 +99,7 @@ class TorchBackend(ModelBackend):
         self.attention_backend = self._check_attention_backend(attention_backend)
         self.pool: TorchKVPool | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        self.compiled: CompiledDecode | None = None  # --enable-torch-compile (compiled_decode.py)
+        self.compiled: CompiledDecode | None = None  # --enable-torch-compile (compile/compiled_decode.py)
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         # Hybrids: linear mixers wrapped to read/write a state pool (linear_state.py); None otherwise.
         self.linear_state = install_linear_state(self.model, folder.text_config, self.info.dtype, self.torch_device)
@@ -108,12 +109,13 @@ class TorchBackend(ModelBackend):
     def _cpu_plan(self, folder: ModelFolder, kv_cache_dtype: str, weight_quant: WeightQuant | None, threads: int,
                   pages) -> cpu_plan.CpuKernels:
         """The model's CPU plan from its config, before any weights load (logged, and in /server_info kernels)."""
-        text = folder.text_config
-        heads = text.get("num_attention_heads") or 0
         dtype = str(self.dtype).removeprefix("torch.")
         kv = KV_TORCH_DTYPES[kv_storage_dtype(kv_cache_dtype, dtype)]
-        kernels = cpu_plan.for_model(self.dtype, kv, heads, text.get("num_key_value_heads") or heads,
-                                     text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else 0),
+        try:
+            shape = attention_shape(folder.text_config)
+        except (KeyError, TypeError, ZeroDivisionError):  # a config without attention heads: shape-free decisions
+            shape = (0, 0, 0)
+        kernels = cpu_plan.for_model(self.dtype, kv, *shape,
                                      weight_format_label(folder.config, weight_quant, self.device))
         plan = kernels.plan.with_decision("threads", Choice(str(threads), "torch's intra-op threads (cpu/threads.py)"))
         plan = plan.with_decision("huge_pages", Choice("yes" if pages.use else "no", pages.why))

@@ -2,7 +2,7 @@
 
 At 1-8 rows a decode step is dominated by fixed per-call costs (docs/performance.md, issue 27): every linear call
 and every eager op of transformers' layer glue pays dispatch and a oneDNN/MKL call whatever its size. At load time
-(after the weights are in their serving dtype, before cpu_linear.py packs them) ``fuse_projections``:
+(after the weights are in their serving dtype, before cpu/linear.py packs them) ``fuse_projections``:
 
 - concatenates q_proj/k_proj/v_proj into one ``qkv_proj`` and gate_proj/up_proj into one ``gate_up_proj``
   (weights and biases along the output dim; the old modules are dropped, so memory stays the same) and gives the

@@ -44,6 +44,7 @@ class TorchKVPool(KVPoolGeometry):
         self.v_pages = [v.view(num_pages, page_size, num_kv_heads, head_dim) for v in self.v]
         self._stage: torch.Tensor | None = None
         self._layer_ptrs: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._layer_table: torch.Tensor | None = None  # layer_pointers as a tensor, for the C++ attention op
         # On CPU the pool's own bytes [layer, K/V, page, block]: host copies move pages between them in one pass.
         self._cpu_bytes = self.buffer.view(torch.uint8).numpy().reshape(num_layers, 2, num_pages, -1) \
             if device.type == "cpu" else None
@@ -76,10 +77,16 @@ class TorchKVPool(KVPoolGeometry):
 
     def layer_pointers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each layer's K and V slot rows [slots, kv_heads, head_dim] as addresses, for C kernels that write and read
-        the pool in place (cpu_decode_step.py); the buffer is never reallocated, so they are taken once."""
+        the pool in place (cpu/decode_step.py); the buffer is never reallocated, so they are taken once."""
         if self._layer_ptrs is None:
             self._layer_ptrs = (tuple(k.data_ptr() for k in self.k), tuple(v.data_ptr() for v in self.v))
         return self._layer_ptrs
+
+    def layer_pointer_table(self) -> torch.Tensor:
+        """``layer_pointers`` as an int64 tensor [2, layers] (K, V) a C++ op reads (cpu/step_record.py), made once."""
+        if self._layer_table is None:
+            self._layer_table = torch.tensor(self.layer_pointers(), dtype=torch.int64)
+        return self._layer_table
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V [n, kv_heads, head_dim] at flat ``slots`` [n] of ``layer``."""

@@ -5,11 +5,10 @@
 A decode step of a small model spends a third of its time outside the matmuls, in the ~30 small eager ops per
 layer of transformers' modeling code (norms, rotary, residual adds, activation: docs/performance.md, "Where the
 time goes"). Compiling the decoder stack fuses them into a few generated loops per layer. What inductor cannot
-trace stays opaque through three ops of tierlm's: the paged attention (it writes the pool and reads pages through
-the step's index tensors, which live outside the graph), the oneDNN-prepacked bf16 linear (cpu_linear.py) and the
-int8 weight-only linear's C kernel, so the matmuls and attention are exactly the eager ones. An op's
-implementation must return a new tensor, never an input or a view of one (the low-level registration below does
-not check, as custom_op did).
+trace stays opaque through tierlm's ops (backends/torch/ops.py): the paged attention (it writes the pool and reads
+pages through the step's index tensors, which live outside the graph), the oneDNN-prepacked bf16 linear
+(cpu/linear.py), the float32 and int8 weight-only linears' C kernels, so the matmuls and attention are exactly the
+eager ones.
 
 - Steps of at most ``--torch-compile-max-bs`` requests run compiled when they are decode-only (SGLang's rule) or
   at most ``SHORT_STEP_TOKENS`` tokens long: a warm request's short suffix over its cached prefix, a mixed step of a
@@ -156,8 +155,6 @@ class CompiledDecode:
         self.kernels = kernels
         self.record, self.products_why = native_ops.prepare(model, kernels)
         self.native_products = self.record is not None
-        self.native_attention = self.native_products and kernels.plan.compiled_attention.value == "native" and \
-            kernels.decode is not None
         log.info("torch.compile: kernel calls through the %s ops (%s)",
                  "C++" if self.native_products else "Python", self.products_why)
         # One entry per size class, each with a code object of its own: dynamo keys its graphs by code object, so
@@ -258,7 +255,7 @@ class CompiledDecode:
             yield
             return
         attention = None
-        if self.native_attention and meta.decode_rows is not None:
+        if self.record.attention and meta.decode_rows is not None:
             if meta.decode_step is False:
                 meta.decode_step = decode_step.plan_for(meta, pool, heads, head_dim, dtype, "cpu",
                                                         self.kernels.decode)

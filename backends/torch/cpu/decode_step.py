@@ -34,6 +34,7 @@ class DecodeStep:
         self.fn = lib.paged_decode_step
         self.work = torch.empty(lib.paged_decode_step_floats(R, H, D, max_len), dtype=torch.float32)
         self.k_ptrs, self.v_ptrs = pool.layer_pointers()
+        self._pool = pool
         # kept alive with the step: their pointers are passed on every layer
         self._keep = (slots, page_rows, kv_lens)
         self.slots_ptr, self.rows_ptr, self.lens_ptr = slots.data_ptr(), page_rows.data_ptr(), kv_lens.data_ptr()
@@ -46,12 +47,12 @@ class DecodeStep:
 
     def record(self) -> dict[str, int]:
         """The same arguments as the step record's attention fields (step_record.py), for the C++ op of a compiled
-        step; the layer address arrays live as long as the step."""
-        self._layers = torch.tensor([self.k_ptrs, self.v_ptrs], dtype=torch.int64)
+        step (the layers' addresses: the pool's table of them, made once)."""
+        layers = self._pool.layer_pointer_table()
         return {"attention": 1, "slots": self.slots_ptr, "table": self.rows_ptr, "table_stride": self.rows_stride,
                 "kv_lens": self.lens_ptr, "rows": self.R, "heads": self.H, "kv_heads": self.Hkv, "head_dim": self.D,
                 "page_size": self.page_size, "work": self.work_ptr, "max_len": self.max_len, "bf16": int(self.bf16),
-                "k_layers": self._layers[0].data_ptr(), "v_layers": self._layers[1].data_ptr(),
+                "k_layers": layers[0].data_ptr(), "v_layers": layers[1].data_ptr(),
                 "layers": len(self.k_ptrs)}
 
     def fits(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -81,7 +82,7 @@ def plan(meta, pool, query: torch.Tensor, lib: KernelLibrary | None) -> DecodeSt
 def plan_for(meta, pool, H: int, D: int, dtype: torch.dtype, device_type: str,
              lib: KernelLibrary | None) -> DecodeStep | None:
     """``plan`` from the queries' heads, head size, dtype and device (known before the step runs: the compiled
-    step writes its plan into the step record first, native_ops.compiled_step)."""
+    step writes its plan into the step record first, compile/compiled_decode.CompiledDecode.step)."""
     if lib is None or not ENABLED or meta.decode_rows is None or meta.attention_backend != "torch_native" or \
             device_type != "cpu":
         return None

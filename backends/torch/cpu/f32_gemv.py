@@ -10,7 +10,7 @@ rate). On the EPYC, weights from DRAM, one core: 19-26 GB/s at one row (1.3-2.2x
 1.2-2.1x), 12-16 GB/s at 8 rows (1.7-2.4x; the AVX2 build 10-13), before the AVX-512 4 x 6 tiles.
 float32 is what ``--dtype auto`` serves on CPUs without native bf16 (AVX2-only x86), so this is their decode.
 Two more entries, ``f32_linear_bf16w`` and ``f32_linear_f16w``, read a bf16- or fp16-held weight
-(cpu_16bit_stored_weights.py: a 16-bit checkpoint's exact values in half the bytes) and widen it in registers (a
+(weights/stored_16bit.py: a 16-bit checkpoint's exact values in half the bytes) and widen it in registers (a
 shift; F16C's conversion) before the same FMAs in the same order: the float32 weight's bits. The scalar tail is
 written as explicit FMAs, so no compiler contracts one entry and not the other.
 
@@ -38,6 +38,7 @@ from torch import nn
 
 from tierlm.backends.torch import ops
 from tierlm.backends.torch.cpu import library
+from tierlm.backends.torch.cpu.library import KernelLibrary
 from tierlm.backends.torch.cpu.threads import column_threads, split_columns
 from tierlm.backends.torch.weights.stored_16bit import HELD_DTYPES, store_in_16bit, widened_product
 
@@ -66,13 +67,17 @@ def decode_step(decode: bool = True) -> Iterator[None]:
         _STEP.decode = before
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            lib: KernelLibrary | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias) in float32, weight float32, bf16 or fp16 (weights/stored_16bit.py):
-    the kernel for 1..MAX_ROWS rows of a decode step where it loaded, else F.linear (on the 16-bit weight
-    widened)."""
+    the kernel of ``lib`` (default: the process's library) for 1..MAX_ROWS rows of a decode step, else F.linear (on
+    the 16-bit weight widened)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    lib = library.load() if _STEP.decode and 0 < rows <= MAX_ROWS else None
+    if _STEP.decode and 0 < rows <= MAX_ROWS:
+        lib = lib if lib is not None else library.load()
+    else:
+        lib = None
     if lib is None or not lib.has("f32_gemv") or x.dtype != torch.float32 or not weight.is_contiguous():
         if weight.dtype in HELD_DTYPES and x.dtype == torch.float32:
             return widened_product(x, weight, bias)
@@ -89,17 +94,21 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return y.view(*x.shape[:-1], N)
 
 
-ops.implement("f32_linear", product, lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+ops.implement("f32_linear", lambda x, weight, bias: product(x, weight, bias),
+              lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
 
 
 class F32GemvLinear(nn.Linear):
     """``nn.Linear`` (same weight, same state dict) whose decode-sized float32 products run on the kernel; its
-    weight float32, or bf16 / fp16 where weights/stored_16bit.py holds it so (the products still float32)."""
+    weight float32, or bf16 / fp16 where weights/stored_16bit.py holds it so (the products still float32); ``lib``:
+    the kernel library (set by ``use_for_linears``)."""
+
+    lib: KernelLibrary | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the graph records one opaque op (ops.py), with the step record if any
             return ops.f32_linear(x, self.weight, self.bias, getattr(self, ops.BUFFER, None))
-        return product(x, self.weight, self.bias)
+        return product(x, self.weight, self.bias, self.lib)
 
 
 def use_for_linears(model: nn.Module, kernels) -> int:
@@ -116,6 +125,7 @@ def use_for_linears(model: nn.Module, kernels) -> int:
         return 0
     for m in linears:
         m.__class__ = F32GemvLinear
+        m.lib = kernels.lib
     log.info("CPU float32: %d linear layers run products of up to %d rows on tierlm's kernel (%s library)",
              len(linears), MAX_ROWS, kernels.lib.level)
     if plan.f32_16bit_weights.value == "yes":  # a bf16 / fp16 checkpoint's weights: half the bytes, the same values

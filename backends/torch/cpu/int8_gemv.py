@@ -13,7 +13,7 @@ Numerics: float32 products and sums (the activations widened exactly), times the
 rounding to the output dtype (torch's bf16 kernel rounds its product before it adds the bias, then again).
 
 bf16 activations use it for at most ``MAX_ROWS`` rows: past that the float32 multiply-adds, not the bytes, set the
-pace, and bf16 prefill is faster through oneDNN on the widened weight (cpu_quant_linear.py); float32 activations
+pace, and bf16 prefill is faster through oneDNN on the widened weight (weights/quant_linear.py); float32 activations
 use it for any count (it outran MKL's float32 GEMM on the widened weight at every count tried, up to 512 rows).
 The C source is csrc/int8_gemv.c; the plan's ``int8_products`` uses it where the library has its AVX2 or AVX-512
 code (an ARM CPU, an old x86: torch's kernel runs).

@@ -5,16 +5,18 @@ with a manifest of what it built. Loading picks, as ggml picks its CPU variants 
 or below this CPU's (after a TIERLM_CPU_ISA cap: platforms/cpu_features.py), and opens it only after
 
 - its manifest was made from these sources (an editable checkout edited since its install is not) and against this
-  torch (the torch ops use its C++ ABI),
-- the file's SHA-256 is the one the build recorded,
-- its folder is not writable by other users (and, in tierlm's cache folder, is the user's own).
+  torch release (the torch ops use its C++ ABI),
+- the file is the one the build named and its SHA-256 the one it recorded,
+- neither the folder, the manifest nor the file is writable by other users, and each belongs to this user (or, for
+  an installed package, to root); in tierlm's cache folder to this user only.
 
 Where the install built no usable library (an editable checkout without a build, sources edited since, another
-torch), this CPU's level is built on first use into tierlm's cache folder (``<cache>/kernels/<sources>-<torch>``,
-the user's own, mode 700) from the same sources with the same build, under a lock, and logged; a cached build is
-checked the same way before it is loaded, and rebuilt when it fails a check. Whatever goes wrong is a WARNING with
-the compiler's or the loader's own message, and torch's kernels serve: ``tierlm doctor`` and /server_info show the
-library, its level and why (``status``).
+torch), this CPU's level is built on first use into tierlm's cache folder (``<cache>/kernels/<sources>-torch<v>/
+<level>``, the user's own, mode 700) from the same sources with the same build, under a lock, and logged; a level
+the compiler cannot build there gives way to the next one below. A cached build is checked the same way before it is
+loaded, and built again when it fails a check. Whatever goes wrong is a WARNING with the compiler's or the loader's
+own message, and torch's kernels serve: ``tierlm doctor`` and /server_info show the library, its level and why
+(``status``).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import os
 import shutil
 import stat
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,109 +41,7 @@ log = logging.getLogger(__name__)
 
 INSTALLED = Path(__file__).resolve().parent / "lib"
 
-
-@dataclass(frozen=True)
-class KernelLibrary:
-    """One loaded library: its level, its kernels (the families its level's build has), where it came from."""
-    level: str
-    path: Path
-    origin: str  # "installed" | "built on first use" | "cached first-use build"
-    kernels: frozenset[str]
-    cdll: ctypes.CDLL = field(repr=False, compare=False)
-
-    def has(self, kernel: str) -> bool:
-        return kernel in self.kernels
-
-    def __getattr__(self, name: str):
-        """The library's exported functions (``lib.paged_decode_bf16(...)``), typed by ``bind``."""
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.cdll, name)
-
-    def describe(self) -> dict:
-        return {"level": self.level, "path": str(self.path), "origin": self.origin, "kernels": sorted(self.kernels)}
-
-
-class LibraryRefused(Exception):
-    """A library (or its folder) failed a check: the message says which."""
-
-
-def _torch_version() -> str:
-    """The installed torch's version, without importing it (doctor reads manifests before torch loads)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def check_folder(folder: Path, own: bool) -> None:
-    """Raises LibraryRefused unless ``folder`` is a real folder that no other user can write (``own``: and owned by
-    this user, as tierlm's cache folder must be; an installed package may be owned by root)."""
-    try:
-        info = folder.lstat()
-    except OSError as e:
-        raise LibraryRefused(f"{folder}: {e.strerror}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise LibraryRefused(f"{folder} is not a folder")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise LibraryRefused(f"{folder} is writable by other users (mode {stat.filemode(info.st_mode)})")
-    if info.st_uid not in ((os.getuid(),) if own else (os.getuid(), 0)):
-        raise LibraryRefused(f"{folder} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
-
-
-def read_manifest(folder: Path, own: bool) -> dict:
-    """The folder's manifest once the folder passes its checks and the manifest was made from these sources against
-    this torch; raises LibraryRefused saying why not."""
-    if not os.path.lexists(folder):
-        raise LibraryRefused(f"no build in {folder}")
-    check_folder(folder, own)
-    try:
-        manifest = json.loads((folder / build.MANIFEST).read_text())
-    except FileNotFoundError:
-        raise LibraryRefused(f"no build in {folder}") from None
-    except (OSError, ValueError) as e:
-        raise LibraryRefused(f"{folder / build.MANIFEST} is unreadable ({e})") from None
-    if manifest.get("format") != build.MANIFEST_FORMAT:
-        raise LibraryRefused(f"{folder / build.MANIFEST} is of another format")
-    if build.CSRC.is_dir() and manifest.get("sources") != build.sources_hash():
-        raise LibraryRefused(f"the build in {folder} is of other sources than {build.CSRC} (edited since)")
-    if manifest.get("torch") != _torch_version():
-        raise LibraryRefused(f"the build in {folder} is for torch {manifest.get('torch')}, this is {_torch_version()}")
-    return manifest
-
-
-def open_level(folder: Path, manifest: dict, level: str, origin: str) -> KernelLibrary:
-    """``level``'s library from a checked folder, after its hash matched the manifest's; raises LibraryRefused."""
-    entry = manifest["libraries"].get(level)
-    if entry is None:
-        raise LibraryRefused(f"the build in {folder} has no {level} library" + (
-            f" ({manifest['failed'][level]})" if level in manifest.get("failed", {}) else ""))
-    path = folder / entry["file"]
-    try:
-        info = path.lstat()
-    except OSError as e:
-        raise LibraryRefused(f"{path}: {e.strerror}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise LibraryRefused(f"{path} is not a regular file only its owner can write")
-    if build.file_hash(path) != entry["sha256"]:
-        raise LibraryRefused(f"{path} is not the file its build recorded (SHA-256 differs)")
-    import torch  # noqa: F401 - the library's libc10 / libtorch_cpu / libgomp are the ones torch loaded
-
-    try:
-        cdll = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise LibraryRefused(f"the loader refused {path}: {e}") from None
-    bind(cdll)
-    found = cdll.tierlm_library_level().decode()
-    if found != level:
-        raise LibraryRefused(f"{path} says it is built for {found}, its manifest says {level}")
-    kernels = frozenset(cdll.tierlm_kernel_names().decode().split(","))
-    return KernelLibrary(level, path, origin, kernels, cdll)
-
-
-# --- ctypes signatures: every kernel of kernels.h, bound once per library ---
+# --- ctypes signatures: every function of kernels.h ---
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _EXTEND = [_P] * 4 + [_I] + [_P] * 3 + [_I] * 6 + [_F, _P, _P, _I]
 _DECODE = [_P] * 4 + [_I, _P] + [_I] * 5 + [_F, _P, _P, _I]
@@ -173,15 +74,111 @@ _SIGNATURES: dict[str, tuple[type | None, list]] = {
 }
 
 
-def bind(cdll: ctypes.CDLL) -> None:
-    """Set the argument and result types of every function the library exports (a level's library lacks the kernels
-    its instructions cannot run: those are skipped, and its kernel names say so)."""
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        try:
-            fn = getattr(cdll, name)
-        except AttributeError:
-            continue
-        fn.restype, fn.argtypes = restype, argtypes
+class KernelLibrary:
+    """One loaded library: its level, its kernels (the families its level's build has), where it came from; its
+    exported functions are attributes, typed (``lib.paged_decode_bf16(...)``; a function its level's build lacks is
+    not there). Compared and hashed by identity: a library is opened once."""
+
+    def __init__(self, level: str, path: Path, origin: str, kernels: frozenset[str], cdll: ctypes.CDLL) -> None:
+        self.level, self.path, self.origin, self.kernels, self.cdll = level, path, origin, kernels, cdll
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(cdll, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(self, name, fn)
+
+    def has(self, kernel: str) -> bool:
+        return kernel in self.kernels
+
+    def describe(self) -> dict:
+        return {"level": self.level, "path": str(self.path), "origin": self.origin, "kernels": sorted(self.kernels)}
+
+    def __repr__(self) -> str:
+        return f"KernelLibrary({self.level!r}, {str(self.path)!r}, {self.origin!r})"
+
+
+class LibraryRefused(Exception):
+    """A library (or its folder, or its manifest) failed a check: the message says which."""
+
+
+def _torch_version() -> str | None:
+    """The installed torch's version, without importing it (doctor reads manifests before torch loads)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+def _check_path(path: Path, kind: int, own: bool) -> None:
+    """Raises LibraryRefused unless ``path`` is a real folder / regular file (``kind``: stat.S_IFDIR / S_IFREG) that
+    no other user can write, belonging to this user (``own``) or to this user or root (an installed package)."""
+    try:
+        info = path.lstat()
+    except OSError as e:
+        raise LibraryRefused(f"{path}: {e.strerror}") from None
+    if stat.S_IFMT(info.st_mode) != kind:
+        raise LibraryRefused(f"{path} is not a {'folder' if kind == stat.S_IFDIR else 'regular file'}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise LibraryRefused(f"{path} is writable by other users (mode {stat.filemode(info.st_mode)})")
+    if info.st_uid not in ((os.getuid(),) if own else (os.getuid(), 0)):
+        raise LibraryRefused(f"{path} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
+
+
+def check_folder(folder: Path, own: bool) -> None:
+    _check_path(folder, stat.S_IFDIR, own)
+
+
+def read_manifest(folder: Path, own: bool) -> dict:
+    """The folder's manifest once the folder and the manifest pass their checks and the manifest was made from these
+    sources against this torch release; raises LibraryRefused saying why not."""
+    if not os.path.lexists(folder):
+        raise LibraryRefused(f"no build in {folder}")
+    check_folder(folder, own)
+    path = folder / build.MANIFEST
+    if not os.path.lexists(path):
+        raise LibraryRefused(f"no build in {folder}")
+    _check_path(path, stat.S_IFREG, own)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise LibraryRefused(f"{path} is unreadable ({e})") from None
+    if manifest.get("format") != build.MANIFEST_FORMAT:
+        raise LibraryRefused(f"{path} is of another format")
+    if build.CSRC.is_dir() and manifest.get("sources") != build.sources_hash():
+        raise LibraryRefused(f"the build in {folder} is of other sources than {build.CSRC} (edited since)")
+    built_for = manifest.get("torch")
+    if built_for is not None and build.torch_release(built_for) != build.torch_release(_torch_version()):
+        raise LibraryRefused(f"the build in {folder} is for torch {built_for}, this is {_torch_version()}")
+    return manifest
+
+
+def open_level(folder: Path, manifest: dict, level: str, origin: str) -> KernelLibrary:
+    """``level``'s library from a checked folder, after its name, owner, mode and hash matched; raises
+    LibraryRefused."""
+    entry = manifest["libraries"].get(level)
+    if entry is None:
+        raise LibraryRefused(f"the build in {folder} has no {level} library" + (
+            f" ({manifest['failed'][level]})" if level in manifest.get("failed", {}) else ""))
+    if entry.get("file") != build.library_file(level):  # the manifest never names another file to open
+        raise LibraryRefused(f"the manifest in {folder} names {entry.get('file')!r} for {level}")
+    path = folder / entry["file"]
+    _check_path(path, stat.S_IFREG, origin != "installed")
+    if build.file_hash(path) != entry["sha256"]:
+        raise LibraryRefused(f"{path} is not the file its build recorded (SHA-256 differs)")
+    import torch  # noqa: F401 - the library's libc10 / libtorch_cpu / libgomp are the ones torch loaded
+
+    try:
+        cdll = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise LibraryRefused(f"the loader refused {path}: {e}") from None
+    lib = KernelLibrary(level, path, origin, frozenset(), cdll)
+    found = lib.tierlm_library_level().decode()
+    if found != level:
+        raise LibraryRefused(f"{path} says it is built for {found}, its manifest says {level}")
+    lib.kernels = frozenset(lib.tierlm_kernel_names().decode().split(","))
+    return lib
 
 
 # --- the first-use build into tierlm's cache folder ---
@@ -193,16 +190,21 @@ def cache_root() -> Path:
 
 
 def _private_folder(path: Path) -> Path:
-    """``path`` created (parents too) with mode 700 where missing; checked to be this user's and not writable by
-    others either way (raises LibraryRefused)."""
+    """``path`` created (parents too) with mode 700 where missing, made 700 where it is this user's and others could
+    write it (an older tierlm made it with the umask); raises LibraryRefused when it belongs to another user."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        log.info("CPU kernels: %s was writable by other users (mode %s): made 700", path,
+                 stat.filemode(info.st_mode))
+        os.chmod(path, 0o700)
     check_folder(path, own=True)
     return path
 
 
-def cached_build_folder() -> Path:
-    """Where the first-use build of these sources against this torch lives."""
-    return cache_root() / f"{build.sources_hash()[:16]}-torch{_torch_version()}"
+def cached_build_folder(level: str) -> Path:
+    """Where the first-use build of ``level`` from these sources against this torch release lives."""
+    return cache_root() / f"{build.sources_hash()[:16]}-torch{build.torch_release(_torch_version())}" / level
 
 
 def build_on_first_use(level: str) -> KernelLibrary:
@@ -211,7 +213,7 @@ def build_on_first_use(level: str) -> KernelLibrary:
     if not build.CSRC.is_dir():
         raise LibraryRefused(f"no kernel sources at {build.CSRC} to build from")
     root = _private_folder(cache_root())
-    folder = cached_build_folder()
+    folder = cached_build_folder(level)
     with open(root / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -219,11 +221,12 @@ def build_on_first_use(level: str) -> KernelLibrary:
                 try:
                     return open_level(folder, read_manifest(folder, own=True), level, "cached first-use build")
                 except LibraryRefused as e:
-                    log.warning("CPU kernels: the cached build is not used (%s); building it again", e)
+                    log.warning("CPU kernels: the cached %s build is not used (%s); building it again", level, e)
                     shutil.rmtree(folder)
-            log.warning("CPU kernels: building the %s library into %s (first use of these sources: ~30-60 s on two "
+            log.warning("CPU kernels: building the %s library into %s (first use of these sources: ~10-60 s on two "
                         "cores, once)", level, folder)
-            staged = Path(_private_folder(root / f".build-{os.getpid()}"))
+            _private_folder(folder.parent)
+            staged = _private_folder(root / f".build-{os.getpid()}")
             try:
                 build.build(staged, staged / "tree", [level], say=lambda line: log.info("%s", line))
                 shutil.rmtree(staged / "tree")
@@ -233,6 +236,21 @@ def build_on_first_use(level: str) -> KernelLibrary:
             return open_level(folder, read_manifest(folder, own=True), level, "built on first use")
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def first_use(cpu: CpuFeatures) -> KernelLibrary:
+    """The first-use build of ``cpu``'s level, else of the next level below it the compiler can build (an old
+    compiler without the amx level's flags still builds avx512_bf16); raises with every level's reason."""
+    levels = level_names(cpu.arch)
+    reasons = []
+    for level in reversed(levels[:levels.index(cpu.level) + 1]):
+        try:
+            return build_on_first_use(level)
+        except (LibraryRefused, build.BuildError) as e:
+            reasons.append(f"{level}: {e}")
+            if isinstance(e, LibraryRefused) or "cmake was not found" in str(e):
+                break  # no sources, no cmake, a folder of another user: no level will do better
+    raise build.BuildError("; ".join(reasons))
 
 
 # --- the process's library ---
@@ -267,12 +285,12 @@ def best_installed_level(cpu: CpuFeatures, manifest: dict) -> str | None:
 
 
 def library_for(cpu: CpuFeatures) -> tuple[KernelLibrary | None, str]:
-    """(the library for ``cpu``, why it or none): the best installed level, else a first-use build of ``cpu``'s."""
+    """(the library for ``cpu``, why it or none): the best installed level, else a first-use build."""
     off = kernels_override(os.environ)
     if off:
         return None, off
-    if cpu.arch not in ("x86_64", "aarch64"):
-        return None, f"no CPU kernel library for {cpu.arch} (x86_64 and aarch64 only)"
+    if sys.platform != "linux" or cpu.arch not in ("x86_64", "aarch64"):
+        return None, f"no CPU kernel library on {sys.platform} {cpu.arch} (Linux x86_64 and aarch64 only)"
     refused = ""
     try:
         manifest = read_manifest(INSTALLED, own=False)
@@ -287,9 +305,9 @@ def library_for(cpu: CpuFeatures) -> tuple[KernelLibrary | None, str]:
     except LibraryRefused as e:
         refused = str(e)
     try:
-        lib = build_on_first_use(cpu.level)
+        lib = first_use(cpu)
         return lib, f"{lib.origin} ({refused})"
-    except (LibraryRefused, build.BuildError, OSError) as e:
+    except (build.BuildError, OSError) as e:
         return None, f"{refused}; and no first-use build: {e}"
 
 
@@ -319,7 +337,7 @@ def load_level(level: str) -> KernelLibrary:
     try:
         return _installed(level)
     except LibraryRefused:
-        key = (str(cached_build_folder()), level)
+        key = (str(cached_build_folder(level)), level)
         if key not in _OPENED:
             _OPENED[key] = build_on_first_use(level)
         return _OPENED[key]
@@ -350,7 +368,8 @@ def status() -> dict:
     installed = _STATE.installed
     if installed:
         out["installed"] = {"levels": sorted(installed.get("libraries", {})), "failed": installed.get("failed", {}),
-                            "compiler": installed.get("compiler"), "torch": installed.get("torch")}
+                            "compiler": installed.get("compiler"), "torch": installed.get("torch"),
+                            "torch_ops": installed.get("torch_ops")}
     return out
 
 

@@ -34,24 +34,31 @@ from tierlm.backends.torch.cpu.step_record import StepRecord
 log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_REGISTERED: list[KernelLibrary] = []  # the library whose ops torch's dispatcher holds (one per process)
+# The library whose ops torch's dispatcher holds (one per process); kept when the module is reloaded (autoreload), as
+# the dispatcher keeps the ops.
+if "_REGISTERED" not in globals():
+    _REGISTERED: list[KernelLibrary] = []
 
 
 def registered(lib: KernelLibrary | None = None) -> KernelLibrary | None:
     """The library whose ``tierlm_native`` ops are registered: the process's library (registered now if not yet),
-    when ``lib`` is None or that library; None where no library loaded, or for another library (a test's level:
-    the ops call the process library's kernels, not ``lib``'s)."""
+    when ``lib`` is None or that library; None where no library loaded or it has no torch ops, or for another library
+    (a test's level: the ops call the process library's kernels, not ``lib``'s)."""
     process = library.load()
-    if process is None or (lib is not None and lib is not process):
+    if process is None or (lib is not None and lib is not process) or not process.has("torch_ops"):
         return None
-    with _LOCK:
-        if not _REGISTERED:
-            if process.tierlm_register_torch_ops() != 0:
-                raise RuntimeError("tierlm_native ops were registered by another library of this process")
-            _register_fakes()
-            _REGISTERED.append(process)
-            log.info("CPU kernels: the torch ops of the %s library are registered", process.level)
-    return _REGISTERED[0]
+    if not _REGISTERED:
+        with _LOCK:
+            if not _REGISTERED:
+                code = process.tierlm_register_torch_ops()
+                if code != 0:
+                    raise RuntimeError("the tierlm_native ops could not be registered (" + (
+                        "another library of this process registered them" if code == -1 else
+                        "torch refused them: its message is on stderr") + ")")
+                _register_fakes()
+                _REGISTERED.append(process)
+                log.info("CPU kernels: the torch ops of the %s library are registered", process.level)
+    return _REGISTERED[0] if _REGISTERED[0] is process else None
 
 
 def _register_fakes() -> None:
@@ -91,10 +98,10 @@ def prepare(model: torch.nn.Module, kernels) -> tuple[StepRecord | None, str]:
     f32 = [m for m in model.modules() if isinstance(m, F32GemvLinear)]
     for m in packed:
         m.use_native_call()
-    record = StepRecord(lib)
+    attention = plan.compiled_attention.value == "native" and plan.decode_attention.value == "paged"
+    record = StepRecord(lib, attention)
     for m in f32:
         record.attach(m)
-    attention = plan.compiled_attention.value == "native" and plan.decode_attention.value == "paged"
     if attention:
         for m in model.modules():
             if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):  # transformers' attention modules

@@ -31,9 +31,9 @@ whether it serves, else torch's path over gathered pages.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
+
+from tierlm.backends.torch.cpu.library import KernelLibrary
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -44,7 +44,7 @@ def supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads:
     return q_dtype in KERNEL_DTYPES and kv_dtype == q_dtype and heads % kv_heads == 0
 
 
-def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+def paged_decode(lib: KernelLibrary, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                  page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float,
                  max_len: int | None = None) -> torch.Tensor:
     """q [R, H, D] (one query per request) over each request's kv_lens[r] keys in the pool layer

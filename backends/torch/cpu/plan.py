@@ -2,6 +2,7 @@
 (platforms/cpu_plan.py decides, from the CPU, the model and the library) and every CPU call site reads."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -17,7 +18,8 @@ from tierlm.platforms.cpu_plan import CpuPlan, LibraryFacts, ModelFacts
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """A model's plan and the library its kernels come from (None: torch's kernels serve everything)."""
+    """A model's plan and the library its kernels come from (None: torch's kernels serve everything). What each part
+    of a step runs is worked out once (cached: every layer of every step asks)."""
     plan: CpuPlan
     lib: KernelLibrary | None
 
@@ -25,17 +27,17 @@ class CpuKernels:
         """The library where the plan's ``field`` is ``value`` (and a library loaded), else None."""
         return self.lib if self.lib is not None and getattr(self.plan, field).value == value else None
 
-    @property
+    @functools.cached_property
     def decode(self) -> KernelLibrary | None:
         """The library when decode attention reads the pages in place."""
         return self.serves("decode_attention", "paged")
 
-    @property
+    @functools.cached_property
     def extend(self) -> KernelLibrary | None:
         """The library when short extends take the paged extend kernel (``plan.extend_kernel`` says which)."""
         return self.serves("extend_attention", "paged")
 
-    @property
+    @functools.cached_property
     def blocked(self) -> KernelLibrary | None:
         """The library when bf16 prefill / extend attention takes the blocked path (one pass or GEMMs)."""
         return self.lib if self.lib is not None and self.plan.prefill_attention.value in ("blocked", "one_pass") \

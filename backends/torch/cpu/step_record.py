@@ -19,7 +19,10 @@ from tierlm.backends.torch.ops import BUFFER
 
 
 class StepRecord:
-    def __init__(self, lib: KernelLibrary) -> None:
+    """``attention``: whether the compiled step's attention ops read the record (the plan's compiled_attention)."""
+
+    def __init__(self, lib: KernelLibrary, attention: bool) -> None:
+        self.attention = attention
         names = lib.tierlm_step_record_fields().decode().rstrip(",").split(",")
         self.index = {name: i for i, name in enumerate(names)}
         self.tensor = torch.zeros(len(names), dtype=torch.int64)

@@ -4,7 +4,7 @@
 #include "attention_avx512.h"
 #include "kernels.h"
 
-/* The softmax of blocked bf16 prefill attention (cpu_blocked_attention.py), in place over rows r0..r1-1 of bf16
+/* The softmax of blocked bf16 prefill attention (blocked_attention.py), in place over rows r0..r1-1 of bf16
    scores [R, E] as a bf16 matmul left them: row r keeps its first limits[g * b + i] columns (g = r / rows_per_group,
    i = r % b: the query row of its block), each scaled and rounded to bf16, softmax in float32, probabilities
    rounded to bf16, the rest of the row zeroed. transformers' bf16 eager rounding points, as the decode above.

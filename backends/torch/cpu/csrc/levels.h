@@ -1,9 +1,9 @@
 /* Which instructions this translation unit is compiled for, named once for every kernel file.
 
    The build compiles each kernel file once per CPU level (CMakeLists.txt: x86-64, avx2, avx512, avx512_bf16, amx;
-   aarch64: neon, bf16) with exactly that level's target flags, never -march=native. A kernel is compiled in where
-   its level macro is set, and registry.c lists the kernels of the level from the same macros, so what a library
-   says it has is what it was built with. */
+   aarch64: neon, dotprod, bf16, sve, sve2) with exactly that level's target flags, never -march=native. A kernel
+   is compiled in where its level macro is set, and registry.c lists the kernels of the level from the same macros,
+   so what a library says it has is what it was built with. */
 #ifndef TIERLM_LEVELS_H
 #define TIERLM_LEVELS_H
 

@@ -16,7 +16,7 @@
 
    Numerics: what torch's float32 SDPA computes (no roundings: float32 products and sums, softmax in float32, the sum
    of V weighted by exp(s - max) divided once by the sum of the weights), in another summation order. The exp is a
-   Cody-Waite reduction and a degree-6 polynomial (~1 ulp), as cpu_paged_decode's AVX-512 one.
+   Cody-Waite reduction and a degree-6 polynomial (~1 ulp), as paged_decode.c's AVX-512 one.
 
    AVX2 and AVX-512 levels (paged_extend.py calls it). */
 #include "kernels.h"

@@ -48,7 +48,10 @@ int tierlm_vector_bits(void) {
 
 /* The kernel families compiled in, as the CPU plan names them (backends/torch/cpu/library.py) */
 const char *tierlm_kernel_names(void) {
-    return "paged_decode,softmax_rows,torch_ops"
+    return "paged_decode,softmax_rows"
+#if defined(TIERLM_TORCH_OPS)
+           ",torch_ops"
+#endif
 #if defined(TIERLM_AVX512)
            ",paged_decode_avx512,paged_extend_bf16"
 #endif

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
@@ -38,7 +39,7 @@ std::atomic<int64_t> packed_served{0}, f32_served{0}, attention_served{0};  // w
 constexpr int64_t kMinWeightsPerThread = 1 << 20;  // onednn_packed_weight.MIN_WEIGHTS_PER_THREAD
 constexpr int64_t kKMultiple = 32;                 // onednn_packed_weight.K_MULTIPLE
 constexpr int64_t kF32MaxRows = 8;                 // f32_gemv.MAX_ROWS
-constexpr int64_t kBlockRows = 4;                  // blocked_attention.c's BS_QR: a thread's rows are a multiple
+constexpr int64_t kBlockRows = 4;                  // blocked_one_pass.ROWS (blocked_attention.c's BS_QR)
 
 at::Tensor python_packed_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias,
                                 int64_t n, int64_t fast_rows, int64_t block) {
@@ -103,6 +104,15 @@ at::Tensor op_packed_linear(const at::Tensor &x, const at::Tensor &w, const std:
     return y;
 }
 
+// The step record as an op argument: an int64 CPU tensor of at least the fields step_record.h names
+const int64_t *step_fields(const at::Tensor &step) {
+    TORCH_CHECK(step.scalar_type() == at::kLong && step.device().type() == c10::DeviceType::CPU &&
+                    step.is_contiguous() && step.numel() >= TIERLM_STEP_FIELDS,
+                "tierlm_native: the step record must be a contiguous int64 CPU tensor of ", TIERLM_STEP_FIELDS,
+                " fields (backends/torch/cpu/step_record.py)");
+    return step.data_ptr<int64_t>();
+}
+
 using F32Product = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &);
 
 at::Tensor python_f32_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias) {
@@ -118,7 +128,7 @@ at::Tensor op_f32_linear(const at::Tensor &x, const at::Tensor &w, const std::op
     const auto wt = w.scalar_type();
     const auto kern = wt == at::kFloat ? kernels->f32 : nullptr;
     const auto held = wt == at::kBFloat16 ? kernels->f32_bf16w : wt == at::kHalf ? kernels->f32_f16w : nullptr;
-    if (step.data_ptr<int64_t>()[TIERLM_STEP_decode] != 1 || (kern == nullptr && held == nullptr) ||
+    if (step_fields(step)[TIERLM_STEP_decode] != 1 || (kern == nullptr && held == nullptr) ||
         x.scalar_type() != at::kFloat || x.layout() != at::kStrided || x.device().type() != c10::DeviceType::CPU ||
         x.dim() < 1 || !x.is_contiguous() || w.dim() != 2 || !w.is_contiguous() ||
         w.device().type() != c10::DeviceType::CPU)
@@ -165,7 +175,7 @@ bool fits(const at::Tensor &t, const int64_t *s, int64_t heads) {
 at::Tensor op_paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t layer,
                            double scaling, int64_t window, const std::optional<at::Tensor> &s_aux,
                            const at::Tensor &step) {
-    const int64_t *s = step.data_ptr<int64_t>();
+    const int64_t *s = step_fields(step);
     if (s[TIERLM_STEP_attention] != 1 || window != 0 || s_aux.has_value() || layer < 0 ||
         layer >= s[TIERLM_STEP_layers] || !fits(q, s, s[TIERLM_STEP_heads]) || !fits(k, s, s[TIERLM_STEP_kv_heads]) ||
         !fits(v, s, s[TIERLM_STEP_kv_heads]))
@@ -194,11 +204,23 @@ void op_blocked_attention(const at::Tensor &qb, const at::Tensor &kp, const at::
     const auto fn = tierlm_kernels()->blocked_rows_bf16;
     TORCH_CHECK(fn != nullptr, "tierlm_native::blocked_attention: this library's level (", tierlm_library_level(),
                 ") has no AVX512-BF16 block kernel");
+    TORCH_CHECK(qb.dim() == 3 && kp.dim() == 3 && vp.dim() == 3 && limits.dim() == 2 && work.dim() == 2,
+                "tierlm_native::blocked_attention: qb [B, M, D], kp [B, D/2, Lp], vp [B, Lp/2, D], limits [G, b], "
+                "work [threads, floats]");
+    TORCH_CHECK(qb.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                    kp.scalar_type() == at::kInt && vp.scalar_type() == at::kInt &&
+                    limits.scalar_type() == at::kInt && work.scalar_type() == at::kFloat,
+                "tierlm_native::blocked_attention: bf16 queries and output, int32 pairs and limits, float32 work");
     TORCH_CHECK(qb.is_contiguous() && kp.is_contiguous() && vp.is_contiguous() && out.is_contiguous() &&
                     limits.is_contiguous() && work.is_contiguous() && work.size(0) >= at::get_num_threads(),
                 "tierlm_native::blocked_attention: layout");
     const int B = (int)qb.size(0), M = (int)qb.size(1), D = (int)qb.size(2), Lp = (int)kp.size(2);
     const int b = (int)limits.size(1);
+    TORCH_CHECK(out.sizes() == qb.sizes() && D % 16 == 0 && kp.size(0) == B && kp.size(1) == D / 2 &&
+                    vp.size(0) == B && vp.size(1) == Lp / 2 && vp.size(2) == D && Lp % 64 == 0 && E >= 1 && E <= Lp &&
+                    Hkv >= 1 && B % Hkv == 0 && limits.size(0) >= B / Hkv && b >= 1 &&
+                    work.size(1) >= (int64_t)(kBlockRows + kBlockRows / 2) * Lp,
+                "tierlm_native::blocked_attention: shapes (blocked_one_pass.py makes them)");
     const int64_t slices = (M + kBlockRows - 1) / kBlockRows;
     at::parallel_for(0, slices, std::max<int64_t>(1, grain), [&](int64_t s0, int64_t s1) {
         float *w = work.data_ptr<float>() + at::get_thread_num() * work.size(1);
@@ -214,24 +236,34 @@ std::vector<int64_t> served() { return {packed_served.load(), f32_served.load(),
 }  // namespace
 
 extern "C" int tierlm_register_torch_ops(void) {
+    // Called through ctypes: nothing may escape as a C++ exception (it would end the process).
     static std::atomic<bool> registered{false};
-    if (registered.exchange(true)) return -1;
-    // Held for the life of the process, as TORCH_LIBRARY's static objects are: the ops stay registered.
-    auto *def = new torch::Library(torch::Library::DEF, "tierlm_native", std::nullopt, __FILE__, __LINE__);
-    def->def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, int fast_rows, int block, "
-             "int[] k_chunks) -> Tensor");
-    def->def("f32_linear(Tensor x, Tensor weight, Tensor? bias, Tensor step) -> Tensor");
-    def->def("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, "
-             "Tensor? s_aux, Tensor step) -> Tensor");
-    def->def("blocked_attention(Tensor qb, Tensor kp, Tensor vp, Tensor(a!) out, Tensor limits, int E, int Hkv, "
-             "float scale, Tensor(b!) work, int grain) -> ()",
-             &op_blocked_attention);
-    def->def("served() -> int[]", &served);
-    auto *impl = new torch::Library(torch::Library::IMPL, "tierlm_native", c10::DispatchKey::CompositeExplicitAutograd,
-                                    __FILE__, __LINE__);
-    impl->impl("packed_linear", TORCH_FN(op_packed_linear));
-    impl->impl("f32_linear", TORCH_FN(op_f32_linear));
-    impl->impl("paged_attention", TORCH_FN(op_paged_attention));
+    if (registered.load()) return -1;
+    try {
+        // Held for the life of the process, as TORCH_LIBRARY's static objects are: the ops stay registered.
+        auto def = std::make_unique<torch::Library>(torch::Library::DEF, "tierlm_native", std::nullopt, __FILE__,
+                                                    __LINE__);
+        def->def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, int fast_rows, "
+                 "int block, int[] k_chunks) -> Tensor");
+        def->def("f32_linear(Tensor x, Tensor weight, Tensor? bias, Tensor step) -> Tensor");
+        def->def("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, "
+                 "int sliding_window, Tensor? s_aux, Tensor step) -> Tensor");
+        def->def("blocked_attention(Tensor qb, Tensor kp, Tensor vp, Tensor(a!) out, Tensor limits, int E, int Hkv, "
+                 "float scale, Tensor(b!) work, int grain) -> ()",
+                 &op_blocked_attention);
+        def->def("served() -> int[]", &served);
+        auto impl = std::make_unique<torch::Library>(torch::Library::IMPL, "tierlm_native",
+                                                     c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__);
+        impl->impl("packed_linear", TORCH_FN(op_packed_linear));
+        impl->impl("f32_linear", TORCH_FN(op_f32_linear));
+        impl->impl("paged_attention", TORCH_FN(op_paged_attention));
+        def.release();
+        impl.release();
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "tierlm_native: the torch ops could not be registered: %s\n", e.what());
+        return -2;
+    }
+    registered.store(true);
     return 0;
 }
 

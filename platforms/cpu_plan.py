@@ -277,8 +277,9 @@ class _Decider:
 
     # --- linears ---
     def bf16_linear(self) -> Choice:
-        if self.model.dtype != "bfloat16" or self.model.weight_format.startswith("torchao:") or \
-                int8_weights(self.model.weight_format):
+        """The plain bf16 linears: every one of a bf16 model, those an int8 checkpoint leaves unquantized (its
+        lm_head); a load-time quantization (torchao) replaces them all."""
+        if self.model.dtype != "bfloat16" or self.model.weight_format.startswith("torchao:"):
             return self.na("bf16_linear", f"{self.model.dtype} weights" if self.model.dtype != "bfloat16" else
                            f"{self.model.weight_format} layers")
         ok, why = self.cpu.onednn_bf16_prepack
@@ -330,8 +331,7 @@ class _Decider:
                          {"yes": "", "no": ""})
 
     def f32_products(self) -> Choice:
-        if self.model.dtype != "float32" or int8_weights(self.model.weight_format) or \
-                self.model.weight_format != "none":
+        if self.model.dtype != "float32" or self.model.weight_format != "none":
             return self.na("f32_products", "not float32 weights" if self.model.dtype != "float32" else
                            f"{self.model.weight_format} weights")
         why = "" if self.lib.has("f32_gemv") else f"no kernel library ({self.lib.why})" if self.lib.level is None \
@@ -405,7 +405,7 @@ class _Decider:
 
     def extend_attention(self, prefill: Choice) -> tuple[Choice, Choice]:
         d, D = self.attention_dtype(), self.model.head_dim
-        amx = "" if self.lib.has("paged_extend_amx") and self.cpu.has("amx_bf16", "amx_tile") and \
+        no_amx = "" if self.lib.has("paged_extend_amx") and self.cpu.has("amx_bf16", "amx_tile") and \
             self.lib.amx_granted and D % 32 == 0 else "no AMX tile kernel here (the CPU, the library, Linux's " \
                                                       "tile state, or a head size not a multiple of 32)"
         if self.lib.level is None:
@@ -418,12 +418,12 @@ class _Decider:
                                                            "kernel (AVX2/AVX-512), or the head size is not a "
                                                            "multiple of 8")
         elif d == "bfloat16":
-            if not amx:
+            if not no_amx:
                 kernel, why = "amx", ""
             elif self.lib.has("paged_extend_bf16") and D % 16 == 0 and prefill.value in ("blocked", "one_pass"):
                 kernel, why = "avx512", ""
             else:
-                kernel, why = "none", f"{amx}; the AVX-512 kernel runs where prefill takes the blocked path"
+                kernel, why = "none", f"{no_amx}; the AVX-512 kernel runs where prefill takes the blocked path"
         else:
             kernel, why = "none", f"pages {self.model.kv_dtype} under a {self.model.dtype} model"
         label = {"amx": "AMX tiles: 1.9x torch's SDPA at 16 rows over 2000 keys",
@@ -464,3 +464,11 @@ def decide(cpu: CpuFeatures, model: ModelFacts, lib: LibraryFacts, env: Mapping[
         f32_products=f32, f32_16bit_weights=d.f32_16bit(f32), int8_products=d.int8_products(),
         decode_attention=d.decode_attention(), extend_attention=extend, extend_kernel=extend_kernel,
         prefill_attention=prefill, compiled_ops=ops, compiled_attention=attn, fused_projections=d.fused())
+
+
+def packs_tied_lm_head(cpu: CpuFeatures, model: ModelFacts, env: Mapping[str, str]) -> bool:
+    """Whether ``model``'s plan packs a tied lm_head as a copy (bf16_linear=packed, pack_tied_lm_head=yes: decided
+    without the library, which neither reads): the bytes ``tierlm doctor`` adds to the weights. Raises CpuPlanError
+    as ``decide`` does."""
+    d = _Decider(cpu, model, LibraryFacts(None), env)
+    return d.pack_tied(d.bf16_linear()).value == "yes"

@@ -66,9 +66,14 @@ def default_compile(backend_name: str, device: str, architecture: str, weight_fo
                   f"startup from the compile cache, 1-2 min the first time; {SKIP} skips it")
 
 
+def cxx_name(env: Mapping[str, str]) -> str:
+    """The C++ compiler inductor builds with on Linux, by its rule: $CXX, else g++."""
+    return env.get("CXX") or "g++"
+
+
 def cxx_compiler(env: Mapping[str, str]) -> str | None:
-    """The C++ compiler inductor builds with on Linux (its rule: $CXX, else g++), if it is on PATH."""
-    return shutil.which(env.get("CXX") or "g++", path=env.get("PATH"))
+    """``cxx_name``'s path where it is on PATH, else None."""
+    return shutil.which(cxx_name(env), path=env.get("PATH"))
 
 
 def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str, env: Mapping[str, str],
@@ -87,7 +92,7 @@ def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str, en
         return {"enabled": True, "chosen_by": "--enable-torch-compile", "why": "--enable-torch-compile"}
     info = backend.info
     on, why = default_compile(backend.name, device, info.architecture, info.weight_format, backend.weight_bytes(),
-                              args.cuda_graph_max_bs is not None, asked, cxx_compiler(env), env.get("CXX") or "g++")
+                              args.cuda_graph_max_bs is not None, asked, cxx_compiler(env), cxx_name(env))
     if not on:
         log.info("torch.compile: decode steps run eagerly (%s)", why)
         return {"enabled": False, "chosen_by": "default", "why": why}

@@ -33,7 +33,7 @@ from tierlm.platforms.huge_pages import this_machine as huge_page_plan
 from tierlm.runtime.engine_setup import check_context_length, installed_cpu_kernels, ram_bound
 from tierlm.runtime.errors import StartupError
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.runtime.torch_compile_setup import cxx_compiler, default_compile
+from tierlm.runtime.torch_compile_setup import cxx_compiler, cxx_name, default_compile
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
 
 BUILTIN_LABEL = f"built-in model ({BUILTIN_MODEL_NAME})"
@@ -113,20 +113,21 @@ def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, 
         size["weight_bytes"] = quantized_bytes(safetensors_shapes(list(folder.weight_files)), float_bytes, quant,
                                                device, env)
     elif backend == "torch":
-        size["weight_bytes"] += tied_lm_head_copy_bytes(folder, size["dtype"], device, env)
+        size["weight_bytes"] += tied_lm_head_copy_bytes(folder, size["dtype"], size["weight_format"], device, env)
     return size
 
 
-def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, device: str, env: dict[str, str]) -> int:
+def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, weight_format: str, device: str,
+                            env: dict[str, str]) -> int:
     """bf16 on a CPU whose oneDNN prepacks: serve packs a tied lm_head as a copy next to the embedding
-    (backends/torch/cpu/linear.py), unless the CPU plan's overrides say bf16_linear=torch or pack_tied_lm_head=no."""
+    (backends/torch/cpu/linear.py) where the CPU plan says so (platforms/cpu_plan.packs_tied_lm_head)."""
     if device != "cpu" or dtype != "bfloat16":
         return 0
-    asked = cpu_plan.read_overrides(env)
-    if asked.get("bf16_linear", ("",))[0] == "torch" or asked.get("pack_tied_lm_head", ("",))[0] == "no":
-        return 0
-    if not this_cpu().onednn_bf16_prepack[0] or checkpoint_method(folder.config) not in (None, "compressed-tensors"):
+    if checkpoint_method(folder.config) not in (None, "compressed-tensors"):
         return 0  # MXFP4 / mlx checkpoints: no plain bf16 lm_head to pack (compressed-tensors leaves it float)
+    if not cpu_plan.packs_tied_lm_head(this_cpu(), cpu_plan.ModelFacts(dtype, dtype, weight_format=weight_format),
+                                       env):
+        return 0
     shapes = safetensors_shapes(list(folder.weight_files))
     tied = folder.text_config.get("tie_word_embeddings")
     if tied is None:  # not stated: tied when no lm_head tensor is stored
@@ -237,14 +238,10 @@ def _decode_step_plan(report: dict[str, Any], args: ServerArgs, env: dict[str, s
     if args.enable_torch_compile:
         return "compiled by torch.compile (--enable-torch-compile)"
     sizes = report["model"]
-    try:
-        on, why = default_compile("torch", "cpu", (report.get("architecture") or {}).get("architecture") or "",
-                                  sizes.get("weight_format") or "none", sizes["weight_bytes"],
-                                  args.cuda_graph_max_bs is not None, cpu_plan.override(env, "compile"),
-                                  cxx_compiler(env), env.get("CXX") or "g++")
-    except StartupError as e:
-        report["errors"].append(str(e))
-        return "cannot start as configured (see Errors)"
+    on, why = default_compile("torch", "cpu", (report.get("architecture") or {}).get("architecture") or "",
+                              sizes.get("weight_format") or "none", sizes["weight_bytes"],
+                              args.cuda_graph_max_bs is not None, cpu_plan.override(env, "compile"),
+                              cxx_compiler(env), cxx_name(env))
     return f"{'compiled by torch.compile' if on else 'eager'} ({why})"
 
 

@@ -116,6 +116,22 @@ def test_int_weights_stay_int8_and_int4_in_memory(tiny_models_root):
     assert sizes["FP8_DYNAMIC"] == dense.weight_bytes()
 
 
+def test_an_int8_checkpoint_in_bf16_packs_the_linears_it_leaves_unquantized(tiny_models_root):
+    """W8A8 leaves the lm_head bf16: it is packed for oneDNN as a bf16 model's linears are (the plan's bf16_linear),
+    beside the int8 layers on their own kernel."""
+    from tierlm.backends.torch.backend import TorchBackend
+    from tierlm.backends.torch.cpu.linear import PackedLinear
+    from tierlm.backends.torch.weights.quant_linear import Int8WeightOnlyLinear
+
+    backend = TorchBackend(_checkpoint(tiny_models_root, "llama", "W8A8"), dtype="bfloat16", device="cpu")
+    plan = backend.cpu_kernels.plan
+    if plan.bf16_linear.value == "torch":
+        pytest.skip(f"this CPU keeps bf16 linears plain: {plan.bf16_linear}")
+    assert plan.bf16_linear.value == "packed", plan.bf16_linear
+    assert [n for n, m in backend.model.named_modules() if isinstance(m, PackedLinear)] == ["lm_head"]
+    assert sum(isinstance(m, Int8WeightOnlyLinear) for m in backend.model.modules()) > 0
+
+
 def test_the_weight_format_names_the_scheme(tiny_models_root):
     """Four schemes, four labels (the L3 namespace includes the label, tests/test_weight_quant.py)."""
     labels = set()

@@ -3,32 +3,25 @@ decided from facts alone (recorded cpuinfo texts of real machines, a model's dty
 level's library was built with), with its overrides; and the record a backend builds and reports."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import pytest
+from test_cpu_features import level_kernels, recorded
 
 from tierlm.platforms import cpu_plan
-from tierlm.platforms.cpu_features import apply_cap, parse_cpuinfo
+from tierlm.platforms.cpu_features import apply_cap
 from tierlm.platforms.cpu_plan import CpuPlanError, LibraryFacts, ModelFacts, decide
-
-RECORDED = Path(__file__).parent / "data" / "cpuinfo"
-MANIFEST = Path(__file__).resolve().parents[1] / "backends" / "torch" / "cpu" / "lib" / "manifest.json"
 
 
 def _cpu(name: str, cap: str | None = None):
-    return apply_cap(parse_cpuinfo((RECORDED / name).read_text(), "x86_64"), cap)
+    return apply_cap(recorded(name, "x86_64"), cap)
 
 
 def _library(level: str) -> LibraryFacts:
-    """The facts of the install's library of ``level`` (the kernels its build recorded), as a server loads them."""
-    if not MANIFEST.exists():
-        pytest.skip("no kernel library was built at install (pip install -e . builds them)")
-    built = json.loads(MANIFEST.read_text())["libraries"]
-    if level not in built:
-        pytest.skip(f"the install built no {level} library")
-    return LibraryFacts(level, frozenset(built[level]["kernels"]), f"the installed {level} library",
+    """A server's facts for the x86 library of ``level``: the kernels its build has (test_cpu_features' table, which
+    a test there holds to the install's manifest)."""
+    return LibraryFacts(level, level_kernels("x86_64", level), f"the installed {level} library",
                         amx_granted=level == "amx")
 
 

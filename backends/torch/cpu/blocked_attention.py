@@ -33,6 +33,7 @@ from tierlm.backends.torch.cpu.threads import helper_threads
 # 32: +4 %, 128: +20 %): the block's scores (H x 64 x E bf16) stay in the L2 cache between the three passes.
 BLOCK_ROWS = 64
 
+
 def softmax_rows(lib: KernelLibrary, scores: torch.Tensor, limits: np.ndarray, rows_per_group: int, b: int,
                  scale: float, work: torch.Tensor) -> None:
     """``softmax_rows_bf16`` over every row of ``scores`` [R, E] (see the C source), split between torch's intra-op

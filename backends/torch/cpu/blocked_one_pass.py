@@ -33,6 +33,7 @@ KEYS = 64  # keys per register block (BS_KV vectors of 16): K's and V's pair lay
 # Below this many scores per thread a block is not split further (blocked_attention.py's softmax split too).
 MIN_SCORES_PER_THREAD = 1 << 17
 
+
 def runs(lib: KernelLibrary) -> bool:
     """Whether blocks take the kernel now: torch runs one thread, or ``lib``'s C++ op can split it between torch's
     threads (else the general path: the GEMMs and the separate softmax)."""

@@ -85,6 +85,10 @@ class BuildError(RuntimeError):
     do."""
 
 
+class NoCmake(BuildError):
+    """cmake is not installed: no level can be built here."""
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -106,7 +110,7 @@ def build(out_dir: Path, work_dir: Path, levels: list[str] | None = None, werror
     ops)."""
     cmake = find_tool("cmake")
     if cmake is None:
-        raise BuildError("cmake was not found: install it (pip install cmake, or the system's cmake package)")
+        raise NoCmake("cmake was not found: install it (pip install cmake, or the system's cmake package)")
     torch_info = torch_build_info() if torch_info is True else torch_info
     jobs = jobs or os.cpu_count() or 1
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +118,8 @@ def build(out_dir: Path, work_dir: Path, levels: list[str] | None = None, werror
     torch_flags = [f"-DTORCH_INCLUDE_DIRS={';'.join(torch_info['include_dirs'])}",
                    f"-DTORCH_LIBRARY_DIR={torch_info['library_dir']}",
                    f"-DTORCH_CXX11_ABI={torch_info['cxx11_abi']}"] if torch_info else ["-DTORCH_INCLUDE_DIRS="]
-    configure = [cmake, "-S", str(CSRC), "-B", str(work_dir), *_generator(), "-DCMAKE_BUILD_TYPE=Release",
+    generator = _generator()
+    configure = [cmake, "-S", str(CSRC), "-B", str(work_dir), *generator, "-DCMAKE_BUILD_TYPE=Release",
                  *torch_flags, f"-DTIERLM_WERROR={'ON' if werror else 'OFF'}", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
                  f"-DTIERLM_LEVELS={';'.join(levels or [])}"]
     done = _run(configure, work_dir, 600)
@@ -140,7 +145,7 @@ def build(out_dir: Path, work_dir: Path, levels: list[str] | None = None, werror
         (work_dir / library_file(level)).unlink(missing_ok=True)
     say(f"tierlm CPU kernels: building {', '.join(level for level, _ in configured)} with {jobs} jobs")
     # every level at once (all cores busy); a level that failed is built again alone, for its own compiler output
-    keep_going = ["--", "-k", "0"] if "Ninja" in _generator()[1] else ["--", "-k"]
+    keep_going = ["--", "-k", "0"] if generator[1] == "Ninja" else ["--", "-k"]
     _run([cmake, "--build", str(work_dir), "--parallel", str(jobs), *keep_going], work_dir, 3600)
     for level, detail in configured:
         built = work_dir / library_file(level)

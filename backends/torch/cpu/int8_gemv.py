@@ -32,6 +32,7 @@ MAX_ROWS = 8
 # Below this many weights per thread a matmul stays on the calling thread (a hand-off costs ~30 us).
 MIN_WEIGHTS_PER_THREAD = 1 << 20
 
+
 def takes(rows: int, dtype: torch.dtype) -> bool:
     """Whether a matmul of ``rows`` activation rows in ``dtype`` goes to this kernel (where the plan has it): bf16
     decode rows, and float32 at any count (torch's kernel runs a scalar loop for float32)."""

@@ -248,7 +248,7 @@ def first_use(cpu: CpuFeatures) -> KernelLibrary:
             return build_on_first_use(level)
         except (LibraryRefused, build.BuildError) as e:
             reasons.append(f"{level}: {e}")
-            if isinstance(e, LibraryRefused) or "cmake was not found" in str(e):
+            if isinstance(e, (LibraryRefused, build.NoCmake)):
                 break  # no sources, no cmake, a folder of another user: no level will do better
     raise build.BuildError("; ".join(reasons))
 
@@ -268,10 +268,12 @@ _LOCK = threading.Lock()
 _OPENED: dict[tuple[str, str], KernelLibrary] = {}  # (folder, level) -> library: a library is opened once
 
 
-def _installed(level: str) -> KernelLibrary:
+def _installed(level: str, manifest: dict | None = None) -> KernelLibrary:
+    """The install's ``level`` library, opened once (``manifest``: the install's, where the caller read it)."""
     key = (str(INSTALLED), level)
     if key not in _OPENED:
-        _OPENED[key] = open_level(INSTALLED, read_manifest(INSTALLED, own=False), level, "installed")
+        manifest = manifest if manifest is not None else read_manifest(INSTALLED, own=False)
+        _OPENED[key] = open_level(INSTALLED, manifest, level, "installed")
     return _OPENED[key]
 
 
@@ -297,7 +299,7 @@ def library_for(cpu: CpuFeatures) -> tuple[KernelLibrary | None, str]:
         _STATE.installed = manifest
         level = best_installed_level(cpu, manifest)
         if level is not None:
-            lib = _installed(level)
+            lib = _installed(level, manifest)
             note = "" if level == cpu.level else f"; the install has no {cpu.level} library" + (
                 f" ({manifest['failed'][cpu.level]})" if cpu.level in manifest.get("failed", {}) else "")
             return lib, f"the installed {level} library{note}"

@@ -1,7 +1,7 @@
 // The compiled decode step's kernel calls as torch operators (backends/torch/cpu/native_ops.py): inductor's C++
 // wrapper calls them through the dispatcher, and they call this library's kernels (kernels.h) with no Python in
 // between. Each serves the common case itself and hands anything else to tierlm's Python op of the same name
-// (backends/torch/compile/ops.py), so the outputs are the Python path's bit for bit in every case.
+// (backends/torch/ops.py), so the outputs are the Python path's bit for bit in every case.
 //
 // - packed_linear: bf16 rows (at most the weight's fast_rows) over oneDNN's packed weight, one thread's share of work
 //   (the rule of onednn_packed_weight.run_in_block_slices): avx512_linear.c with the weight's K chunk for the row

@@ -11,12 +11,86 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Generic, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token
 from tierlm.backends.host_memory import allocate_host_bytes
+from tierlm.backends.model_source.model_folder import ModelFolder
+from tierlm.backends.weight_format import WeightQuant
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Choice(Generic[T]):
+    """One decision of a load plan (runtime/load_plan.py): its value and why, as startup logs it and `tierlm doctor`
+    prints it."""
+
+    value: T
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "why": self.why}
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What a backend plans its part of a load from, before anything is loaded: the model folder (config.json and
+    the safetensors headers), the device, and the flags that are the backend's business."""
+
+    folder: ModelFolder
+    device: str
+    dtype: str  # --dtype as given ("auto" included)
+    kv_cache_dtype: str  # --kv-cache-dtype as given
+    native_bf16: bool  # the platform decision's fact: this CPU has native bf16 matmuls (torch)
+    quant: WeightQuant | None  # --quantization / --torchao-config, parsed
+    env: Mapping[str, str]
+    architecture: str = ""  # config.json's architecture, as the architecture check read it
+    compute_capability: tuple[int, int] | None = None  # CUDA only
+    enable_torch_compile: bool = False
+    static_decode: bool = False  # --cuda-graph-max-bs: decode steps on the static bucketed path
+
+
+@dataclass(frozen=True)
+class ServedSizes:
+    """A model as a backend will hold it, counted from the folder alone: what the memory plan sizes the KV tiers
+    from, before the weights load (the builder checks them against the loaded backend)."""
+
+    dtype: str
+    kv_dtype: str
+    weight_format: str  # as /server_info reports it (backends/weight_format.py)
+    weight_bytes: int
+    kv_bytes_per_token: int
+    state_slot_bytes: int = 0  # hybrids: one request's recurrent state
+    vocab_size: int | None = None
+    attention_heads: tuple[int, int, int] = (0, 0, 0)  # (heads, KV heads, head size)
+    notes: dict[str, Any] = field(default_factory=dict)  # e.g. how gpt-oss experts are held
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "kv_cache_dtype": self.kv_dtype, "weight_format": self.weight_format,
+                "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_slot_bytes": self.state_slot_bytes, "vocab_size": self.vocab_size,
+                "attention_heads": list(self.attention_heads), **self.notes}
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """A backend's part of the load plan: each choice with its reason. The builder (runtime/engine_setup.py) hands
+    ``dtype`` to the backend and runs ``compile``; doctor prints all of it. Made by the backend's ``plan_load``
+    (backends/torch/load_plan.py, backends/mlx/load_plan.py), which imports no tensor library."""
+
+    dtype: Choice[str]
+    sizes: ServedSizes | None  # None: the folder's config has not the usual fields (``sizes_why`` says which)
+    compile: Choice[bool]  # compile the decode step before serving (torch on CPU by default; the flag anywhere)
+    kernels: dict[str, Choice[str]] | None = None  # torch on CPU: the execution plan (platforms/cpu_plan.py)
+    sizes_why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype.to_dict(), "sizes": self.sizes.to_dict() if self.sizes else None,
+                "compile": self.compile.to_dict(),
+                "kernels": {k: c.to_dict() for k, c in self.kernels.items()} if self.kernels is not None else None}
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ OVERRIDES: dict[str, dict[str, str]] = {
 # values that rule something out (or, for ``compile``, lift the size floor): the default is what runs otherwise.
 ELSEWHERE: dict[str, dict[str, str]] = {
     "compile": {"yes": "compile the decode step whatever the weights' size (where the default may compile)",
-                "no": "no compiled decode unless --enable-torch-compile (runtime/torch_compile_setup.py)"},
+                "no": "no compiled decode unless --enable-torch-compile (backends/torch/compile/policy.py)"},
     "compile_wrapper": {"python": "inductor's Python wrapper instead of its C++ one"},
     "compile_guards": {"all": "dynamo runs every guard on every step (not only the inputs' of tested families)"},
     "compile_call": {"dynamo": "ready steps go through dynamo, not the compiled graph called straight"},

@@ -1,37 +1,35 @@
-"""The composition root: the one place that wires an engine together from ServerArgs.
+"""The builder: wires an engine together from ServerArgs by executing the load plan (runtime/load_plan.py).
 
-    model source -> platform facts -> backend decision -> verified architecture? -> tokenizer + backend
-    -> memory plan (L1, L2)
+    model source -> platform facts -> load plan (backend, attention, architecture, dtype, sizes, kernels,
+    compiled decode, context length, tier sizes) -> tokenizer + chat format -> backend as planned
+    -> pools at the planned sizes -> compiled decode if planned
     -> KV cache manager (radix, HiCache) -> output processor -> scheduler
 
-Only this file names concrete backends (imported once chosen: torch or mlx may not be installed), the model
-sources and the platform layer; the rest of runtime/ talks to a backend through ``backends/base.py``
+Only this file and the plan name concrete backends (imported once chosen: torch or mlx may not be installed), the
+model sources and the platform layer; the rest of runtime/ talks to a backend through ``backends/base.py``
 (tests/test_layering.py holds it to that). Every decision is logged with its reason (backend, dtype, pool
 sizes per tier) so a user can see why the server looks the way it does, and every failure a user can fix is a
 StartupError that says how.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tierlm.backends.base import GrammarBackend, HostStatePool, KVCacheDtypeError, ModelBackend, ModelInfo
-from tierlm.backends.dtypes import DTYPE_BYTES, dtype_decision
+from tierlm.backends.base import Choice, GrammarBackend, HostStatePool, KVCacheDtypeError, ModelBackend, ModelInfo
+from tierlm.backends.dtypes import DTYPE_BYTES
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
-from tierlm.backends.model_source.builtin_model import BUILTIN_DTYPE_WHY, BUILTIN_MODEL_NOTICE, is_builtin_model
+from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NOTICE
 from tierlm.backends.model_source.chat_templates import resolve_chat_template
-from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer
-from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
-from tierlm.backends.weight_format import WeightFormatError, WeightQuant, check_backend_kind, parse_weight_quant
-from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, cpu_plan, detect,
-                              size_kv_tiers, this_cpu)
+from tierlm.backends.verified_architectures import UnverifiedArchitectureError
+from tierlm.backends.weight_format import WeightFormatError, WeightQuant
+from tierlm.platforms import Decision, Facts, TierPlan, detect, this_cpu
 from tierlm.platforms.memory_limits import bounded_by_cgroup, cgroup_memory
 from tierlm.runtime.cache.hicache_manager import LAYOUTS, WRITE_POLICIES, HiCacheManager
 from tierlm.runtime.cache.hiradix_cache import HiRadixCache
@@ -46,18 +44,19 @@ from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.storage_io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_PENDING_WRITE_BYTES, StorageIO
 from tierlm.runtime.cache.storage_prefetch import (PREFETCH_POLICIES, PREFETCH_TIMEOUT_BASE_S,
                                                    PREFETCH_TIMEOUT_PER_PAGE_S)
-from tierlm.runtime.chat_format import ChatFormat, decide_chat_format
+from tierlm.runtime.chat_format import ChatFormat
 from tierlm.runtime.errors import StartupError
+from tierlm.runtime.load_plan import (LoadPlan, check_context_length, choose_dtype, chat_format_for, plan_load,
+                                      resolve_attention_backend, size_tiers, weight_quant_for)
 from tierlm.runtime.grammar.manager import GrammarManager
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.metrics import EngineMetrics
 from tierlm.runtime.output_processor import OutputProcessor
 from tierlm.runtime.request import Req
 from tierlm.runtime.scheduler import Scheduler
-from tierlm.runtime.server_args import ATTENTION_ALIASES, ATTENTION_BACKENDS, ServerArgs
+from tierlm.runtime.server_args import ServerArgs
 from tierlm.runtime.speculative.speculator import NgramSpeculator
 from tierlm.runtime.tokenizer_protocol import Tokenizer
-from tierlm.runtime.torch_compile_setup import setup_torch_compile
 from tierlm.runtime.warm_up import warm_up
 
 IO_BACKEND_MEANING = {"kernel": "pages move as one batched gather and one copy per direction",
@@ -162,33 +161,35 @@ class EngineParts:
 
 
 def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
+    """Plan the launch (runtime/load_plan.py), then build it as planned: the tokenizer, the backend with the
+    plan's dtype and attention, the pools at the plan's tier sizes, the compiled decode step if planned, the
+    cache manager, the scheduler."""
     try:
         args.check()  # the CLI checked already; settings built in code are checked here
     except ValueError as e:
         raise StartupError(str(e)) from e
     folder = resolve_model(args)  # config.json and the rest read here, once
     facts = ram_bound(detect())  # before the weights load, so the memory plan counts them once
-    decision = decide_backend(args, facts)
+    plan = plan_load(args, facts, folder, os.environ)  # every refusal here: before the tokenizer and weights
+    decision = plan.decision
     log.info("backend: %s on %s (%s)", decision.backend, decision.device, "; ".join(decision.reasons))
-    attention = check_attention_backend(args, decision)
+    log_attention(args, plan.attention)
     log_accepted_flags(args, decision)
-    arch = check_model_architecture(decision, folder, args)  # fail fast: before the tokenizer and weights
-    check_hybrid_flags(folder, args)
     tokenizer, template_source = tokenizer_for(args, folder.path)
     chat_format = choose_chat_format(args, folder, tokenizer, template_source)
-    dtype, dtype_reason = choose_dtype(args, decision, folder)
-    backend = load_backend(decision, folder, args, attention[0], dtype)
+    plan = replace(plan, chat_format=chat_format)
+    log.info("dtype: %s (%s)", plan.dtype, plan.backend.dtype.why)
+    backend = load_backend(decision, folder, args, plan.attention.value, plan.dtype, plan.quant)
     info = backend.info
     log.info("model: %s (%s), %d layers, %d KV heads x %d dims, dtype %s, %.1f MiB of weights", folder.path,
              info.architecture, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype,
              backend.weight_bytes() / 2**20)
-    context_length = check_context_length(args.context_length, info.max_position_embeddings, os.environ)
-    tiers = plan_tiers(args, facts, decision, backend, context_length)
+    context_length, tier_plan = loaded_tiers(plan, args, facts, backend)
+    tiers = log_tiers(args, facts, backend, context_length, tier_plan)
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
-    torch_compile = setup_torch_compile(args, backend, decision.device, os.environ,
-                                        cpu_plan.override(os.environ, "compile"))
+    torch_compile = run_compile_plan(plan.backend.compile, args, backend)
     metrics = EngineMetrics(args.model_name)
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
@@ -207,10 +208,11 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
                           stream_interval=args.stream_interval, schedule_policy=args.schedule_policy,
                           random_seed=args.random_seed, speculator=NgramSpeculator.create(args, metrics))
     scheduler.register_gauges(metrics)
+    arch = plan.architecture
     parts = EngineParts(args, folder, tokenizer, backend, cache, scheduler, metrics, context_length, decision,
                         architecture_verified=arch.verified, warnings=[arch.warning] if arch.warning else [],
-                        chat_format=chat_format, attention=attention, dtype_reason=dtype_reason,
-                        decode_graphs=decode_graphs, torch_compile=torch_compile)
+                        chat_format=chat_format, attention=(plan.attention.value, plan.attention.why),
+                        dtype_reason=plan.backend.dtype.why, decode_graphs=decode_graphs, torch_compile=torch_compile)
     if args.warmup:
         warm_up(backend, cache.page_size, cache.num_pages)
         if scheduler.spec is not None:
@@ -218,12 +220,61 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     return parts
 
 
-def installed_cpu_kernels(cpu, env: Mapping[str, str]):
-    """What the torch backend's kernel library would be on ``cpu`` under ``env``, from the install's manifest alone
-    (nothing loaded, no torch imported): the facts ``tierlm doctor`` plans with (platforms/cpu_plan.py)."""
-    from tierlm.backends.torch.cpu import library
+def loaded_tiers(plan: LoadPlan, args: ServerArgs, facts: Facts, backend: ModelBackend) -> tuple[int, TierPlan]:
+    """The plan's context length and tier sizes, as planned where the loaded model is the one the folder
+    described; sized again from the loaded model (logged) where it is not: a config.json that leaves
+    max_position_embeddings to the model class's default, or a format the folder count does not know."""
+    info, sizes = backend.info, plan.backend.sizes
+    measured = (backend.weight_bytes(), backend.kv_bytes_per_token(),
+                backend.info.state.slot_bytes if backend.info.state else 0)
+    context_length = plan.context_length.value
+    if not args.context_length and info.max_position_embeddings != context_length:
+        log.info("context length: %d (the loaded model's max_position_embeddings; its config.json names %d)",
+                 info.max_position_embeddings, context_length)
+        context_length = info.max_position_embeddings
+    elif args.context_length:
+        context_length = check_context_length(args.context_length, info.max_position_embeddings, {})
+    planned = None if sizes is None else (sizes.weight_bytes, sizes.kv_bytes_per_token, sizes.state_slot_bytes)
+    if plan.tiers is not None and planned == measured and context_length == plan.context_length.value:
+        return context_length, plan.tiers
+    if planned is not None and planned != measured:
+        log.info("memory plan: sized from the loaded model (%d weight bytes, %d KV bytes/token, %d state bytes/slot) "
+                 "where the folder counted %d, %d, %d", *measured, *planned)
+    return context_length, size_tiers(args, facts, plan.decision, measured[0], measured[1], context_length,
+                                      measured[2])
 
-    return library.installed_facts(cpu, env)
+
+def run_compile_plan(choice: Choice[bool], args: ServerArgs, backend: ModelBackend) -> dict[str, Any]:
+    """Compile the decode step now if the plan says so, before ready (minutes on a first start, seconds from
+    inductor's disk cache after). The flag's failure stops startup with the reason; the default's leaves the
+    server serving eagerly with a warning. /server_info adds the backend's live numbers (torch_compile_stats)."""
+    chosen_by = "--enable-torch-compile" if args.enable_torch_compile else "default"
+    if args.enable_torch_compile:
+        try:
+            backend.init_torch_compile(args.torch_compile_max_bs)
+        except ValueError as e:
+            raise StartupError(str(e)) from e
+        except Exception as e:  # inductor needs a C++ compiler and a working toolchain: say so, not a traceback
+            raise StartupError(f"--enable-torch-compile: compiling the decode step failed ({_first_line(e)}); "
+                               "check that a C++ compiler (g++) is installed, or drop the flag") from e
+        return {"enabled": True, "chosen_by": chosen_by, "why": choice.why}
+    if not choice.value:
+        log.info("torch.compile: decode steps run eagerly (%s)", choice.why)
+        return {"enabled": False, "chosen_by": chosen_by, "why": choice.why}
+    log.info("torch.compile: compiling the decode step before serving (%s)", choice.why)
+    try:
+        backend.init_torch_compile(args.torch_compile_max_bs)
+    except Exception as e:  # the eager path serves as well; only slower
+        log.warning("torch.compile: compiling the decode step failed (%s); decode steps run eagerly. Install a C++ "
+                    "compiler (g++) for the compiled step, or set TIERLM_CPU_PLAN=compile=no to skip the attempt",
+                    _first_line(e))
+        return {"enabled": False, "chosen_by": chosen_by, "why": f"compiling failed: {_first_line(e)}"}
+    return {"enabled": True, "chosen_by": chosen_by, "why": choice.why}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else repr(e)}"
 
 
 def ram_bound(facts: Facts) -> Facts:
@@ -251,66 +302,18 @@ def commit_host_pool(cache: KVCacheManager) -> None:
              sum(p.total_bytes for p in pools) / 2**20, time.monotonic() - t0)
 
 
-def check_context_length(requested: int | None, model_max: int, env: Mapping[str, str]) -> int:
-    """--context-length, or the model's max_position_embeddings. Above the model's limit is a StartupError unless
-    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (SGLang's rule), which turns it into a warning."""
-    if not requested:
-        return model_max
-    if requested > model_max:
-        if str(env.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "")).strip().lower() in ("1", "true"):
-            log.warning("--context-length %d exceeds the model's max_position_embeddings %d "
-                        "(allowed by SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN); outputs past %d may be wrong",
-                        requested, model_max, model_max)
-        else:
-            raise StartupError(
-                f"--context-length {requested} is above the model's limit (max_position_embeddings {model_max}); "
-                f"use --context-length {model_max} or less, or set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 "
-                "to allow it anyway")
-    return requested
-
-
 def check_attention_backend(args: ServerArgs, decision: Decision, env: Mapping[str, str] | None = None
                             ) -> tuple[str, str]:
-    """The attention implementation and why (logged; /server_info shows it). --attention-backend must name one of
-    the chosen backend's (ServerArgs.check() refused unknown names); tierlm_paged is torch_native's old name.
-    Default on torch: triton on CUDA when Triton is installed, else torch_native. triton off CUDA is a
-    StartupError, except under TRITON_INTERPRET=1 (Triton's CPU interpreter: how the tests run the kernels)."""
-    name, reason = resolve_attention_backend(args, decision, os.environ if env is None else env)
+    """The attention implementation and why (runtime/load_plan.resolve_attention_backend), logged."""
+    choice = Choice(*resolve_attention_backend(args, decision, os.environ if env is None else env))
+    log_attention(args, choice)
+    return choice.value, choice.why
+
+
+def log_attention(args: ServerArgs, choice: Choice[str]) -> None:
+    name = choice.value
     log.info("attention: %s (%s)", name if args.attention_backend in (None, name) else
-             f"{args.attention_backend} = {name}", reason)
-    return name, reason
-
-
-def resolve_attention_backend(args: ServerArgs, decision: Decision, env: Mapping[str, str]) -> tuple[str, str]:
-    name = args.attention_backend
-    if name is not None:
-        owner = ATTENTION_BACKENDS[name]
-        if owner != decision.backend:
-            own = next(n for n, b in ATTENTION_BACKENDS.items() if b == decision.backend)
-            raise StartupError(f"--attention-backend {name} belongs to the {owner} backend, but this server runs the "
-                               f"{decision.backend} backend; use --attention-backend {own} or drop the flag")
-    if decision.backend != "torch":
-        return name or "mlx_paged", "--attention-backend" if name else "the MLX backend's paged attention"
-    has_triton = importlib.util.find_spec("triton") is not None
-    interpret = str(env.get("TRITON_INTERPRET", "")).strip() == "1"
-    if name is None:
-        if decision.device != "cuda":
-            return "torch_native", f"default on {decision.device} (the Triton kernels need CUDA)"
-        if not has_triton:
-            return "torch_native", "default on CUDA without Triton installed (pip install triton for the kernels)"
-        return "triton", "default on CUDA with Triton installed: kernels that read KV pages in place"
-    name = ATTENTION_ALIASES.get(name, name)
-    if name == "triton":
-        if not has_triton:
-            raise StartupError("--attention-backend triton needs the triton package (it ships with torch on Linux "
-                               "CUDA: pip install triton); or use --attention-backend torch_native")
-        if decision.device != "cuda":
-            if not interpret:
-                raise StartupError(f"--attention-backend triton needs a CUDA device, but this server runs on "
-                                   f"{decision.device}; use --attention-backend torch_native or drop the flag "
-                                   "(TRITON_INTERPRET=1 runs the kernels in Triton's CPU interpreter, for tests)")
-            return name, f"--attention-backend, on {decision.device} in Triton's interpreter (TRITON_INTERPRET=1)"
-    return name, "--attention-backend"
+             f"{args.attention_backend} = {name}", choice.why)
 
 
 def setup_decode_graphs(args: ServerArgs, backend: ModelBackend, decision: Decision, context_length: int
@@ -388,61 +391,25 @@ def tokenizer_for(args: ServerArgs, model_dir: Path) -> tuple[Tokenizer, str | N
 
 def choose_chat_format(args: ServerArgs, folder: ModelFolder, tokenizer: Tokenizer, template_source: str | None
                        ) -> ChatFormat:
-    """The chat format, decided once (runtime/chat_format.py): --reasoning-parser and --tool-call-parser, or the
-    parsers the model unambiguously needs (gpt_oss -> gpt-oss; qwen3 with <think> in its template -> qwen3; the
-    tool-call format its template names); each logged with why (/server_info shows it). ServerArgs stays as parsed."""
+    """The chat format from the loaded tokenizer's template (runtime/load_plan.chat_format_for), each parser logged
+    with why (/server_info shows it)."""
     template = getattr(tokenizer, "chat_template", None)  # a transformers tokenizer may have none
-    fmt = decide_chat_format(folder.model_type, str(template) if template else None, template_source,
-                             args.reasoning_parser, args.tool_call_parser)
+    fmt = chat_format_for(args, folder, str(template) if template else None, template_source)
     log.info("reasoning parser: %s (%s)", fmt.reasoning_parser or "none", fmt.reasoning_parser_source)
     log.info("tool-call parser: %s (%s)", fmt.tool_call_parser or "none", fmt.tool_call_parser_source)
     return fmt
 
 
-def decide_backend(args: ServerArgs, facts: Facts) -> Decision:
-    """Backend + device with the reasons; the platform layer decides from the machine's facts."""
-    try:
-        return choose_backend(facts, os.environ, args.device, backend_override=args.backend)
-    except BackendChoiceError as e:  # says what to install or which flag to change
-        raise StartupError(str(e)) from e
-
-
-def check_model_architecture(decision: Decision, folder: ModelFolder, args: ServerArgs) -> ArchitectureCheck:
-    """Whether the chosen backend serves the model's architecture verified (backends/verified_architectures.py),
-    from config.json alone; an unverified one is refused unless --trust-unverified-architecture (the backend
-    logs the warning when it loads)."""
-    try:
-        return check_architecture(folder, decision.backend, args.trust_unverified_architecture,
-                                  args.trust_remote_code)
-    except UnverifiedArchitectureError as e:  # names the verified list and the flag
-        raise StartupError(str(e)) from e
-
-
-def choose_dtype(args: ServerArgs, decision: Decision, folder: ModelFolder) -> tuple[str, str]:
-    """The dtype the torch backend computes in and why (logged; /server_info shows it): --dtype, or for auto the
-    device's rule (backends/dtypes.py) with the platform's native-bf16 fact. The MLX backend resolves auto
-    itself (its CPU kernels gain nothing from bf16), so for MLX this returns --dtype as given."""
-    if decision.backend != "torch":
-        return args.dtype, "--dtype" if args.dtype != "auto" else "--dtype auto, resolved by the MLX backend"
-    stored = folder.config.get("torch_dtype") or folder.config.get("dtype")
-    if args.dtype == "auto" and is_builtin_model(folder.path):
-        dtype, why = "float32", BUILTIN_DTYPE_WHY
-    else:
-        dtype, why = dtype_decision(args.dtype, decision.device, stored if isinstance(stored, str) else None,
-                                    cpu_bf16=decision.native_bf16)
-    log.info("dtype: %s (%s)", dtype, why)
-    return dtype, why
-
-
 def load_backend(decision: Decision, folder: ModelFolder, args: ServerArgs, attention_backend: str | None = None,
-                 dtype: str | None = None) -> ModelBackend:
-    """``attention_backend``: check_attention_backend's choice (resolved here when not given); ``dtype``:
-    choose_dtype's (resolved here when not given)."""
+                 dtype: str | None = None, quant: WeightQuant | None = None) -> ModelBackend:
+    """The chosen backend with the model's weights loaded. ``attention_backend``, ``dtype``, ``quant``: the load
+    plan's (planned here from the flags when not given)."""
     if attention_backend is None:
         attention_backend = resolve_attention_backend(args, decision, os.environ)[0]
     if dtype is None:
-        dtype = choose_dtype(args, decision, folder)[0]
-    quant = weight_quant_for(args, decision.backend)
+        dtype = choose_dtype(args, decision, folder, os.environ)[0]
+    if quant is None:
+        quant = weight_quant_for(args, decision.backend)
     try:
         if decision.backend == "mlx":
             from tierlm.backends.mlx.backend import MLXBackend
@@ -461,27 +428,18 @@ def load_backend(decision: Decision, folder: ModelFolder, args: ServerArgs, atte
         raise StartupError(str(e)) from e
 
 
-def weight_quant_for(args: ServerArgs, backend: str) -> WeightQuant | None:
-    """--quantization / --torchao-config as a WeightQuant for the chosen backend; a name neither backend knows,
-    or one meant for the other backend, stops startup naming the flag and the alternatives."""
-    try:
-        quant = parse_weight_quant(args.quantization, args.torchao_config)
-        check_backend_kind(quant, backend)
-    except ValueError as e:
-        raise StartupError(str(e)) from e
-    return quant
-
-
 def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: ModelBackend, context_length: int
                ) -> TierSizes:
-    """Device (L1) and host (L2) pages from the platform's one sizing rule (platforms/memory_plan.size_kv_tiers,
-    which `tierlm doctor` reports); logs the sizes and the reasons."""
-    try:
-        plan = size_kv_tiers(facts, decision, args, weight_bytes=backend.weight_bytes(),
-                             kv_bytes_per_token=backend.kv_bytes_per_token(), context_length=context_length,
-                             state_slot_bytes=backend.info.state.slot_bytes if backend.info.state else 0)
-    except MemoryPlanError as e:  # carries the numbers and the flag to change
-        raise StartupError(str(e)) from e
+    """Device (L1) and host (L2) pages for a loaded backend by the platform's one sizing rule
+    (platforms/memory_plan.size_kv_tiers, which `tierlm doctor` reports), logged."""
+    plan = size_tiers(args, facts, decision, backend.weight_bytes(), backend.kv_bytes_per_token(), context_length,
+                      backend.info.state.slot_bytes if backend.info.state else 0)
+    return log_tiers(args, facts, backend, context_length, plan)
+
+
+def log_tiers(args: ServerArgs, facts: Facts, backend: ModelBackend, context_length: int, plan: TierPlan
+              ) -> TierSizes:
+    """The tier sizes as the pools will be allocated, with the budget's inputs and the reasons."""
     for w in plan.warnings:
         log.warning(w)
     log.info("KV budget inputs: RAM %.2f GB total, %.2f GB available at sizing time (memory other instances have "
@@ -649,19 +607,3 @@ def stop_token_ids(info: ModelInfo, tokenizer: Tokenizer, extra_stop_tokens: tup
         if tok is not None and tok not in eos:
             eos.append(tok)
     return eos
-
-
-def check_hybrid_flags(folder: ModelFolder, args: ServerArgs) -> None:
-    """Hybrid models (linear-attention / Mamba layers, backends/model_source/hybrid_layout.py) keep a recurrent
-    state per request: refuse, from config.json and before any weights load, the features that cannot serve
-    them correctly yet."""
-    try:
-        layout = hybrid_layout(folder.text_config)
-    except HybridLayoutError as e:
-        raise StartupError(str(e)) from e
-    if layout is None:
-        return
-    what = f"this hybrid model ({layout.model_type}: {layout.kind} layers with a recurrent state)"
-    if args.speculative_algorithm is not None:
-        raise StartupError(f"--speculative-algorithm {args.speculative_algorithm}: not for hybrid models; {what} "
-                           "cannot roll its recurrent state back past rejected draft tokens. Drop the flag.")

@@ -10,34 +10,30 @@ import contextlib
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from tierlm.backends.dtypes import DTYPE_BYTES, HALF_DTYPES, dtype_decision, kv_storage_dtype
+from tierlm.backends.base import BackendPlan, PlanFacts
+from tierlm.backends.dtypes import HALF_DTYPES, dtype_decision
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
-from tierlm.backends.model_source.folder_facts import attention_shape, model_size, weight_bytes
 from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
 from tierlm.backends.verified_architectures import UnverifiedArchitectureError, assess_architecture
-from tierlm.backends.weight_format import (FP8_MATMUL_CAPABILITY, WeightFormatError, check_backend_kind,
-                                           checkpoint_method, device_refusal, input_embedding_shape,
-                                           mxfp4_experts_mode, parse_weight_quant, quantized_bytes,
-                                           safetensors_shapes, weight_format_label)
+from tierlm.backends.weight_format import WeightFormatError, check_backend_kind, device_refusal, parse_weight_quant
 from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
                               install_command, pitfalls, size_kv_tiers)
-from tierlm.platforms import cpu_plan
-from tierlm.platforms.cpu_features import this_cpu
 from tierlm.platforms.huge_pages import this_machine as huge_page_plan
-from tierlm.runtime.engine_setup import check_context_length, installed_cpu_kernels, ram_bound
+from tierlm.runtime.engine_setup import ram_bound
 from tierlm.runtime.errors import StartupError
+from tierlm.runtime.load_plan import (chat_format_for, check_context_length, folder_chat_template, model_max_context, plan_backend,
+                                      plan_load)
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.runtime.torch_compile_setup import cxx_compiler, cxx_name, default_compile
 from tierlm.server.cli_args import build_parser, namespace_to_server_args
 
 BUILTIN_LABEL = f"built-in model ({BUILTIN_MODEL_NAME})"
-DEFAULT_CONTEXT_LENGTH = 2048  # what the backends use when config.json names no max_position_embeddings
 
 
 def _parser():
@@ -79,63 +75,15 @@ def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | Non
     yield folder, given, why, None
 
 
-def model_sizes(folder: ModelFolder, label: str, args: ServerArgs, device: str, native_bf16: bool = False,
-                backend: str = "torch", env: dict[str, str] | None = None,
-                compute_capability: tuple[int, int] | None = None) -> dict[str, Any]:
-    """KV bytes per token, weight bytes and max_position_embeddings of a model folder as served on ``device`` with
-    --dtype and --kv-cache-dtype (raises KeyError/TypeError/ValueError for a config without the usual fields)."""
-    size = model_size(folder, args.dtype, device, kv_cache_dtype=args.kv_cache_dtype, cpu_bf16=native_bf16).to_dict()
-    size["path"] = label
-    size["kv_cache_dtype"] = kv_storage_dtype(args.kv_cache_dtype, size["dtype"])
-    size["attention_heads"] = list(attention_shape(folder.text_config))
-    size["max_position_embeddings"] = int(folder.text_config.get("max_position_embeddings")
-                                          or DEFAULT_CONTEXT_LENGTH)
-    # The weight format serve reports (/server_info weight_format); a load-time quantization sizes the weights
-    # (and so the KV tiers) at their quantized bytes.
+def backend_plan(folder: ModelFolder, args: ServerArgs, decision: Decision, env: dict[str, str],
+                 compute_capability: tuple[int, int] | None = None, architecture: str = "") -> BackendPlan:
+    """The chosen backend's part of serve's load plan (runtime/load_plan.plan_backend): dtype, the model as it
+    will be held, the CPU kernel plan, the compiled decode step; StartupError for a CPU plan override it refuses."""
     quant = parse_weight_quant(args.quantization, args.torchao_config)
-    env = os.environ if env is None else env
-    method = checkpoint_method(folder.config)
-    if method == "mxfp4" and backend == "torch":
-        # gpt-oss experts: packed (4.25 bits per weight) or dequantized while loading, as serve will hold them
-        # (the mlx backend keeps them packed; folder_facts counts the stored bytes, which are the packed ones).
-        mode, why = mxfp4_experts_mode(device, env)
-        size["mxfp4_experts"] = {"mode": mode, "why": why}
-        if mode == "dequantized":
-            size["weight_bytes"] = weight_bytes(folder, size["dtype"], mxfp4_dequantized=True)
-    elif method == "compressed-tensors" and backend == "torch" and \
-            not (device == "cuda" and compute_capability is not None and compute_capability >= FP8_MATMUL_CAPABILITY):
-        # fp8 weights are dequantized to the model dtype where there is no fp8 matmul (compressed_tensors.py: the
-        # CPU, CUDA before Ada); a CUDA device of unknown capability counts as one without
-        size["weight_bytes"] = weight_bytes(folder, size["dtype"], fp8_dequantized=True)
-    size["weight_format"] = weight_format_label(folder.config, quant, device, env)
-    if quant is not None:
-        float_bytes = DTYPE_BYTES.get(size["dtype"], 4)
-        size["weight_bytes"] = quantized_bytes(safetensors_shapes(list(folder.weight_files)), float_bytes, quant,
-                                               device, env)
-    elif backend == "torch":
-        size["weight_bytes"] += tied_lm_head_copy_bytes(folder, size["dtype"], size["weight_format"], device, env)
-    return size
-
-
-def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, weight_format: str, device: str,
-                            env: dict[str, str]) -> int:
-    """bf16 on a CPU whose oneDNN prepacks: serve packs a tied lm_head as a copy next to the embedding
-    (backends/torch/cpu/linear.py) where the CPU plan says so (platforms/cpu_plan.packs_tied_lm_head)."""
-    if device != "cpu" or dtype != "bfloat16":
-        return 0
-    if checkpoint_method(folder.config) not in (None, "compressed-tensors"):
-        return 0  # MXFP4 / mlx checkpoints: no plain bf16 lm_head to pack (compressed-tensors leaves it float)
-    if not cpu_plan.packs_tied_lm_head(this_cpu(), cpu_plan.ModelFacts(dtype, dtype, weight_format=weight_format),
-                                       env):
-        return 0
-    shapes = safetensors_shapes(list(folder.weight_files))
-    tied = folder.text_config.get("tie_word_embeddings")
-    if tied is None:  # not stated: tied when no lm_head tensor is stored
-        tied = not any("lm_head" in name for name, _ in shapes)
-    if not tied:
-        return 0
-    table = input_embedding_shape(shapes)
-    return table[0] * table[1] * DTYPE_BYTES["bfloat16"] if table else 0
+    return plan_backend(decision.backend, PlanFacts(
+        folder, decision.device, args.dtype, args.kv_cache_dtype, decision.native_bf16, quant, env,
+        architecture=architecture, compute_capability=compute_capability,
+        enable_torch_compile=args.enable_torch_compile, static_decode=args.cuda_graph_max_bs is not None))
 
 
 def model_architecture(args: ServerArgs, folder: ModelFolder, backend: str
@@ -168,6 +116,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         "model": None,
         "architecture": None,
         "memory": None,
+        "plan": None,  # serve's load plan, each choice with its reason (runtime/load_plan.py)
         "errors": [],
         "warnings": pitfalls(facts, env),
         "json": as_json,
@@ -194,11 +143,15 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
             report["warnings"].append(bytes_only_why)
         if folder is not None:
             _check_model(report, args, folder, label, decision, env, facts.compute_capability)
+            if report["model"] is not None:
+                report["plan"] = load_plan_of(args, facts, folder, env, decision)
     sizes = report["model"]
-    if decision.backend == "torch" and decision.device == "cpu" and sizes:
-        report["cpu_kernels"] = _cpu_plan(report, facts, sizes, env)
-        if report["cpu_kernels"] is not None:
-            report["cpu_kernels"]["decode_step"] = _decode_step_plan(report, args, env)
+    part: BackendPlan | None = report.pop("backend_plan", None)
+    if decision.backend == "torch" and decision.device == "cpu" and sizes and part is not None:
+        if part.kernels is not None:
+            report["cpu_kernels"] = {name: f"{c.value} ({c.why})" for name, c in part.kernels.items()}
+            on = part.compile
+            report["cpu_kernels"]["decode_step"] = f"{'compiled by torch.compile' if on.value else 'eager'} ({on.why})"
             report["cpu_kernels"]["weight_pages"] = huge_page_plan(env).why
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
@@ -216,33 +169,18 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     return report
 
 
-def _cpu_plan(report: dict[str, Any], facts: Facts, sizes: dict[str, Any], env: dict[str, str]) -> dict | None:
-    """The CPU execution plan serve will build for this model (platforms/cpu_plan.py), with the kernel library the
-    install built (its manifest: nothing is loaded here): each field as "value (why)", and the library."""
-    heads, kv_heads, head_dim = sizes.get("attention_heads") or (0, 0, 0)
-    model = cpu_plan.ModelFacts(sizes["dtype"], sizes["kv_cache_dtype"], heads, kv_heads, head_dim,
-                                sizes.get("weight_format") or "none")
-    lib = installed_cpu_kernels(facts.cpu, env)
+def load_plan_of(args: ServerArgs, facts: Facts, path: Path, env: dict[str, str], decision: Decision
+                 ) -> dict[str, Any] | None:
+    """serve's load plan (runtime/load_plan.py) for this launch, with the chat format the model folder's template
+    gives (serve reads it from the loaded tokenizer): what serve will build, each choice with its reason."""
+    folder = ModelFolder.read(path)
     try:
-        plan = cpu_plan.decide(facts.cpu, model, lib, env)
-    except cpu_plan.CpuPlanError as e:
-        report["errors"].append(str(e))
+        plan = plan_load(args, facts, folder, env, decision)
+    except StartupError:  # reported above already, as the check that found it
         return None
-    return {"kernel_library": f"{lib.level or 'none'} ({lib.why})",
-            **{name: f"{c['value']} ({c['why']})" for name, c in plan.to_dict().items() if name not in ("cpu",
-                                                                                                     "kernels")}}
-
-
-def _decode_step_plan(report: dict[str, Any], args: ServerArgs, env: dict[str, str]) -> str:
-    """Whether serve will compile the decode step on this CPU, by serve's own rule (runtime/torch_compile_setup)."""
-    if args.enable_torch_compile:
-        return "compiled by torch.compile (--enable-torch-compile)"
-    sizes = report["model"]
-    on, why = default_compile("torch", "cpu", (report.get("architecture") or {}).get("architecture") or "",
-                              sizes.get("weight_format") or "none", sizes["weight_bytes"],
-                              args.cuda_graph_max_bs is not None, cpu_plan.override(env, "compile"),
-                              cxx_compiler(env), cxx_name(env))
-    return f"{'compiled by torch.compile' if on else 'eager'} ({why})"
+    if args.chat_template is None and args.tokenizer_path is None:
+        plan = replace(plan, chat_format=chat_format_for(args, folder, *folder_chat_template(folder)))
+    return plan.to_dict()
 
 
 def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: str, decision: Decision,
@@ -254,12 +192,16 @@ def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: st
         report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
             arch_note)
     try:
-        sizes = model_sizes(folder, label, args, decision.device, decision.native_bf16, decision.backend, env,
-                            compute_capability)
-    except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
-        report["warnings"].append(f"cannot size {label} from its config.json (no usable {e}): tier sizes are byte "
-                                  "budgets only, not tokens")
+        part = backend_plan(folder, args, decision, env, compute_capability,
+                            (report["architecture"] or {}).get("architecture") or "")
+    except StartupError as e:  # a CPU plan override this machine or model cannot run
+        report["errors"].append(str(e))
         return
+    if part.sizes is None:  # a config without the usual fields (e.g. Nemotron-H's layers)
+        report["warnings"].append(f"{label}: {part.sizes_why}: tier sizes are byte budgets only, not tokens")
+        return
+    report["backend_plan"] = part
+    sizes = {"path": label, **part.sizes.to_dict(), "max_position_embeddings": model_max_context(folder)}
     try:
         sizes["context_length"] = check_context_length(args.context_length, sizes["max_position_embeddings"], env)
     except StartupError as e:
@@ -334,6 +276,19 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"  {labels.get(layer, layer):<17}{kernel}")
     else:
         lines.append("Backend            cannot start as configured (see Errors)")
+    plan = report.get("plan")
+    if plan:  # serve's load plan: the choices the builder executes (runtime/load_plan.py)
+        lines += ["", "Load plan"]
+        fmt = plan["chat_format"] or {}
+        for label, c in (("attention", plan["attention"]), ("dtype", plan["dtype"]),
+                         ("quantization", plan["weight_quantization"]), ("compiled decode", plan["compile"]),
+                         ("context length", plan["context_length"]),
+                         ("reasoning parser", fmt.get("reasoning_parser")),
+                         ("tool-call parser", fmt.get("tool_call_parser"))):
+            if c is not None:
+                v = c["value"]
+                value = ("yes" if v else "no") if isinstance(v, bool) else "none" if v is None else v
+                lines.append(f"  {label:<17}{value} ({c['why']})")
 
     m = report["memory"]
     if m:

@@ -21,7 +21,7 @@ from tierlm.backends.model_source.errors import ModelSourceError
 from tierlm.backends.model_source.folder_facts import model_size
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import load_tokenizer
-from tierlm.runtime import engine_setup
+from tierlm.runtime import load_plan
 from tierlm.runtime.server_args import BUILTIN_MODEL_NAME as SERVED_NAME
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.protocol import ChatMessage
@@ -79,12 +79,12 @@ def test_dtype_auto_serves_it_as_trained_where_others_get_bfloat16(device, nativ
     (model_size) agree. A copy of the same files elsewhere is an ordinary float32 checkpoint."""
     decision = SimpleNamespace(backend="torch", device=device, native_bf16=native_bf16)
     builtin = ModelFolder.read(BUILTIN_MODEL_DIR)
-    assert engine_setup.choose_dtype(ServerArgs(), decision, builtin)[0] == "float32"
+    assert load_plan.choose_dtype(ServerArgs(), decision, builtin)[0] == "float32"
     assert model_size(builtin, "auto", device, cpu_bf16=native_bf16).dtype == "float32"
-    assert engine_setup.choose_dtype(ServerArgs(dtype="bfloat16"), decision, builtin)[0] == "bfloat16"
+    assert load_plan.choose_dtype(ServerArgs(dtype="bfloat16"), decision, builtin)[0] == "bfloat16"
     copy = tmp_path / "copy"
     shutil.copytree(BUILTIN_MODEL_DIR, copy)
-    assert engine_setup.choose_dtype(ServerArgs(), decision, ModelFolder.read(copy))[0] == "bfloat16"
+    assert load_plan.choose_dtype(ServerArgs(), decision, ModelFolder.read(copy))[0] == "bfloat16"
     assert model_size(copy, "auto", device, cpu_bf16=native_bf16).dtype == "bfloat16"
 
 

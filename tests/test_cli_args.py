@@ -250,7 +250,7 @@ def test_sglang_refusals_exit_2(argv: list[str], message: str, capsys: pytest.Ca
 
 
 def test_context_length_above_model_limit(caplog: pytest.LogCaptureFixture) -> None:
-    from tierlm.runtime.engine_setup import check_context_length
+    from tierlm.runtime.load_plan import check_context_length
     from tierlm.runtime.errors import StartupError
 
     assert check_context_length(None, 2048, {}) == 2048

@@ -9,7 +9,7 @@ from tierlm.backends.dtypes import dtype_decision, serving_dtype
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.platforms import Facts, choose_backend
 from tierlm.platforms.cpu_features import parse_cpuinfo
-from tierlm.runtime import engine_setup
+from tierlm.runtime import load_plan
 from tierlm.runtime.server_args import ServerArgs
 
 GiB = 2**30
@@ -76,10 +76,10 @@ def test_facts_without_the_new_field_still_load():
 def test_the_composition_root_resolves_auto_with_the_fact(tmp_path):
     (tmp_path / "config.json").write_text('{"torch_dtype": "float32"}')
     native, folder = choose_backend(box("amx_bf16"), {}, "cpu"), ModelFolder.read(tmp_path)
-    dtype, why = engine_setup.choose_dtype(ServerArgs(dtype="auto"), native, folder)
+    dtype, why = load_plan.choose_dtype(ServerArgs(dtype="auto"), native, folder)
     assert dtype == "bfloat16" and "float32 served in bfloat16" in why
-    assert engine_setup.choose_dtype(ServerArgs(dtype="float32"), native, folder) == ("float32", "--dtype")
-    assert engine_setup.choose_dtype(ServerArgs(), choose_backend(box(None), {}, "cpu"), folder)[0] == "float32"
+    assert load_plan.choose_dtype(ServerArgs(dtype="float32"), native, folder) == ("float32", "--dtype")
+    assert load_plan.choose_dtype(ServerArgs(), choose_backend(box(None), {}, "cpu"), folder)[0] == "float32"
 
 
 @pytest.mark.parametrize("isa, expected", [("avx512_bf16", "bfloat16"), (None, "float32")])

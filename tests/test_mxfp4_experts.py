@@ -223,22 +223,26 @@ def test_doctor_fits_gpt_oss_20b_on_a_16_gb_gpu(gpt_oss_20b_header):
 def test_doctor_sizes_the_weights_as_serve_holds_the_experts(gpt_oss_mxfp4):
     """cuda: packed (the stored bytes); cpu: dequantized (two values a block byte in the serving dtype); the
     override; mlx keeps them packed on every device."""
-    from tierlm.runtime.server_args import ServerArgs
-    from tierlm.server.doctor_cmd import model_sizes
-
+    from tierlm.backends.base import PlanFacts
+    from tierlm.backends.mlx.load_plan import plan_load as mlx_plan
     from tierlm.backends.model_source.model_folder import ModelFolder
+    from tierlm.backends.torch.load_plan import held_sizes
 
     folder = ModelFolder.read(gpt_oss_mxfp4)
-    args = ServerArgs(model_path=str(gpt_oss_mxfp4), dtype="float32")
     packed, dense = weight_bytes(folder, "float32"), weight_bytes(folder, "float32", mxfp4_dequantized=True)
     assert dense > packed
-    cuda = model_sizes(folder, "m", args, "cuda", backend="torch", env={})
+
+    def sizes(device: str, env: dict):
+        s = held_sizes(PlanFacts(folder, device, "float32", "auto", False, None, env), "float32")
+        return {"weight_bytes": s.weight_bytes, "weight_format": s.weight_format, **s.notes}
+
+    cuda = sizes("cuda", {})
     assert (cuda["weight_bytes"], cuda["mxfp4_experts"]["mode"]) == (packed, "packed")
-    cpu = model_sizes(folder, "m", args, "cpu", backend="torch", env={})
+    cpu = sizes("cpu", {})
     assert (cpu["weight_bytes"], cpu["mxfp4_experts"]["mode"]) == (dense, "dequantized")
-    forced = model_sizes(folder, "m", args, "cpu", backend="torch", env={MXFP4_EXPERTS_ENV: "packed"})
-    assert forced["weight_bytes"] == packed
-    assert model_sizes(folder, "m", args, "cpu", backend="mlx", env={})["weight_bytes"] == packed
+    assert sizes("cpu", {MXFP4_EXPERTS_ENV: "packed"})["weight_bytes"] == packed
+    mlx = mlx_plan(PlanFacts(folder, "cpu", "float32", "auto", False, None, {})).sizes
+    assert mlx is not None and mlx.weight_bytes == packed
     assert cuda["weight_format"] == cpu["weight_format"] == "checkpoint:mxfp4"
 
 

@@ -119,7 +119,7 @@ def resolve_dtype(requested: str, model_dir: Path) -> str:
 
     from tierlm.backends.model_source.model_folder import ModelFolder
     from tierlm.platforms import choose_backend, detect
-    from tierlm.runtime.engine_setup import choose_dtype
+    from tierlm.runtime.load_plan import choose_dtype
     from tierlm.runtime.server_args import ServerArgs
 
     if requested != "auto":

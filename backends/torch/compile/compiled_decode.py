@@ -1,6 +1,6 @@
 """Compiled decode on CPU: decode steps through the model compiled by torch.compile (inductor).
 
-``--enable-torch-compile``, or the CPU default that runtime/torch_compile_setup.py decides.
+``--enable-torch-compile``, or the CPU default that backends/torch/compile/policy.py decides.
 
 A decode step of a small model spends a third of its time outside the matmuls, in the ~30 small eager ops per
 layer of transformers' modeling code (norms, rotary, residual adds, activation: docs/performance.md, "Where the

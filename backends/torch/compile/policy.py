@@ -1,4 +1,6 @@
-"""Compiled decode on CPU: SGLang's ``--enable-torch-compile``, and the default that compiles where it pays.
+"""When the torch backend compiles its decode step on CPU: the default that compiles where it pays (SGLang's
+``--enable-torch-compile`` always compiles). Pure: the torch backend's load plan (backends/torch/load_plan.py) asks it;
+nothing here imports torch.
 
 SGLang keeps torch.compile opt-in; vLLM CPU compiles its model at every start. tierlm's torch backend on a CPU
 compiles the decode step by default (backends/torch/compile/compiled_decode.py) for the dense families that step is tested
@@ -13,19 +15,12 @@ the C++ compiler inductor builds with (it would trace for seconds before failing
 The CPU plan's override ``compile=no`` (``TIERLM_CPU_PLAN``, platforms/cpu_plan.py; ``TIERLM_CPU_COMPILE=0`` is read as
 it) never compiles by default; ``compile=yes`` (``TIERLM_CPU_COMPILE=1``) compiles whatever the weights' size (still
 only where the default may). A default compile that fails (no C++ compiler, ...) leaves the server serving eagerly with a
-warning; the flag's failure stops startup with the reason.
+warning; the flag's failure stops startup with the reason (runtime/engine_setup.run_compile_plan).
 """
 from __future__ import annotations
 
-import logging
 import shutil
-from typing import Any, Mapping
-
-from tierlm.backends.base import ModelBackend
-from tierlm.runtime.errors import StartupError
-from tierlm.runtime.server_args import ServerArgs
-
-log = logging.getLogger(__name__)
+from typing import Mapping
 
 SKIP = "TIERLM_CPU_PLAN=compile=no"
 MIN_WEIGHT_BYTES = 64 * 2**20
@@ -75,37 +70,3 @@ def cxx_compiler(env: Mapping[str, str]) -> str | None:
     """``cxx_name``'s path where it is on PATH, else None."""
     return shutil.which(cxx_name(env), path=env.get("PATH"))
 
-
-def setup_torch_compile(args: ServerArgs, backend: ModelBackend, device: str, env: Mapping[str, str],
-                        asked: tuple[str, str] | None) -> dict[str, Any]:
-    """Compile the decode step now, before ready (minutes on a first start, seconds from inductor's disk cache
-    after), or say why not. /server_info adds the backend's live numbers (torch_compile_stats) to what this
-    returns."""
-    if args.enable_torch_compile:
-        try:
-            backend.init_torch_compile(args.torch_compile_max_bs)
-        except ValueError as e:
-            raise StartupError(str(e)) from e
-        except Exception as e:  # inductor needs a C++ compiler and a working toolchain: say so, not a traceback
-            raise StartupError(f"--enable-torch-compile: compiling the decode step failed ({_first_line(e)}); "
-                               "check that a C++ compiler (g++) is installed, or drop the flag") from e
-        return {"enabled": True, "chosen_by": "--enable-torch-compile", "why": "--enable-torch-compile"}
-    info = backend.info
-    on, why = default_compile(backend.name, device, info.architecture, info.weight_format, backend.weight_bytes(),
-                              args.cuda_graph_max_bs is not None, asked, cxx_compiler(env), cxx_name(env))
-    if not on:
-        log.info("torch.compile: decode steps run eagerly (%s)", why)
-        return {"enabled": False, "chosen_by": "default", "why": why}
-    log.info("torch.compile: compiling the decode step before serving (%s)", why)
-    try:
-        backend.init_torch_compile(args.torch_compile_max_bs)
-    except Exception as e:  # the eager path serves as well; only slower
-        log.warning("torch.compile: compiling the decode step failed (%s); decode steps run eagerly. Install a C++ "
-                    "compiler (g++) for the compiled step, or set %s to skip the attempt", _first_line(e), SKIP)
-        return {"enabled": False, "chosen_by": "default", "why": f"compiling failed: {_first_line(e)}"}
-    return {"enabled": True, "chosen_by": "default", "why": why}
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else repr(e)}"

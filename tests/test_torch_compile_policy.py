@@ -1,4 +1,4 @@
-"""runtime/torch_compile_setup.default_compile: where the CPU compiles its decode step without the flag. The
+"""backends/torch/compile/policy.default_compile: where the CPU compiles its decode step without the flag. The
 override it takes is the CPU plan's ``compile`` (``TIERLM_CPU_PLAN=compile=yes|no``; the old TIERLM_CPU_COMPILE=1|0
 is read as it), as the composition root reads it (platforms/cpu_plan.override)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tierlm.platforms.cpu_plan import CpuPlanError, override
-from tierlm.runtime.torch_compile_setup import MIN_WEIGHT_BYTES, default_compile
+from tierlm.backends.torch.compile.policy import MIN_WEIGHT_BYTES, default_compile
 
 BIG = 2 * MIN_WEIGHT_BYTES
 SMALL = MIN_WEIGHT_BYTES // 64
@@ -55,7 +55,7 @@ def test_other_backends_devices_families_and_weight_formats_stay_eager_even_when
 
 
 def test_the_compiler_inductor_uses_is_looked_up_as_inductor_does(tmp_path):
-    from tierlm.runtime.torch_compile_setup import cxx_compiler
+    from tierlm.backends.torch.compile.policy import cxx_compiler
 
     fake = tmp_path / "my-g++"
     fake.write_text("#!/bin/sh\n")
@@ -66,16 +66,14 @@ def test_the_compiler_inductor_uses_is_looked_up_as_inductor_does(tmp_path):
 
 def test_the_reason_names_the_compiler_it_looked_for(tmp_path):
     """Without a C++ compiler the reason serve logs and reports names the one looked for ($CXX, else g++)."""
-    from types import SimpleNamespace
+    from tierlm.backends.base import PlanFacts, ServedSizes
+    from tierlm.backends.torch.load_plan import plan_compile
 
-    from tierlm.runtime.server_args import ServerArgs
-    from tierlm.runtime.torch_compile_setup import setup_torch_compile
-
-    info = SimpleNamespace(architecture="LlamaForCausalLM", weight_format="none")
-    backend = SimpleNamespace(name="torch", info=info, weight_bytes=lambda: BIG)
-    out = setup_torch_compile(ServerArgs(), backend, "cpu", {"CXX": "my-g++", "PATH": str(tmp_path)}, None)
-    assert not out["enabled"] and "no C++ compiler for torch.compile" in out["why"]
-    assert "my-g++ not found" in out["why"]
+    facts = PlanFacts(None, "cpu", "auto", "auto", False, None,  # type: ignore[arg-type]  # no folder needed
+                      {"CXX": "my-g++", "PATH": str(tmp_path)}, architecture="LlamaForCausalLM")
+    out = plan_compile(facts, ServedSizes("bfloat16", "bfloat16", "none", BIG, 1))
+    assert not out.value and "no C++ compiler for torch.compile" in out.why
+    assert "my-g++ not found" in out.why
 
 
 def test_an_unknown_value_stops_startup_with_the_choices():

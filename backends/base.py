@@ -287,9 +287,11 @@ class HostKVPool:
     page_bytes: int  # bytes of one page, all layers, K and V
     num_layers: int
     layout: str
-    data: np.ndarray = field(repr=False, default=None)  # uint8
+    # None (the default) = allocate here: __post_init__ always sets both, so a built pool has an array and an event;
+    # mypy cannot express "optional in __init__ only" for a dataclass field
+    data: np.ndarray = field(repr=False, default=None)  # type: ignore[arg-type]  # uint8
     prefault: bool = True  # fault the memory in on a background thread (backends/host_memory.py)
-    faulted_in: threading.Event = field(repr=False, default=None)
+    faulted_in: threading.Event = field(repr=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.data is None:
@@ -308,9 +310,8 @@ class HostKVPool:
 
     def page_to_bytes(self, page: int) -> bytes:
         """One page as a contiguous byte string in page_first order (what L3 files store)."""
-        if self.layout == "layer_first":
-            return self.data[:, page].tobytes()
-        return self.data[page].tobytes()
+        row: np.ndarray = self.data[:, page] if self.layout == "layer_first" else self.data[page]
+        return row.tobytes()
 
     def page_from_bytes(self, page: int, payload: bytes | memoryview) -> None:
         arr = np.frombuffer(payload, dtype=np.uint8)
@@ -344,7 +345,8 @@ class HostStatePool:
 
     num_slots: int
     geometry: StateGeometry
-    data: np.ndarray = field(repr=False, default=None)  # uint8 [num_slots, slot_bytes]
+    # None (the default) = allocate here (__post_init__ always sets it; see HostKVPool.data)
+    data: np.ndarray = field(repr=False, default=None)  # type: ignore[arg-type]  # uint8 [num_slots, slot_bytes]
     # set once ``data``'s pages are faulted in (a background thread): the server waits for it before it reports
     # ready, so the RAM this pool was promised is committed before another instance sizes itself (issue 33)
     faulted_in: threading.Event = field(repr=False, default_factory=threading.Event)

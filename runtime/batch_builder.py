@@ -8,6 +8,7 @@ import numpy as np
 from tierlm.backends.base import ForwardBatch, SamplingBatch
 from tierlm.runtime.logprobs import samples
 from tierlm.runtime.request import Req
+from tierlm.runtime.sampling_params import SamplingParams
 
 
 def build_forward_batch(items: list[tuple[Req, int]], page_size: int,
@@ -62,7 +63,10 @@ def build_forward_batch(items: list[tuple[Req, int]], page_size: int,
 
 def sampling_batch(reqs: list[Req]) -> SamplingBatch:
     ps = [r.sampling_params for r in reqs]
-    f32 = lambda xs: np.asarray(xs, np.float32)  # noqa: E731
+
+    def f32(xs: Sequence[float]) -> np.ndarray:
+        return np.asarray(xs, np.float32)
+
     temperature = f32([0.0 if p.is_greedy else p.temperature for p in ps])
     any_penalty = any(p.uses_penalties for p in ps)
     return SamplingBatch(
@@ -78,7 +82,7 @@ def sampling_batch(reqs: list[Req]) -> SamplingBatch:
     )
 
 
-def logit_bias_arrays(ps: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def logit_bias_arrays(ps: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """SamplingBatch.logit_bias: (row, token id, bias) of every biased token of the rows, or None."""
     if not any(p.logit_bias for p in ps):
         return None

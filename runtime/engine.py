@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Generic, Sequence, TypeVar, Union
 
 from tierlm.runtime.chat_format import ChatFormat
 from tierlm.runtime.engine_setup import EngineParts, build_engine_parts
@@ -27,6 +27,7 @@ from tierlm.runtime.server_args import ServerArgs
 from tierlm.runtime.tokenizer_protocol import Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- messages into the scheduler thread
@@ -41,11 +42,11 @@ class AbortRequest:
 
 
 @dataclass
-class CallOnScheduler:
+class CallOnScheduler(Generic[T]):
     """Run ``fn`` between two steps and resolve ``future`` (on ``loop``) with its result or exception."""
 
-    fn: Callable[[], Any]
-    future: asyncio.Future
+    fn: Callable[[], T]
+    future: asyncio.Future[T]
     loop: asyncio.AbstractEventLoop
 
 
@@ -54,7 +55,7 @@ class Wake:
     """Nothing to do but look at the stop flag."""
 
 
-Message = Union[AddRequest, AbortRequest, CallOnScheduler, Wake]
+Message = Union[AddRequest, AbortRequest, "CallOnScheduler[Any]", Wake]  # a call's result: whatever its fn returns
 
 
 class Engine:
@@ -66,7 +67,7 @@ class Engine:
         self.chat_format: ChatFormat | None = None  # set by start()
         self.context_length: int = 0
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[GenerateOutput]]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.started_at = time.time()
@@ -75,7 +76,7 @@ class Engine:
         self._watchdog: threading.Thread | None = None
         # outputs of the scheduler thread's current step, per event loop: handed over once a step (one wake-up of
         # each loop, not one per request and token: at 8 streams the per-token wake-ups were ~4 % of the step)
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateOutput]]] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[GenerateOutput], GenerateOutput]]] = {}
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -89,6 +90,11 @@ class Engine:
         self._watchdog = threading.Thread(target=self._watch, name="tierlm-watchdog", daemon=True)
         self._watchdog.start()
         self.ready = True
+
+    def _started(self) -> EngineParts:
+        """The parts ``start`` built: every request and the scheduler thread come after it."""
+        assert self.parts is not None, "Engine.start() has not run"
+        return self.parts
 
     def shutdown(self) -> None:
         """Stop the scheduler and close the caches in a few seconds whatever they are doing (a SIGTERM must stop
@@ -128,7 +134,8 @@ class Engine:
                 f"{n + max_new} tokens ({n} in the prompt, {max_new} for the completion). Reduce the prompt or "
                 f"max_tokens (at most {self.context_length - n} here).", param="max_tokens",
                 code="context_length_exceeded")
-        pool_tokens = self.parts.cache.num_pages * self.parts.cache.page_size
+        cache = self._started().cache
+        pool_tokens = cache.num_pages * cache.page_size
         if n + max_new > pool_tokens:
             raise RequestError(
                 f"the request needs {n + max_new} KV tokens ({n} prompt + {max_new} max_tokens) but the KV pool "
@@ -147,7 +154,7 @@ class Engine:
         self.validate(req)
         self.check_queue()
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
+        sink: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         self._sinks[req.rid] = (loop, sink)
         self._inbox.put(AddRequest(Req(rid=req.rid, input_ids=list(req.input_ids),
                                        sampling_params=req.sampling_params, stream=req.stream, pins=list(req.pins))))
@@ -168,7 +175,7 @@ class Engine:
         limit = self.args.max_queued_requests
         if limit is None:
             return
-        waiting = len(self._sinks) - len(self.parts.scheduler.running)
+        waiting = len(self._sinks) - len(self._started().scheduler.running)
         if waiting >= limit:
             raise RequestError(f"the server already has {waiting} requests waiting (--max-queued-requests {limit}); "
                                "retry later", status=503, type="server_error", code="queue_full")
@@ -184,16 +191,16 @@ class Engine:
         if spec is None:
             return
         try:
-            await asyncio.wrap_future(self.parts.grammar.compile(spec))
+            await asyncio.wrap_future(self._started().grammar.compile(spec))
         except GrammarError as e:
             raise RequestError(e.for_request(spec), 400, param=spec.param, code=e.code) from None
 
     async def flush_cache(self, storage: bool = False) -> bool:
-        return await self._call(lambda: self.parts.scheduler.flush_cache(storage=storage))
+        return await self._call(lambda: self._started().scheduler.flush_cache(storage=storage))
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """The vocabulary rule: 400 for an id outside the model's vocabulary."""
-        vocab = self.parts.model_info.vocab_size
+        vocab = self._started().model_info.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans; the message needs the first
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
@@ -201,7 +208,8 @@ class Engine:
     async def get_load(self) -> dict[str, int]:
         """Requests and tokens on this engine (SGLang's /get_load of one data-parallel rank), read on the
         scheduler thread."""
-        sched, cache = self.parts.scheduler, self.parts.cache
+        parts = self._started()
+        sched, cache = parts.scheduler, parts.cache
 
         def read() -> dict[str, int]:
             # SGLang's meaning: num_tokens = device KV tokens in use (the pool less its free and its evictable
@@ -216,10 +224,10 @@ class Engine:
                     "num_tokens": used + pending, "num_pending_tokens": pending}
         return await self._call(read)
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
+    async def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between steps and await its result."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[T] = loop.create_future()
         self._inbox.put(CallOnScheduler(fn, fut, loop))
         return await fut
 
@@ -265,7 +273,7 @@ class Engine:
                 pass
 
     def _loop(self) -> None:
-        sched = self.parts.scheduler
+        sched = self._started().scheduler
         while not self._stop.is_set():
             try:  # idle: sleep until a message arrives; busy: only take what is already queued
                 msg = self._inbox.get_nowait() if sched.has_work() else self._inbox.get()
@@ -305,7 +313,7 @@ class Engine:
                 log.error("watchdog: %s", self.unhealthy)
 
     def _handle(self, msg: Message) -> None:
-        sched = self.parts.scheduler
+        sched = self._started().scheduler
         if isinstance(msg, AddRequest):
             sched.add(msg.req)
         elif isinstance(msg, AbortRequest):
@@ -330,12 +338,12 @@ def check_pins(pins: Sequence[PinRequest], prompt_len: int) -> None:
             raise RequestError(f"a pin's ttl must be a positive number of seconds, got {pin.ttl_s}", param="pins")
 
 
-def _deliver(items: list[tuple[asyncio.Queue, GenerateOutput]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue[GenerateOutput], GenerateOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
 
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future[T], result: T, exc: BaseException | None) -> None:
     if fut.done():
         return
     if exc is not None:

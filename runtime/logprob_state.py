@@ -2,19 +2,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, Optional, TypeVar
 
 from tierlm.runtime.io_struct import TopList
 
 
+# a logprob: float, or float | None for prompt tokens (the first prompt token has none)
+LP = TypeVar("LP", bound=Optional[float])
+
+
 @dataclass
-class _Entries:
+class _Entries(Generic[LP]):
     ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
+    logprobs: list[LP] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     sent: int = 0  # entries already handed out in increments
 
-    def take(self, everything: bool, with_top: bool) -> tuple[list[int], list, list[TopList] | None]:
+    def take(self, everything: bool, with_top: bool) -> tuple[list[int], list[LP], list[TopList] | None]:
         start = 0 if everything else self.sent
         self.sent = len(self.ids)
         top = None
@@ -33,8 +38,8 @@ class LogprobState:
     prompt_len: int
     prompt_next: int  # next prompt row to score: row p scores prompt token p + 1 (rows p < prompt_len - 1)
     prefill_only: bool = False  # max_new_tokens == 0 with prompt logprobs: prefill, sample nothing, finish
-    inputs: _Entries = field(default_factory=_Entries)
-    outputs: _Entries = field(default_factory=_Entries)
+    inputs: _Entries[float | None] = field(default_factory=_Entries)
+    outputs: _Entries[float] = field(default_factory=_Entries)
 
     @property
     def prompt_rows_pending(self) -> bool:

@@ -100,13 +100,19 @@ def record_logprobs(result: ForwardOutput, sampling_reqs: list[Req], scored: lis
     at = 0
     for req, count in scored:
         st = req.logprobs
-        e = st.inputs
+        assert st is not None  # only requests that asked for logprobs are scored
+        inp = st.inputs
         lo = st.prompt_next
-        e.ids.extend(req.input_ids[lo + 1:lo + 1 + count])
-        e.logprobs.extend(lps[at:at + count])
+        inp.ids.extend(req.input_ids[lo + 1:lo + 1 + count])
+        inp.logprobs.extend(lps[at:at + count])
         k = st.top_k if tids is not None else 0
-        e.top_ids.extend(row[:k] for row in (tids[at:at + count] if k else [[]] * count))
-        e.top_logprobs.extend(row[:k] for row in (tlps[at:at + count] if k else [[]] * count))
+        if k:
+            assert tids is not None and tlps is not None  # the backend returns both top arrays or neither
+            inp.top_ids.extend(row[:k] for row in tids[at:at + count])
+            inp.top_logprobs.extend(row[:k] for row in tlps[at:at + count])
+        else:
+            inp.top_ids.extend([] for _ in range(count))
+            inp.top_logprobs.extend([] for _ in range(count))
         st.prompt_next = lo + count
         at += count
 

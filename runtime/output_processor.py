@@ -32,18 +32,21 @@ class OutputProcessor:
             req.first_token_time = now
             self.metrics.record_first_token(now - req.arrival)
         else:
+            assert req.last_token_time is not None  # set with first_token_time
             self.metrics.record_inter_token(now - req.last_token_time)
         req.last_token_time = now
-        stop = req.stop_checker
+        matched: int | str | None
+        stop, detok = req.stop_checker, req.detokenizer
+        assert stop is not None and detok is not None  # set by init_request
         reason, matched = stop.check_token(token, len(req.output_ids))
         done = False
         if reason != "stop":  # a stop token's own text is never output
-            text, done, stop_str = stop.process_text(req.detokenizer.add([token]))
+            text, done, stop_str = stop.process_text(detok.add([token]))
             req.pending_text += text
             if done:
                 reason, matched = "stop", stop_str
         if reason is not None and not done:
-            req.pending_text += stop.finish(req.detokenizer.flush())
+            req.pending_text += stop.finish(detok.flush())
             if stop.finished:
                 matched = stop.matched_stop
                 reason = "stop"
@@ -53,6 +56,7 @@ class OutputProcessor:
     def end(self, req: Req, reason: str) -> None:
         """End ``req`` after its last token for a reason outside the stop rules (a complete grammar): the text the
         stop rules held back is released."""
+        assert req.stop_checker is not None and req.detokenizer is not None  # set by init_request
         req.pending_text += req.stop_checker.finish(req.detokenizer.flush())
         req.finish_reason = reason
 

@@ -85,6 +85,7 @@ class SchedulePolicy:
         matches = [self.cache.cached_prefix(r) for r in queue]
         if self.policy == "lpm":
             return self._longest_prefix(queue, [n for n, _ in matches])
+        assert self.cache.tree is not None  # cache-aware policies fall back to fcfs without a radix tree
         return dfs_weight_order(queue, [node for _, node in matches], self.cache.tree.root)
 
     def _longest_prefix(self, queue: list[Req], cached: list[int]) -> list[Req]:
@@ -115,14 +116,15 @@ def dfs_weight_order(queue: list[Req], nodes: list[TreeNode | None], root: TreeN
     at: dict[int, list[Req]] = {}
     weight: dict[int, int] = {id(root): 0}
     kids: dict[int, list[TreeNode]] = {}
-    for req, node in zip(queue, nodes):
-        node = node or root
+    for req, matched in zip(queue, nodes):
+        node = matched or root
         at.setdefault(id(node), []).append(req)
         while True:
             seen = id(node) in weight
             weight[id(node)] = weight.get(id(node), 0) + 1
             if node is root:
                 break
+            assert node.parent is not None  # only the root has none
             if not seen:
                 kids.setdefault(id(node.parent), []).append(node)
             node = node.parent

@@ -58,7 +58,7 @@ class Scheduler:
     def add(self, req: Req) -> None:
         self.outputs.init_request(req)
         init_logprobs(req)  # max_tokens=0 with prompt logprobs still prefills (prefill_only)
-        if req.finished:  # e.g. max_tokens=0: nothing to compute
+        if req.finish_reason is not None:  # req.finished, e.g. max_tokens=0: nothing to compute
             self._finish(req, req.finish_reason)
             return
         self.cache.on_request_added(req)
@@ -113,12 +113,13 @@ class Scheduler:
                 self.outputs.on_token(req, tokens[i], now)
                 self._grammar_token(req, tokens[i])
                 if req.spec is not None:
+                    assert self.spec is not None  # req.spec comes from the speculator
                     self.spec.record(req, 0, 0)  # a verify step that had no draft to check
                 added, i = 1, i + 1
             else:
                 added = self._take_verified(req, d, tokens[i:i + 1 + len(d)], now)
                 i += 1 + len(d)
-            if req.finished:
+            if req.finish_reason is not None:  # req.finished
                 self.running.remove(req)
                 self._finish(req, req.finish_reason)
             elif req.stream and self._stream_now(req, added):
@@ -136,6 +137,7 @@ class Scheduler:
             if req.finished or j == len(drafts) or drafts[j] != tok:
                 break
         req.kv_len += added  # the inputs at rows 0..added-1 (last token, accepted drafts) are the sequence's
+        assert self.spec is not None  # drafts come from the speculator
         self.spec.record(req, len(drafts), added - 1)
         self.cache.trim(req, req.kv_len + 1)  # pages that only hold rejected drafts' KV go back to the pool
         return added
@@ -188,9 +190,10 @@ class Scheduler:
             len(self.running) < self.max_running else []
         pos = 0
         while pos < len(order) and budget > 0 and len(self.running) < self.max_running:
-            req, pos = self._next_admissible(order, pos)
-            if req is None:
+            admissible, pos = self._next_admissible(order, pos)
+            if admissible is None:
                 break  # every waiting request's grammar is still compiling
+            req = admissible
             if self.policy.hold_back(req, items):
                 continue  # it shares an uncached prefix with one admitted now: next step it hits that prefix
             if not self.cache.ready_to_admit(req):

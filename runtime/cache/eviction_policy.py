@@ -19,22 +19,22 @@ class TreeNode(Protocol):
     hit_count: int
 
 
-Priority = Callable[[TreeNode], tuple]
+Priority = Callable[[TreeNode], tuple[int, ...]]
 
 
-def lru(node: TreeNode) -> tuple:
+def lru(node: TreeNode) -> tuple[int, ...]:
     return (node.last_access,)
 
 
-def lfu(node: TreeNode) -> tuple:
+def lfu(node: TreeNode) -> tuple[int, ...]:
     return (node.hit_count, node.last_access)
 
 
-def slru(node: TreeNode) -> tuple:
+def slru(node: TreeNode) -> tuple[int, ...]:
     return (1 if node.hit_count >= 2 else 0, node.last_access)
 
 
-def loop(node: TreeNode) -> tuple:
+def loop(node: TreeNode) -> tuple[int, ...]:
     """tierlm's own, loop-resistant: never-reused nodes go first (oldest first), then nodes reused once, newest
     first, then the rest (oldest first). Reuse that comes back in a cycle larger than the tier (chat clients
     taking turns, documents asked about in turn) then keeps the part of the cycle that got in first, where lru,

@@ -92,6 +92,7 @@ class HiCacheManager(KVCacheManager):
 
     def _backup_node(self, node: TreeNode) -> bool:
         """Copy a device node to the host tier (and queue it for storage). False when the host is full."""
+        assert node.device_pages is not None  # only device nodes are backed up
         n = len(node.device_pages)
         if self.host_alloc.num_free < n:
             self.tree.evict_host(n - self.host_alloc.num_free)
@@ -108,6 +109,7 @@ class HiCacheManager(KVCacheManager):
     def _backup_to_storage(self, node: TreeNode) -> None:
         if self.storage_io is None or self.storage_io.stalled:
             return
+        assert self.storage is not None and node.host_pages is not None  # storage comes with its I/O; just backed up
         n = len(node.host_pages)
         keys = page_keys(self.tree.path_tokens(node), self.page_size)[-n:]
         stored = self.storage.known(keys)  # no file I/O here: the backup thread skips files already present
@@ -115,7 +117,7 @@ class HiCacheManager(KVCacheManager):
         for key, hp, present in zip(keys, node.host_pages, stored):
             if not present:
                 # Written from the host page itself, no copy on this thread (see free_host_pages).
-                page = BorrowedPage(self.host_page_views(hp), lambda hp=hp, g=int(gen[hp]): gen[hp] == g)
+                page = BorrowedPage(self.host_page_views(hp), _generation_unchanged(gen, hp, int(gen[hp])))
                 with self._pending_lock:  # _backup_done (backup thread) waits until the entry is in
                     if self.storage_io.backup(key, page, on_done=self._backup_done):
                         self._pending_backups[key] = (hp, page)
@@ -157,6 +159,7 @@ class HiCacheManager(KVCacheManager):
     def release(self, req: Req, cache_kv: bool) -> None:
         self.stages.released(req, req.first_token_time)
         if req.prefetch is not None:
+            assert self.prefetch is not None  # a request's prefetch comes from it
             self.prefetch.drop(req)
         super().release(req, cache_kv)
         if self.prefetch is not None:
@@ -182,6 +185,7 @@ class HiCacheManager(KVCacheManager):
             n_host = len(loaded)
         if req.prefetch is not None:
             pf, req.prefetch = req.prefetch, None
+            assert self.prefetch is not None  # a request's prefetch comes from it
             node, pages, n_store = self.prefetch.load(tokens, node, pages, pf, count)
         if self.states is not None:
             self.states.to_device(node)  # the snapshot the request resumes at (KVCacheManager.match cuts there)
@@ -194,6 +198,7 @@ class HiCacheManager(KVCacheManager):
         """A hybrid's host continuation, cut to the deepest snapshot (any tier) on it: pages past it are not
         loaded (the request could not resume there)."""
         n_dev = len(m.device_pages)
+        assert m.host_last_node is not None  # a host continuation ends at a node
         node, pages = self.tree.state_ancestor(m.host_last_node, n_dev + len(m.host_pages), any_tier=True)
         if pages <= n_dev:
             return MatchResult(m.device_pages, m.last_node)
@@ -201,6 +206,7 @@ class HiCacheManager(KVCacheManager):
 
     def _load_from_host(self, m: MatchResult, count_hit: bool = True) -> tuple[TreeNode, list[int]]:
         """Copy the host-only continuation of a match back to device pages; returns (deepest node, pages)."""
+        assert m.host_last_node is not None  # a host continuation ends at a node
         nodes = _path_between(self.tree, m.last_node, m.host_last_node)
         n = len(m.host_pages)
         self.tree.lock(m.host_last_node)  # neither tier may evict these nodes while we make room
@@ -215,6 +221,7 @@ class HiCacheManager(KVCacheManager):
         self.stages.add("host_to_device", time.perf_counter() - t0)
         i = 0
         for node in nodes:
+            assert node.host_pages is not None  # the host continuation's nodes
             k = len(node.host_pages)
             self.tree.attach_device_pages(node, dev[i:i + k])
             i += k
@@ -227,6 +234,7 @@ class HiCacheManager(KVCacheManager):
     def flush(self, storage: bool = False) -> None:
         self.tree.reset()
         if storage and self.storage is not None:
+            assert self.storage_io is not None  # the storage comes with its I/O threads
             if self.storage_io.stalled:  # clearing the folder from this thread would hang the scheduler
                 raise RequestError("the L3 storage is not responding (see tiers.storage.last_error in /server_info): "
                                    "the memory tiers were flushed, the storage files were not; retry once it is "
@@ -256,6 +264,7 @@ class HiCacheManager(KVCacheManager):
                      "write_policy": self.write_policy},
         }
         if self.storage is not None:
+            assert self.prefetch is not None and self.storage_io is not None  # made with the storage
             info["storage"] = {"backend": self.storage.name, "dir": self.storage.location, **self.storage_health(),
                                **self.storage.stats(), "prefetch_policy": self.prefetch.policy,
                                "io_timeout_s": self.storage_io.io_timeout_s, "io": self.storage_io.stats()}
@@ -279,6 +288,7 @@ class HiCacheManager(KVCacheManager):
 
     def storage_health(self) -> dict[str, Any]:
         """"online", or "degraded" while writes fail or a storage call hangs; the latest error either way."""
+        assert self.storage is not None and self.storage_io is not None  # asked only with L3 storage
         disk, io = self.storage.health(), self.storage_io.health()
         bad = [h for h in (io, disk) if h["state"] != "online"]
         last = (bad[0] if bad else disk if disk["last_error"] else io)["last_error"]
@@ -308,9 +318,13 @@ class HiCacheManager(KVCacheManager):
                   lambda: self.loaded_host_pages * ps)
         m.counter("tierlm_hicache_loaded_storage_tokens", "Tokens loaded from storage into the device tier",
                   lambda: self.prefetch.loaded_pages * ps if self.prefetch else 0)
+
+        def stage_seconds(stage: str) -> Callable[[], float]:
+            return lambda: self.stage_seconds()[stage]
+
         for stage in STAGES:
             m.counter(f"tierlm_hicache_stage_{stage}_seconds", f"Seconds of cache hits spent in stage {stage} "
-                      "(runtime/cache/hit_stages.py)", lambda stage=stage: self.stage_seconds()[stage])
+                      "(runtime/cache/hit_stages.py)", stage_seconds(stage))
         m.counter("tierlm_hicache_parked_storage_tokens", "Tokens read from storage into the host tier while the "
                   "device tier had no room", lambda: self.prefetch.parked_pages * ps if self.prefetch else 0)
         if self.states is not None:
@@ -324,25 +338,33 @@ class HiCacheManager(KVCacheManager):
             m.counter("tierlm_state_storage_loaded", "State snapshots read from storage (L3) and used",
                       lambda: st.loaded_storage_states)
         if self.storage is not None:
+            storage, io = self.storage, self.storage_io
+            assert io is not None  # the storage comes with its I/O threads
+
+            def storage_stat(stat: str) -> Callable[[], float]:
+                return lambda: storage.stats()[stat]
+
+            def io_stat(stat: str) -> Callable[[], float]:
+                return lambda: io.stats()[stat]
+
             for stat in ("files", "bytes"):
-                m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
-                        lambda stat=stat: self.storage.stats()[stat])
+                m.gauge(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}", storage_stat(stat))
             for stat in ("bytes_read", "bytes_written", "misses", "errors", "evictions", "read_seconds"):
-                m.counter(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}",
-                          lambda stat=stat: self.storage.stats()[stat])
+                m.counter(f"tierlm_hicache_storage_{stat}", f"L3 storage {stat}", storage_stat(stat))
             m.gauge("tierlm_hicache_storage_online", "1 while L3 storage works, 0 while writes fail or a "
                     "storage call hangs (see tiers.storage.last_error in /server_info)",
                     lambda: float(self.storage_health()["state"] == "online"))
             m.gauge("tierlm_hicache_storage_stuck_threads", "L3 I/O threads stuck in a storage call right now",
-                    lambda: self.storage_io.stats()["stuck_threads"])
+                    io_stat("stuck_threads"))
             for stat, doc in (("io_timeouts", "L3 reads/writes abandoned after the I/O time limit"),
                               ("backups_dropped", "L3 page writes dropped (backlog full, hung disk, shutdown)")):
-                m.counter(f"tierlm_hicache_storage_{stat}", doc, lambda stat=stat: self.storage_io.stats()[stat])
+                m.counter(f"tierlm_hicache_storage_{stat}", doc, io_stat(stat))
 
     def eviction_counters(self) -> dict[str, Callable[[], float]]:
         counters = {**super().eviction_counters(), "host": lambda: self.tree.evicted_host_pages}
         if self.storage is not None:
-            counters["storage"] = lambda: self.storage.stats()["evictions"]
+            storage = self.storage
+            counters["storage"] = lambda: storage.stats()["evictions"]
         return counters
 
 
@@ -351,5 +373,11 @@ def _path_between(tree: HiRadixCache, upper: TreeNode, lower: TreeNode) -> list[
     out = []
     while lower is not upper:
         out.append(lower)
+        assert lower.parent is not None  # ``upper`` is above ``lower``
         lower = lower.parent
     return out[::-1]
+
+
+def _generation_unchanged(gen: np.ndarray, hp: int, g: int) -> Callable[[], bool]:
+    """BorrowedPage's check: host page ``hp`` was not freed (its generation is still ``g``) since the write began."""
+    return lambda: gen[hp] == g

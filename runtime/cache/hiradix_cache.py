@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from tierlm.runtime.cache.radix_cache import RadixCache, TreeNode
 
@@ -75,6 +75,7 @@ class HiRadixCache(RadixCache):
 
     def _drop_host_state(self, node: TreeNode) -> None:
         if node.host_state_slot is not None:
+            assert self.free_host_state_slot is not None  # set with the host state slots (state_tiers.py)
             self.free_host_state_slot(node.host_state_slot)
             node.host_state_slot = None
             self.host_states_cached -= 1
@@ -116,6 +117,7 @@ class HiRadixCache(RadixCache):
         while node is not self.root and node.state_slot is None and node.host_state_slot is None and \
                 not node.children and node.lock_ref == 0:
             parent = node.parent
+            assert parent is not None  # only the root has none
             if node.host_pages is not None:
                 self._drop_host(node)
             if node.device_pages is not None:
@@ -150,6 +152,7 @@ class HiRadixCache(RadixCache):
                 assert n.host_pages is None, "storage pages landed on a node that already has host pages"
                 self.set_host_pages(n, list(host_pages[begin - start_page:end - start_page]))
             end = begin
+            assert n.parent is not None  # only the root has none
             n = n.parent
         return out, node
 
@@ -242,6 +245,7 @@ class HiRadixCache(RadixCache):
                 continue
             freed += self._drop_host(node)
             parent = node.parent
+            assert parent is not None  # the root holds no host pages
             del parent.children[self._page_key(node.key, 0)]
             if self.free_state_slot is not None and parent.lock_ref == 0:  # hybrids: no snapshot-less host leaf
                 before = self.host_pages_cached
@@ -272,6 +276,7 @@ class HiRadixCache(RadixCache):
 
     def _drop_host(self, node: TreeNode) -> int:
         pages = node.host_pages
+        assert pages is not None  # only a node with host pages is dropped from the host
         if node.host_state_slot is not None:
             self._drop_host_state(node)
             self.evicted_host_states += 1
@@ -286,6 +291,7 @@ class HiRadixCache(RadixCache):
         parts = []
         while node is not self.root:
             parts.append(node.key)
+            assert node.parent is not None  # only the root has none
             node = node.parent
         return [t for part in reversed(parts) for t in part]
 
@@ -304,9 +310,11 @@ class HiRadixCache(RadixCache):
             if n.host_pages is not None:
                 self._free_host_pages(n.host_pages)
             if n.state_slot is not None:
+                assert self.free_state_slot is not None  # a tree holding states frees them
                 self.free_state_slot(n.state_slot)
                 n.state_slot = None
             if n.host_state_slot is not None:
+                assert self.free_host_state_slot is not None  # a tree holding host states frees them
                 self.free_host_state_slot(n.host_state_slot)
                 n.host_state_slot = None
         self.root.children.clear()
@@ -314,5 +322,5 @@ class HiRadixCache(RadixCache):
         self.states_cached = self.host_states_cached = 0
 
 
-def _unbound(*_: object) -> bool:
+def _unbound(*_: object) -> NoReturn:
     raise RuntimeError("HiRadixCache used before bind_host_tier() gave it its host tier")

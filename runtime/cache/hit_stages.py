@@ -38,14 +38,14 @@ class HitStages:
         with self._lock:
             return self._seconds["host_copy"] + self._seconds["host_to_device"]
 
-    def admitted(self, req: Any, arrival: float, copies_before: float) -> None:
+    def admitted(self, req: object, arrival: float, copies_before: float) -> None:
         """A request's first admission ends now; it arrived at ``arrival`` (perf_counter) and the copies made
         during its admission are the ones past ``copies_before`` (copies())."""
         now = time.perf_counter()
         self.add("scheduler_wait", max(0.0, now - arrival - (self.copies() - copies_before)))
         self._admitted[id(req)] = now
 
-    def released(self, req: Any, first_token_time: float | None) -> None:
+    def released(self, req: object, first_token_time: float | None) -> None:
         """The request leaves: its forward ran from admission to its first token (when it got one)."""
         at = self._admitted.pop(id(req), None)
         if at is not None and first_token_time is not None:

@@ -191,6 +191,7 @@ class KVCacheManager:
         if self.snapshots is not None:
             self.snapshots.release(req)  # what it published stays; a request that comes back resumes there
         elif req.state_slot is not None:  # no radix tree: a hybrid request that comes back starts over
+            assert self.state_slots is not None  # a request has a state slot only from them
             self.state_slots.free(req.state_slot)
             req.state_slot = None
 
@@ -202,6 +203,7 @@ class KVCacheManager:
 
     def snapshot_taken(self, req: Req) -> None:
         """After a step that took ``req``'s planned snapshot."""
+        assert self.snapshots is not None  # only plan_snapshots with snapshots plans one
         self.snapshots.taken(req)
 
     def sweep_pins(self) -> None:
@@ -242,8 +244,12 @@ class KVCacheManager:
                           lambda: slots.cached)
         if self.pins is not None:
             pins = self.pins
+
+            def pinned_pages(tier: str) -> Callable[[], float]:
+                return lambda: pins.pinned_pages()[tier]
+
             metrics.tier_gauge("tierlm_cache_pinned_pages", "Pages of each memory tier held by prompt-caching pins",
-                               {tier: (lambda tier=tier: pins.pinned_pages()[tier]) for tier in self.pin_capacity()})
+                               {tier: pinned_pages(tier) for tier in self.pin_capacity()})
         metrics.tier_counter("tierlm_cache_evicted_pages", "Pages evicted from each cache tier since start (device "
                              "pages demoted to host count here too)", self.eviction_counters())
 

@@ -38,7 +38,7 @@ class TreeNode:
     device_pages: list[int] | None = None  # one device page per page of key; None when not in device memory
     host_pages: list[int] | None = None  # one host page per page of key when backed up in host memory (L2)
     parent: "TreeNode | None" = None
-    children: dict[tuple, "TreeNode"] = field(default_factory=dict)
+    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
     lock_ref: int = 0
     hit_count: int = 0
     state_slot: int | None = None  # hybrids: the state snapshot at the end of this node's key (a state-pool slot)
@@ -80,7 +80,7 @@ class RadixCache:
         self.eviction_priority = eviction_priority(name)
 
     # ---------------------------------------------------------------- lookup
-    def _page_key(self, tokens: Sequence[int], start: int) -> tuple:
+    def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start:start + self.page_size])
 
     def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None, *,
@@ -121,6 +121,7 @@ class RadixCache:
         upto = upto or self.root
         while node is not upto and node is not self.root:
             node.hit_count += 1
+            assert node.parent is not None  # only the root has none
             node = node.parent
 
     def path_to(self, node: TreeNode) -> list[TreeNode]:
@@ -128,6 +129,7 @@ class RadixCache:
         out = []
         while node is not self.root:
             out.append(node)
+            assert node.parent is not None  # only the root has none
             node = node.parent
         return out[::-1]
 
@@ -156,6 +158,7 @@ class RadixCache:
             node, pos = child, pos + k
             if k < edge_pages:
                 if self.free_state_slot is not None:  # the match ends inside this edge: not at its state
+                    assert node.parent is not None  # a child's
                     node, pos = node.parent, pos - k
                 break
         if self.free_state_slot is not None:
@@ -169,6 +172,7 @@ class RadixCache:
         while node is not self.root and node.state_slot is None and \
                 (not any_tier or node.host_state_slot is None):
             pages -= len(node.key) // self.page_size
+            assert node.parent is not None  # only the root has none
             node = node.parent
         return node, pages
 
@@ -186,6 +190,7 @@ class RadixCache:
 
     def _drop_state(self, node: TreeNode) -> None:
         if node.state_slot is not None:
+            assert self.free_state_slot is not None  # a tree holding states has the hook that frees them
             self.free_state_slot(node.state_slot)
             node.state_slot = None
             self.states_cached -= 1
@@ -208,6 +213,7 @@ class RadixCache:
             while node is not self.root and node.state_slot is None and node.lock_ref == 0 and \
                     node.device_pages is not None and not node.children:
                 parent = node.parent
+                assert parent is not None  # only the root has none
                 pages += self._evict_node(node)
                 node = parent
         return states, pages
@@ -233,6 +239,7 @@ class RadixCache:
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Split ``node``'s edge after ``k`` pages; return the new upper node (which keeps locks)."""
         ps = self.page_size
+        assert node.parent is not None  # the root is never split
         upper = TreeNode(key=node.key[:k * ps], parent=node.parent, lock_ref=node.lock_ref,
                          hit_count=node.hit_count, last_access=node.last_access, pin_until=node.pin_until)
         upper.device_pages = node.device_pages[:k] if node.device_pages is not None else None
@@ -267,11 +274,12 @@ class RadixCache:
         while pos < n_pages:
             child = node.children.get(self._page_key(tokens, pos * ps))
             if child is None:
-                new = TreeNode(key=list(tokens[pos * ps:n_pages * ps]), device_pages=list(pages[pos:]), parent=node)
+                new_pages = list(pages[pos:])
+                new = TreeNode(key=list(tokens[pos * ps:n_pages * ps]), device_pages=new_pages, parent=node)
                 node.children[self._page_key(new.key, 0)] = new
-                self.device_pages_cached += len(new.device_pages)
+                self.device_pages_cached += len(new_pages)
                 self._on_insert(new)
-                out.extend(new.device_pages)
+                out.extend(new_pages)
                 return out, new
             child, k = self._follow_edge(child, tokens, pos, n_pages)
             if child.device_pages is None:
@@ -294,6 +302,7 @@ class RadixCache:
             if node.lock_ref == 0 and node.device_pages is not None:
                 self.device_pages_locked += len(node.device_pages)
             node.lock_ref += 1
+            assert node.parent is not None  # only the root has none
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
@@ -302,6 +311,7 @@ class RadixCache:
             assert node.lock_ref >= 0, "radix lock underflow"
             if node.lock_ref == 0 and node.device_pages is not None:
                 self.device_pages_locked -= len(node.device_pages)
+            assert node.parent is not None  # only the root has none
             node = node.parent
 
     # ---------------------------------------------------------------- eviction
@@ -323,7 +333,7 @@ class RadixCache:
                 out.append(n)
         return out
 
-    def _heap_entry(self, node: TreeNode) -> tuple:
+    def _heap_entry(self, node: TreeNode) -> tuple[tuple[int, ...], int, TreeNode]:
         return (self.eviction_priority(node), next(_tiebreak), node)
 
     def evict(self, num_pages: int) -> int:
@@ -350,8 +360,10 @@ class RadixCache:
             node = heapq.heappop(heap)[-1]
             freed += self._evict_node(node)
             parent = node.parent
+            assert parent is not None  # the root is never evicted
             while self.free_state_slot is not None and parent is not self.root and parent.state_slot is None and \
                     parent.lock_ref == 0 and parent.device_pages is not None and not parent.children:
+                assert parent.parent is not None  # not the root
                 node, parent = parent, parent.parent  # a hybrid's stateless leaf can never end a match: goes too
                 freed += self._evict_node(node)
             if parent is not self.root and parent.lock_ref == 0 and parent.device_pages is not None and \
@@ -368,6 +380,7 @@ class RadixCache:
     def _evict_node(self, node: TreeNode) -> int:
         """Drop ``node``'s device pages (the HiCache subclass demotes to host instead). Returns pages freed."""
         pages = node.device_pages
+        assert pages is not None and node.parent is not None  # an evicted node holds device pages; never the root
         if self.free_state_slot is not None:
             self._drop_state(node)  # a snapshot lives exactly as long as the pages it ends
         self._free_device_pages(pages)

@@ -97,6 +97,7 @@ class StateSnapshots:
 
     def attach(self, req: Req, node: TreeNode) -> None:
         """``node`` ends at ``req.snap_len``: it takes the snapshot, or keeps the one another request put there."""
+        assert req.snap_slot is not None  # publish_len was > 0
         if self.tree.set_state(node, req.snap_slot):
             self.slots.to_cache()
         else:

@@ -41,6 +41,7 @@ def state_key(page_key: str) -> str:
 def state_namespace_fields(backend: ModelBackend, page_size: int) -> dict[str, Any]:
     """What makes two stored snapshots the same bytes: the KV facts and the state geometry."""
     g = backend.info.state
+    assert g is not None  # only a hybrid model has state snapshots
     return {**backend.kv_namespace(), "page_size": page_size, "layout": "page_first", "entry": "state",
             "state_layout": SHARED_STATE_LAYOUT, "linear_layers": g.num_linear_layers, "conv_dim": g.conv_dim,
             "conv_kernel": g.conv_kernel, "rec_shape": "x".join(map(str, g.rec_shape)), "conv_dtype": g.conv_dtype,
@@ -54,6 +55,7 @@ class StateTiers:
         self.tree = tree
         self.snapshots = snapshots
         self.page_size = page_size
+        assert backend.info.state is not None  # only a hybrid model has state tiers
         self.host = HostStatePool(host_slots, backend.info.state)
         self.alloc = StateSlots(host_slots)  # cached: held by tree nodes; in_use: reserved for an L3 read
         self.storage = storage
@@ -117,6 +119,7 @@ class StateTiers:
         if self.io is None or self.io.stalled:
             return
         key = state_key(page_keys(self.tree.path_tokens(node), self.page_size)[-1])
+        assert self.storage is not None  # given with its StorageIO
         if not self.storage.known([key])[0]:
             self.io.backup(key, self.host.data[hs])  # copied now: the host slot may be reused at once
 
@@ -136,6 +139,7 @@ class StateTiers:
         """Read the snapshot at the end of the page keyed ``page_key`` into host slot ``slot``, alongside the page
         prefetch ``page_handle``."""
         view = memoryview(self.host.data[slot]).cast("B")
+        assert self.io is not None  # a page prefetch runs only with L3 storage
         handle = self.io.prefetch([state_key(page_key)], known=1, into=[[view]])
         self._reads[page_handle] = (handle, slot)
 
@@ -180,6 +184,7 @@ class StateTiers:
         if self.io is None:
             return 0
         self.io.flush(timeout=self.io.io_timeout_s)
+        assert self.storage is not None  # given with its StorageIO
         return self.storage.clear()
 
     def close(self, timeout: float) -> None:
@@ -201,5 +206,6 @@ class StateTiers:
                                "loaded_storage_states": self.loaded_storage_states,
                                "evicted_host_states": self.tree.evicted_host_states}
         if self.storage is not None:
+            assert self.io is not None  # given with the storage
             out["storage"] = {**self.storage.stats(), "io": self.io.stats()}
         return out

@@ -100,7 +100,9 @@ class StoragePrefetch:
         if have >= max_pages:
             return
         if self.states is not None:
-            _, depth = tree.state_ancestor(m.host_last_node if m.host_pages else m.last_node, have, any_tier=True)
+            deepest = m.host_last_node if m.host_pages else m.last_node
+            assert deepest is not None  # a host continuation ends at host_last_node
+            _, depth = tree.state_ancestor(deepest, have, any_tier=True)
             if depth < have:
                 return  # memory holds pages past its deepest snapshot: storage pages could not hang below them
         keys = page_keys(tokens[:max_pages * ps], ps)[have:]
@@ -131,6 +133,7 @@ class StoragePrefetch:
         if host_pages:
             self._reserved[handle] = host_pages
         if state_slot is not None:
+            assert self.states is not None  # a state slot is reserved only from them
             self.states.start_read(handle, keys[-1], state_slot)
         req.prefetch = PendingPrefetch(have, handle, time.perf_counter(), known)
 
@@ -142,6 +145,7 @@ class StoragePrefetch:
             return []
         tree, host_alloc = self.cache.tree, self.cache.host_alloc
         node = m.host_last_node if m.host_pages else m.last_node
+        assert node is not None  # a host continuation ends at host_last_node
         if n > 0:
             tree.lock(node)
             try:
@@ -264,6 +268,7 @@ class StoragePrefetch:
         # Pages another path inserted meanwhile cannot exist (same thread), so the tree adopted ours.
         assert tree_pages[have:] == dev
         if state_slot is not None:
+            assert self.states is not None  # a state slot is reserved only from them
             self.states.adopt(last, state_slot)
         if count_hit:
             tree.count_hit(last, upto=node)  # the nodes now holding the pages read from storage
@@ -318,6 +323,7 @@ class StoragePrefetch:
         if tree.add_host_only_child(node, tokens[have * ps:(have + n) * ps], host_pages):
             self.parked_pages += n
             if state_slot is not None:
+                assert self.states is not None  # a state slot is reserved only from them
                 self.states.adopt(node.children[tree._page_key(tokens, have * ps)], state_slot)
         else:
             cache.free_host_pages(host_pages)
@@ -325,6 +331,7 @@ class StoragePrefetch:
 
     def _free_state_slot(self, slot: int | None) -> None:
         if slot is not None:
+            assert self.states is not None  # a state slot is reserved only from them
             self.states.alloc.free(slot)
 
     def _make_host_free(self, n: int) -> bool:
@@ -338,6 +345,7 @@ class StoragePrefetch:
     def drop(self, req: Req) -> None:
         """A waiting request leaves (abort, error) or restarts its prefetch: stop it, free its host pages."""
         pf, req.prefetch = req.prefetch, None
+        assert pf is not None  # called for a request with a prefetch pending
         pf.handle.cancel()
         self._give_back(pf.handle, range(0))
 

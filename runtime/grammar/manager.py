@@ -48,6 +48,7 @@ class GrammarError(Exception):
         self.detail = detail
         self.disabled = disabled
         self.code = code
+        self.transient = False  # the server's failure, not the grammar's: _finish does not keep it cached
 
     def for_request(self, spec: GrammarSpec) -> str:
         """The message for the request whose field ``spec.param`` carried the grammar."""
@@ -68,7 +69,8 @@ class GrammarManager:
         self.cache_bytes = cache_bytes
         self.compile_timeout_s = compile_timeout_s
         self.max_entries = max_entries  # failures cost next to nothing; this bounds their count
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        # futures of the backend's compiled grammars (opaque to the runtime: only the backend reads them)
+        self._cache: OrderedDict[tuple[str, str], Future[object]] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}
         self.cached_bytes = 0
         self._lock = threading.Lock()
@@ -77,10 +79,10 @@ class GrammarManager:
         self.timed_out = 0  # compiles stopped at the time limit
 
     # ------------------------------------------------------------ compilation (any thread)
-    def compile(self, spec: GrammarSpec) -> Future:
+    def compile(self, spec: GrammarSpec) -> Future[object]:
         """The future of ``spec``'s compiled grammar (from the cache, or submitted to the pool now). It fails
         with GrammarError."""
-        fut: Future = Future()
+        fut: Future[object] = Future()
         if self.backend is None:
             fut.set_exception(GrammarError("structured output is off", disabled=True))
             return fut
@@ -97,11 +99,13 @@ class GrammarManager:
             self._cache[spec.key] = fut
             self._evict()
             self.compiled += 1
+        assert self._pool is not None  # made with the backend
         job = self._pool.submit(self._compile, spec)
         job.add_done_callback(lambda j: self._finish(spec.key, fut, j))
         return fut
 
-    def _compile(self, spec: GrammarSpec) -> Any:
+    def _compile(self, spec: GrammarSpec) -> object:
+        assert self.backend is not None  # the pool that runs this exists only with a backend
         try:
             return self.backend.compile(spec.kind, spec.text, timeout_s=self.compile_timeout_s)
         except GrammarCompileTimeout:
@@ -123,7 +127,7 @@ class GrammarManager:
             log.exception("grammar compilation failed")
             raise GrammarError(f"the compiler failed: {e}") from None
 
-    def _finish(self, key: tuple[str, str], fut: Future, job: Future) -> None:
+    def _finish(self, key: tuple[str, str], fut: Future[object], job: Future[object]) -> None:
         if job.cancelled():  # close() dropped it before it started
             fut.set_exception(GrammarError("the server is shutting down"))
             return
@@ -136,6 +140,7 @@ class GrammarManager:
             fut.set_exception(error)
             return
         compiled = job.result()
+        assert self.backend is not None  # a compile ran, so there is a backend
         size = int(self.backend.compiled_bytes(compiled))
         with self._lock:
             if self._cache.get(key) is fut:
@@ -169,6 +174,7 @@ class GrammarManager:
 
     def close(self) -> None:
         if self._pool is not None:
+            assert self.backend is not None  # the pool is made with the backend
             self._pool.shutdown(wait=False, cancel_futures=True)
             self.backend.close()  # stops the compiles still running (their worker processes)
 
@@ -187,6 +193,7 @@ class GrammarManager:
             return True
         if not g.future.done():
             return False
+        assert self.backend is not None  # a grammar that compiled had a backend
         try:
             g.matcher = self.backend.matcher(g.future.result())
         except GrammarError as e:
@@ -199,6 +206,7 @@ class GrammarManager:
                 if r.grammar is not None and r.grammar.matcher is not None]
         if not rows:
             return None
+        assert self.backend is not None  # a matcher comes from the backend
         bitmask = self.backend.allocate_bitmask(len(reqs))
         for i, matcher in rows:
             matcher.fill_bitmask(bitmask, i)

@@ -41,7 +41,7 @@ class RequestGrammar:
     """One request's grammar inside the scheduler: the compile future, then its matcher."""
 
     spec: GrammarSpec
-    future: Future
+    future: Future[object]  # the backend's compiled grammar (GrammarManager.compile)
     matcher: GrammarMatcher | None = None
     error: str | None = None
     finished: bool = field(default=False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from itertools import repeat
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class NgramDrafter:
             raise ValueError("ngram max window + branch length must be < 65536 (a store entry's cost is 16 bits)")
         self._store: dict[int, int] = {}  # see _record
         self._store_tokens = 0
-        self._seqs: dict[int, list] = {}  # sequence id -> [tokens, live entries]
+        self._seqs: dict[int, list[Any]] = {}  # sequence id -> [tokens: list[int], live entries: int]
         self._next_sid = 0
 
     # ------------------------------------------------------------ per request
@@ -112,10 +112,10 @@ class NgramDrafter:
         for w in range(self.min_window, len(hs)):
             h = hs[w]
             d = last[w]
-            if prev is not None and prev[w] is not None:
+            if prev is not None and (chain := prev[w]) is not None:
                 p = d.get(h)
                 if p is not None:
-                    prev[w][e] = p
+                    chain[e] = p
             d[h] = e
 
     def propose(self, state: NgramState, tokens_appended: Sequence[int], max_drafts: int) -> list[int]:
@@ -139,6 +139,7 @@ class NgramDrafter:
         best_w, best_e = self._own_match(state, hs)
         if self._store:
             store = self._store
+            src: list[int]
             for w in range(len(hs) - 1, max(best_w, self.min_window - 1), -1):
                 h = hs[w]
                 v = store.get(h)
@@ -179,6 +180,7 @@ class NgramDrafter:
     def _prob_pick(self, state: NgramState, w: int, e: int) -> int:
         """Among the occurrences of the matched w-gram, the most recent one followed by its most frequent next
         token (ties -> the most recent)."""
+        assert state.prev is not None  # only PROB matching picks, and a PROB state has its chains
         seq, prev = state.seq, state.prev[w]
         if prev is None:
             prev = state.prev[w] = self._chain(seq, w)

@@ -101,10 +101,12 @@ class NgramSpeculator:
         if st.wait > 0:  # backing off: the drafter still indexes the new tokens
             st.wait -= 1
             room = 0
+        assert req.spec_state is not None  # set with req.spec above
         return self.drafter.propose(req.spec_state, appended, max(room, 0))
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
         st = req.spec
+        assert st is not None  # drafts() set it before the verify step
         st.verify_ct += 1
         st.draft_tokens += proposed
         st.accepted_tokens += accepted

@@ -155,16 +155,32 @@ def plan_memory(
 
 
 class TierFlags(Protocol):
-    """The launch flags that size the tiers (ServerArgs has them; platforms/ does not import the runtime)."""
+    """The launch flags that size the tiers (ServerArgs has them; platforms/ does not import the runtime); read
+    only here."""
 
-    page_size: int
-    max_total_tokens: int | None
-    mem_fraction_static: float | None
-    enable_hierarchical_cache: bool
-    hicache_ratio: float
-    hicache_size: float
-    max_running_requests: int
-    disable_radix_cache: bool
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def max_total_tokens(self) -> int | None: ...
+
+    @property
+    def mem_fraction_static(self) -> float | None: ...
+
+    @property
+    def enable_hierarchical_cache(self) -> bool: ...
+
+    @property
+    def hicache_ratio(self) -> float: ...
+
+    @property
+    def hicache_size(self) -> float: ...
+
+    @property
+    def max_running_requests(self) -> int: ...
+
+    @property
+    def disable_radix_cache(self) -> bool: ...
 
 
 def plan_memory_for_args(

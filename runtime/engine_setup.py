@@ -457,6 +457,7 @@ def log_tiers(args: ServerArgs, facts: Facts, backend: ModelBackend, context_len
         log.info("state pool: %d recurrent-state slots (live + snapshots), %.1f MiB", plan.state_slots,
                  plan.state_bytes / 2**20)
     # make_hicache_manager logs the host pools
+    assert plan.device_pages is not None and plan.host_pages is not None  # sized in tokens: KV bytes/token known
     return TierSizes(plan.device_pages, plan.host_pages, plan.state_slots, plan.host_state_slots)
 
 
@@ -534,6 +535,7 @@ def log_hicache(args: ServerArgs, mgr: HiCacheManager) -> None:
              mgr.host.num_pages * ps, mgr.host.total_bytes / 2**20, mgr.host.layout, args.hicache_write_policy,
              args.radix_eviction_policy)
     if mgr.storage is not None:
+        assert mgr.storage_io is not None  # a store always comes with its I/O threads
         st = mgr.storage.stats()
         log.info("HiCache storage (L3): %s backend at %s, %d pages already stored (%.1f MiB), "
                  "prefetch policy %s, I/O time limit %g s", args.hicache_storage_backend, mgr.storage.location,
@@ -557,6 +559,7 @@ def open_storage_tier(args: ServerArgs, backend: ModelBackend, hybrid: bool = Fa
         raise StartupError("--hicache-storage-backend-extra-config: io_timeout (time limit of one L3 read or write) "
                            f"must be a positive number of seconds, got {io_timeout!r}")
     name, page_bytes = args.hicache_storage_backend, backend.kv_bytes_per_token() * args.page_size
+    assert name is not None  # called only with --hicache-storage-backend
     # Host pages are always written to L3 in page-first byte order, whatever the host layout.
     ns = StorageNamespace.from_fields({**backend.kv_namespace(), "page_size": args.page_size, "layout": "page_first"})
     state_cfg = dict(cfg)  # as the page store gets it
@@ -564,6 +567,7 @@ def open_storage_tier(args: ServerArgs, backend: ModelBackend, hybrid: bool = Fa
     io = StorageIO(storage, num_threads=1, max_pending_write_bytes=write_backlog(page_bytes), io_timeout_s=io_timeout)
     state_storage = None
     if hybrid:  # snapshots: a second store of the same backend, in a namespace of their own (state_tiers.py)
+        assert backend.info.state is not None  # hybrid: the model has a recurrent state
         slot_bytes = HostStatePool(0, backend.info.state).slot_bytes
         state_ns = StorageNamespace.from_fields(state_namespace_fields(backend, args.page_size))
         st = storage_registry.open_storage(name, state_ns, slot_bytes, state_cfg)
@@ -589,7 +593,8 @@ def make_grammar_backend(args: ServerArgs, tokenizer: Tokenizer, info: ModelInfo
     except ImportError as e:
         raise StartupError(f"--grammar-backend xgrammar needs the xgrammar package ({e}); install it with "
                            "`pip install xgrammar`, or start with --grammar-backend none") from e
-    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_ids)
+    # the loaded tokenizer is a transformers one; Tokenizer is the protocol the runtime sees of it
+    backend = XGrammarBackend(tokenizer, info.vocab_size, stop_ids)  # type: ignore[arg-type]
     log.info("structured output: xgrammar (%d-token vocabulary)", info.vocab_size)
     return backend
 

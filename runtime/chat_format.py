@@ -4,7 +4,7 @@ flags, config.json's model_type and the chat template.
 Where the chat template came from (its text stays with the tokenizer, which the server renders), the reasoning
 parser and the tool-call parser (each a flag, or the one the model unambiguously needs, with why), the extra stop
 tokens of the format and whether it is gpt-oss's harmony. The server builds its parsers from these names; the names
-themselves are the server's flag values (server/chat_parsing), listed here only as far as a model can choose them
+themselves are the server's flag values (server/pipeline/parsing), listed here only as far as a model can choose them
 (tests/test_chat_templates.py holds the two lists together).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 HARMONY_PARSER = "gpt-oss"  # gpt-oss's harmony channels: the reasoning parser that also reads the tool calls
 HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")  # gpt-oss: the answer is done / a tool call waits for its result
-# the parser names a model can choose by itself (server/chat_parsing owns every name a flag may give)
+# the parser names a model can choose by itself (server/pipeline/parsing owns every name a flag may give)
 DETECTED_REASONING_PARSERS = (HARMONY_PARSER, "qwen3")
 DETECTED_TOOL_CALL_PARSERS = (HARMONY_PARSER, "qwen25", "hermes", "llama3", "mistral")
 

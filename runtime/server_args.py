@@ -1,8 +1,8 @@
 """ServerArgs: every launch setting in one typed record, shared by the server, runtime and backends.
 
 Names follow SGLang's flags (``--model-path`` -> ``model_path``) so SGLang commands run unchanged.
-Parsing from the command line lives in ``server/cli_args.py``; this file only holds and checks values. The record
-is frozen: what the engine decides at startup (the chat format, the backend, the pool sizes) lives in its own
+Parsing from the command line lives in ``server/commands/cli_args.py``; this file only holds and checks values. The
+record is frozen: what the engine decides at startup (the chat format, the backend, the pool sizes) lives in its own
 records, never written back into the launch settings.
 """
 from __future__ import annotations
@@ -123,8 +123,8 @@ class ServerArgs:
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 10 * 1000 * 1000
-    # SGLang flags given with nothing to change in tierlm (server/cli_args.py ACCEPTED_SGLANG_FLAGS and the neutral
-    # values of refused ones): flag -> what was given and why nothing changes; logged at startup
+    # SGLang flags given with nothing to change in tierlm (server/commands/cli_args.py ACCEPTED_SGLANG_FLAGS and the
+    # neutral values of refused ones): flag -> what was given and why nothing changes; logged at startup
     accepted_sglang_flags: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ class Tokenizer(Protocol):
     chat_template: str | None  # None: the model has none (chat requests need --chat-template)
     eos_token_id: int | None
     all_special_tokens: list[str]  # decoded with skip_special_tokens=False when a parser needs its markers
-    special_tokens_map: dict[str, Any]  # bos_token, eos_token, ...: chat template variables (server/chat_render.py)
+    special_tokens_map: dict[str, Any]  # bos_token, eos_token, ...: chat template variables (server/pipeline/render.py)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 

@@ -8,24 +8,24 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from tierlm.runtime.engine_api import EngineAPI
-from tierlm.server.anthropic_errors import AnthropicErrorMiddleware
-from tierlm.server.anthropic_messages import router as anthropic_router
-from tierlm.server.auth import ApiKeyMiddleware
-from tierlm.server.body_limit import BodyLimitMiddleware
-from tierlm.server.cors import CorsMiddleware
-from tierlm.server.http_errors import install_error_handlers
-from tierlm.server.infill import router as infill_router
-from tierlm.server.info_routes import router as info_router
-from tierlm.server.openapi_doc import install_openapi
-from tierlm.server.native_generate import router as native_router
-from tierlm.server.openai_chat import router as chat_router
-from tierlm.server.openai_completions import router as completions_router
-from tierlm.server.openai_responses import router as responses_router
-from tierlm.server.origin_guard import OriginGuardMiddleware
-from tierlm.server.page_route import router as page_router
-from tierlm.server.request_log import RequestLogMiddleware
-from tierlm.server.tiers_route import router as tiers_router
-from tierlm.server.tokenize_routes import router as tokenize_router
+from tierlm.server.api.anthropic.errors import AnthropicErrorMiddleware
+from tierlm.server.api.anthropic.messages import router as anthropic_router
+from tierlm.server.api.native.generate import router as native_router
+from tierlm.server.api.native.infill import router as infill_router
+from tierlm.server.api.native.info import router as info_router
+from tierlm.server.api.native.tiers import router as tiers_router
+from tierlm.server.api.native.tokenize import router as tokenize_router
+from tierlm.server.api.openai.chat import router as chat_router
+from tierlm.server.api.openai.completions import router as completions_router
+from tierlm.server.api.responses.routes import router as responses_router
+from tierlm.server.http.auth import ApiKeyMiddleware
+from tierlm.server.http.body_limit import BodyLimitMiddleware
+from tierlm.server.http.cors import CorsMiddleware
+from tierlm.server.http.errors import install_error_handlers
+from tierlm.server.http.openapi_doc import install_openapi
+from tierlm.server.http.origin_guard import OriginGuardMiddleware
+from tierlm.server.http.page_route import router as page_router
+from tierlm.server.http.request_log import RequestLogMiddleware
 
 logger = logging.getLogger("tierlm.server")
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 from fastapi import Request
 
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
-from tierlm.runtime.io_struct import GenerateRequest
+from tierlm.runtime.io_struct import GenerateRequest, PinRequest
 from tierlm.runtime.sampling_params import SamplingParams
 
 
@@ -34,12 +35,13 @@ def sub_rid(base: str, i: int, count: int) -> str:
 
 
 def make_request(engine: EngineAPI, rid: str, input_ids: list[int], params: SamplingParams, stream: bool,
-                 prompt_param: str = "prompt") -> GenerateRequest:
-    """A GenerateRequest the engine has accepted (engine.validate raises RequestError otherwise).
+                 prompt_param: str = "prompt", pins: Sequence[PinRequest] = ()) -> GenerateRequest:
+    """A GenerateRequest the engine has accepted (engine.validate raises RequestError otherwise), with its
+    prompt-caching ``pins`` (server/pipeline/pins.py).
 
     This is the one validation path for prompt token ids (vocabulary, context length): every endpoint builds
     its requests here before anything else (echo, logging) reads the ids."""
-    req = GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, stream=stream)
+    req = GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, stream=stream, pins=list(pins))
     try:
         engine.validate(req)
     except RequestError as e:

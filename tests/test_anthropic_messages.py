@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server import anthropic_stream, chat_pipeline
+from tierlm.server.api.anthropic import stream as anthropic_stream
 from tierlm.server.app import create_app
+from tierlm.server.pipeline import chat as chat_pipeline
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",

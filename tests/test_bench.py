@@ -10,14 +10,14 @@ import json
 import pytest
 
 from tierlm.backends.model_source.synthetic import SPECS, ensure_synthetic_model, weight_shapes
-from tierlm.server.bench import command as bench_cmd
-from tierlm.server.bench import multiturn as bench_multiturn
-from tierlm.server.bench import prefix as bench_prefix
-from tierlm.server.bench import shared_l3
-from tierlm.server.bench import shared_docs
-from tierlm.server.bench import stats
-from tierlm.server.bench.report import Column, Report, Table, Target, render_table
-from tierlm.server.bench.server_process import RequestResult, parse_prometheus
+from tierlm.server.commands.bench import command as bench_cmd
+from tierlm.server.commands.bench import multiturn as bench_multiturn
+from tierlm.server.commands.bench import prefix as bench_prefix
+from tierlm.server.commands.bench import shared_l3
+from tierlm.server.commands.bench import shared_docs
+from tierlm.server.commands.bench import stats
+from tierlm.server.commands.bench.report import Column, Report, Table, Target, render_table
+from tierlm.server.commands.bench.server_process import RequestResult, parse_prometheus
 
 
 def _result(device: int = 0, host: int = 0, storage: int = 0) -> RequestResult:
@@ -210,7 +210,7 @@ def test_multiturn_l1_runs_the_concurrent_requests_but_not_the_working_set() -> 
 
 # ---------------------------------------------------------------- spec (NGRAM speculative decoding)
 def test_spec_rows_flag_different_outputs_and_random_copy_rows() -> None:
-    from tierlm.server.bench import spec as bench_spec
+    from tierlm.server.commands.bench import spec as bench_spec
 
     assert bench_spec.copy_prompt([5, 6, 7, 8], 2, lead=[1]) == [1, 5, 6, 7, 8, 5, 6]
     assert bench_spec.ngram_copied([1, 2, 3, 4, 5], [4, 5, 9], n=2) == pytest.approx(1 / 3)  # (4,5) is in the prompt

@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tierlm.server.bench import command as bench_cmd
-from tierlm.server.bench.openai_load import Endpoint, PeerError, PromptBuilder, stream_completion
-from tierlm.server.bench.server_process import BenchServer, free_port
+from tierlm.server.commands.bench import command as bench_cmd
+from tierlm.server.commands.bench.openai_load import Endpoint, PeerError, PromptBuilder, stream_completion
+from tierlm.server.commands.bench.server_process import BenchServer, free_port
 
 
 # ---------------------------------------------------------------- arguments
@@ -166,7 +166,7 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
     assert bound > 0 and any("bandwidth bound" in n for n in rep["tables"][0]["notes"])
     # the weights as tierlm's /server_info says one stream reads them (here float32: the checkpoint's count)
     assert any("weight_bytes_per_token" in n for n in rep["tables"][0]["notes"])
-    from tierlm.server.bench.peers import bytes_read_per_token
+    from tierlm.server.commands.bench.peers import bytes_read_per_token
 
     assert bound == pytest.approx(rep["settings"]["read_bandwidth_bytes_per_s"]
                                   / bytes_read_per_token(tiny_llama, "float32"))
@@ -182,9 +182,9 @@ def test_peers_bench_measures_both_servers_with_the_asked_tokens(tiny_llama, tmp
 def test_each_round_visits_every_server_in_turn(monkeypatch) -> None:
     """A VM that runs fast or slow for minutes at a time must hit every server alike: round r of all servers
     comes before round r + 1 of any."""
-    from tierlm.server.bench import peers
-    from tierlm.server.bench.openai_load import Completion
-    from tierlm.server.bench.quiet_machine import QuietWait
+    from tierlm.server.commands.bench import peers
+    from tierlm.server.commands.bench.openai_load import Completion
+    from tierlm.server.commands.bench.quiet_machine import QuietWait
 
     calls: list[tuple[str, str]] = []
 
@@ -245,7 +245,7 @@ def test_the_bound_counts_the_weights_a_decode_step_reads(tmp_path, tied: bool) 
     lm_head, read whole."""
     from safetensors.numpy import save_file
 
-    from tierlm.server.bench.peers import bytes_read_per_token
+    from tierlm.server.commands.bench.peers import bytes_read_per_token
 
     vocab, hidden = 100, 16
     tensors = {"model.embed_tokens.weight": np.zeros((vocab, hidden), np.float32),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierlm.server.bench import command as bench_cmd
-from tierlm.server.bench import plot
-from tierlm.server.bench.report import Column, Report, Table
+from tierlm.server.commands.bench import command as bench_cmd
+from tierlm.server.commands.bench import plot
+from tierlm.server.commands.bench.report import Column, Report, Table
 
 PREFIX = Table("TTFT per cache tier", [
     Column("case", "case"), Column("ttft_s", "TTFT ms", "ms"), Column("ttft_vs_cold", "TTFT/cold", "x"),

@@ -1,4 +1,4 @@
-"""`tierlm bench decode --weight-formats` (server/bench/weight_formats.py) and the bench's --quantization /
+"""`tierlm bench decode --weight-formats` (server/commands/bench/weight_formats.py) and the bench's --quantization /
 --torchao-config flags: entries parsed with the reason for a bad one, one server per format with its weight format
 and bytes read back, agreement with the unquantized model of the same dtype. Timings are never asserted."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tierlm.server.bench import command as bench_cmd
-from tierlm.server.bench.weight_formats import nominal_bytes, parse_entries
+from tierlm.server.commands.bench import command as bench_cmd
+from tierlm.server.commands.bench.weight_formats import nominal_bytes, parse_entries
 
 
 def test_entries_name_a_dtype_and_an_optional_torchao_config():

@@ -24,8 +24,8 @@ from tierlm.backends.model_source.tokenizer import load_tokenizer
 from tierlm.runtime import load_plan
 from tierlm.runtime.server_args import BUILTIN_MODEL_NAME as SERVED_NAME
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server.protocol import ChatMessage
-from tierlm.server.tokenization import apply_chat_template
+from tierlm.server.api.openai.protocol import ChatMessage
+from tierlm.server.pipeline.tokenization import apply_chat_template
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"

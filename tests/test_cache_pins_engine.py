@@ -210,7 +210,7 @@ def test_server_shows_pins_per_tier_and_the_flag_is_checked(tiny_llama, capsys):
     import httpx
     from e2e_server import start_server
 
-    from tierlm.server.cli_args import parse_args
+    from tierlm.server.commands.cli_args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--cache-pin-fraction", "1.5"])

@@ -92,9 +92,9 @@ def test_gpt_oss_stop_tokens_include_return_and_call() -> None:
 
 
 def test_the_parsers_a_model_can_choose_are_the_servers() -> None:
-    # runtime/chat_format.py names what a model may choose; server/chat_parsing owns the names a flag may give.
-    from tierlm.server.chat_parsing.reasoning import HARMONY, REASONING_PARSER_NAMES
-    from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS
+    # runtime/chat_format.py names what a model may choose; server/pipeline/parsing owns the names a flag may give.
+    from tierlm.server.pipeline.parsing.reasoning import HARMONY, REASONING_PARSER_NAMES
+    from tierlm.server.pipeline.parsing.tool_registry import TOOL_CALL_PARSERS
 
     assert HARMONY == HARMONY_PARSER
     assert set(DETECTED_REASONING_PARSERS) <= set(REASONING_PARSER_NAMES)

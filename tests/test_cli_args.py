@@ -10,7 +10,7 @@ import pytest
 
 from tierlm import cli
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server.cli_args import parse_args
+from tierlm.server.commands.cli_args import parse_args
 
 
 def test_defaults_match_server_args() -> None:
@@ -106,19 +106,19 @@ def test_bad_values_exit_2_with_message(argv: list[str], message: str, capsys: p
 
 def test_cli_dispatches_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[ServerArgs] = []
-    monkeypatch.setattr("tierlm.server.launch.run_server", seen.append)
+    monkeypatch.setattr("tierlm.server.commands.serve.run_server", seen.append)
     assert cli.main(["serve", "--model-path", "m", "--port", "1234"]) == 0
     assert (seen[0].model_path, seen[0].port) == ("m", 1234)
 
 
 def test_cli_lazy_commands(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     calls: list[list[str]] = []
-    fake = types.ModuleType("tierlm.server.doctor_cmd")
+    fake = types.ModuleType("tierlm.server.commands.doctor")
     fake.main = lambda argv: calls.append(argv) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tierlm.server.doctor_cmd", fake)
+    monkeypatch.setitem(sys.modules, "tierlm.server.commands.doctor", fake)
     assert cli.main(["doctor", "--json"]) == 0
     assert calls == [["--json"]]
-    monkeypatch.setitem(sys.modules, "tierlm.server.bench.command", None)  # import of this name fails
+    monkeypatch.setitem(sys.modules, "tierlm.server.commands.bench.command", None)  # import of this name fails
     assert cli.main(["bench"]) == 2
     assert "not available" in capsys.readouterr().err
 
@@ -165,7 +165,7 @@ def test_compat_table_defaults_match_the_parser(flag: str, status: str, cell: st
     """The `tierlm default` column is the parser's default, so a changed default without a doc change fails here."""
     import ast
 
-    from tierlm.server.cli_args import build_parser
+    from tierlm.server.commands.cli_args import build_parser
 
     assert cell.startswith("`") and cell.endswith("`"), f"{flag}: write the default as `value` (or — for none)"
     text = cell.strip("`")
@@ -185,7 +185,7 @@ def test_compat_table_states_defaults_where_sglang_has_one() -> None:
 def test_compat_table_is_complete() -> None:
     rows = _compat_rows()
     assert len(rows) > 40 and {s for _, s, _ in rows} == {"supported", "accepted", "refused"}
-    from tierlm.server.cli_args import REFUSED_SGLANG_FLAGS
+    from tierlm.server.commands.cli_args import REFUSED_SGLANG_FLAGS
 
     documented = {f.split("`")[1] for f, _, _ in rows}
     assert set(REFUSED_SGLANG_FLAGS) <= documented  # every refused flag of the parser has its row

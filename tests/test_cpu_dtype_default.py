@@ -85,8 +85,8 @@ def test_the_composition_root_resolves_auto_with_the_fact(tmp_path):
 @pytest.mark.parametrize("isa, expected", [("avx512_bf16", "bfloat16"), (None, "float32")])
 def test_doctor_and_bench_resolve_auto_as_serve_does(isa, expected, tiny_llama, monkeypatch):
     """doctor's KV tier sizes and a benchmark's servers and in-process baselines use serve's dtype for auto."""
-    from tierlm.server import doctor_cmd
-    from tierlm.server.bench import command as bench_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
+    from tierlm.server.commands.bench import command as bench_cmd
 
     facts = box(isa)
     monkeypatch.setattr("tierlm.platforms.detect", lambda: facts)

@@ -220,7 +220,7 @@ def test_doctor_counts_the_packed_copy_of_a_tied_lm_head(tiny_models_root, monke
     (TIERLM_CPU_PLAN) drops it from both."""
     from tierlm.backends.torch.backend import TorchBackend
     from tierlm.platforms import detect
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     _tiny("qwen2", tiny_models_root, torch.bfloat16)  # builds the folder (tie_word_embeddings)
     folder = tiny_models_root / "qwen2"

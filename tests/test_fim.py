@@ -19,7 +19,7 @@ from http_helpers import LOCAL, assert_error
 from model_factory import TOKENIZER_VOCAB, build_tiny_model, reference_greedy
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.app import create_app
-from tierlm.server.fim import STYLES, find_fim_tokens
+from tierlm.server.pipeline.fim import STYLES, find_fim_tokens
 
 QWEN = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 STARCODER = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
@@ -73,7 +73,7 @@ def test_prefix_suffix_middle_order(markers: list[str]) -> None:
 
 
 def test_a_marker_spelled_in_the_code_stays_text() -> None:
-    """Code about FIM (server/fim.py itself) spells the markers: they must not open a second hole."""
+    """Code about FIM (server/pipeline/fim.py itself) spells the markers: they must not open a second hole."""
     tok = fim_tokenizer(QWEN)
     pre, suf, mid = (TOKENIZER_VOCAB + i for i in range(3))
     client, engine = client_with(tok)

@@ -296,7 +296,7 @@ def test_bench_decode_kv_dtypes_side_by_side(tiny_llama, capsys):
     """`tierlm bench decode --kv-cache-dtypes`: one server per dtype, same KV memory, read back from each."""
     import json
 
-    from tierlm.server.bench import command as bench_cmd
+    from tierlm.server.commands.bench import command as bench_cmd
 
     assert bench_cmd.main(["decode", "--model-path", str(tiny_llama), "--kv-cache-dtypes", "bf16,fp8_e4m3",
                            "--prompt-tokens", "8", "--new-tokens", "4", "--streams", "2", "--agreement-prompts", "2",

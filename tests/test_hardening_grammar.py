@@ -213,7 +213,7 @@ def test_the_grammar_cache_is_bounded_by_bytes_lru(engine, client) -> None:
 
 
 def test_the_flags_reach_the_grammar_cache() -> None:
-    from tierlm.server.cli_args import parse_args
+    from tierlm.server.commands.cli_args import parse_args
 
     args = parse_args(["--grammar-compile-timeout", "2.5", "--grammar-cache-mb", "64"])
     assert (args.grammar_compile_timeout, args.grammar_cache_mb) == (2.5, 64)

@@ -14,7 +14,7 @@ from conftest import STORIES_FIRST_40, STORIES_PROMPT
 from e2e_server import start_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierlm.server.bench.prefix import POOL_MARGIN_PAGES, fit_prefix_tokens, max_prefix_tokens, pool_tokens
+from tierlm.server.commands.bench.prefix import POOL_MARGIN_PAGES, fit_prefix_tokens, max_prefix_tokens, pool_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server import chat_render
 from tierlm.server.app import create_app
+from tierlm.server.pipeline import render as chat_render
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 NESTED_LOOPS = "{% for i in range(6000) %}{% for j in range(6000) %}x{% endfor %}{% endfor %}"
@@ -114,8 +114,8 @@ def test_templates_render_as_transformers_renders_them() -> None:
     from pathlib import Path
 
     from tierlm.backends.model_source.chat_templates import CHATML_TOOLS_TEMPLATE
-    from tierlm.server.protocol import ChatMessage
-    from tierlm.server.tokenization import apply_chat_template
+    from tierlm.server.api.openai.protocol import ChatMessage
+    from tierlm.server.pipeline.tokenization import apply_chat_template
 
     folder = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
     if not folder.is_dir():

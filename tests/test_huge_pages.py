@@ -201,7 +201,7 @@ def test_the_backend_reports_its_weight_pages_and_the_switch_keeps_4k_pages(tiny
 
 def test_doctor_says_where_the_weights_will_lie(tiny_llama):
     from tierlm.platforms.facts import detect
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     def pages(env):
         report = doctor_cmd.diagnose(detect(), {"TIERLM_BACKEND": "torch", **env},

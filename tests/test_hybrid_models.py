@@ -133,7 +133,7 @@ def test_the_memory_plan_sets_live_and_snapshot_state_slots_aside():
     from test_tier_sizing import CPU_BOX
 
     from tierlm.platforms import choose_backend, size_kv_tiers
-    from tierlm.server.cli_args import parse_args
+    from tierlm.server.commands.cli_args import parse_args
 
     decision = choose_backend(CPU_BOX, {"TIERLM_BACKEND": "torch"}, None)
     args = parse_args(["--mem-fraction-static", "0.001", "--max-running-requests", "4", "--page-size", "4"])

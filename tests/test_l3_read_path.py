@@ -418,7 +418,7 @@ def test_pages_are_copied_to_the_device_while_the_rest_are_still_read(tiny_llama
 
 
 def test_bench_prefix_summary_reports_the_l3_read_rate():
-    from tierlm.server.bench import prefix as bench_prefix
+    from tierlm.server.commands.bench import prefix as bench_prefix
 
     base = {"repeat": 0, "completion_s": 1.0, "hit_device": 0, "hit_host": 0, "hit_storage": 0, "confirmed": "yes",
             "ok": True, "host_ram_bytes": 0, "server_rss_bytes": 1}

@@ -64,7 +64,8 @@ def test_lower_layers_do_not_import_upper_ones():
     assert offenders == []
 
 
-SERVER_TOOLS = ("server/doctor_cmd.py", "server/bench/")  # the commands that read models and machines themselves
+# the commands that read models and machines themselves
+SERVER_TOOLS = ("server/commands/doctor.py", "server/commands/bench/")
 CONCRETE_BACKENDS = ("tierlm.backends.torch", "tierlm.backends.mlx")
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from tierlm.backends.base import Choice
 from tierlm.runtime import engine_setup, load_plan
-from tierlm.server import doctor_cmd
-from tierlm.server.cli_args import parse_args
+from tierlm.server.commands import doctor as doctor_cmd
+from tierlm.server.commands.cli_args import parse_args
 from test_tier_sizing import CPU_BOX, ENV
 
 
@@ -25,7 +25,7 @@ def test_the_plan_is_made_without_weights_or_tensor_libraries(tiny_llama):
         from tierlm.backends.model_source.model_folder import ModelFolder
         from tierlm.platforms import Facts
         from tierlm.runtime.load_plan import plan_load
-        from tierlm.server.cli_args import parse_args
+        from tierlm.server.commands.cli_args import parse_args
         facts = Facts.from_dict(json.loads({json.dumps(CPU_BOX.to_dict())!r}))
         args = parse_args(["--model-path", {str(tiny_llama)!r}])
         plan = plan_load(args, facts, ModelFolder.read(args.model_path), {{"TIERLM_BACKEND": "torch"}})

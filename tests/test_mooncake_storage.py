@@ -20,8 +20,8 @@ from tierlm.runtime.cache.storage.base import BorrowedPage
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_keys import page_keys
 from tierlm.runtime.errors import StartupError
-from tierlm.server.bench.mooncake_master import INSTALL_HINT as HINT
-from tierlm.server.bench.mooncake_master import MooncakeMaster, MooncakeMasterError, MooncakeRealClient
+from tierlm.server.commands.bench.mooncake_master import INSTALL_HINT as HINT
+from tierlm.server.commands.bench.mooncake_master import MooncakeMaster, MooncakeMasterError, MooncakeRealClient
 
 PAGE_BYTES = 4096
 SEGMENT = 64 * 2**20

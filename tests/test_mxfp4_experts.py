@@ -203,7 +203,7 @@ def test_doctor_fits_gpt_oss_20b_on_a_16_gb_gpu(gpt_oss_20b_header):
     """A 16 GB GPU (no real one needed: doctor's facts): packed, the weights leave room for KV pages; with the
     experts dequantized at load there is none (the refusal names the weights)."""
     from tierlm.platforms.facts import Facts
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     folder, resident = gpt_oss_20b_header
     facts = Facts(os_name="Linux", arch="x86_64", cpu_count=8, ram_total_bytes=32 << 30,

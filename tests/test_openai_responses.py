@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.server.api.responses.reasoning_blob import TurnTokens
+from tierlm.server.api.responses.store import ResponseStore, StoredResponse
 from tierlm.server.app import create_app
-from tierlm.server.reasoning_blob import TurnTokens
-from tierlm.server.responses_store import ResponseStore, StoredResponse
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -300,7 +300,7 @@ def test_an_error_after_the_stream_started_is_response_failed():
 
 
 def test_hosted_tools_are_logged_once_per_type(caplog):
-    from tierlm.server import responses_input
+    from tierlm.server.api.responses import input as responses_input
 
     responses_input._logged_hosted.discard("file_search")
     client, _ = make()

@@ -24,7 +24,7 @@ from engine_harness import start_engine
 from fake_engine import FakeEngine
 from http_helpers import LOCAL
 from tierlm.server.app import create_app
-from tierlm.server.openapi_doc import OPERATIONS
+from tierlm.server.http.openapi_doc import OPERATIONS
 
 EXAMPLES_PER_OPERATION = 40
 MAX_TOKENS = 4  # generated max_tokens-like values are capped at this, so each request generates a few tokens
@@ -152,7 +152,7 @@ def test_every_operation_conforms_to_the_openapi_document(api_schema: Any, subte
 def test_every_route_is_described() -> None:
     doc = create_app(FakeEngine()).openapi()
     routes = {(method, path) for path, item in doc["paths"].items() for method in item}
-    assert routes == set(OPERATIONS), "describe new routes in server/openapi_doc.py OPERATIONS"
+    assert routes == set(OPERATIONS), "describe new routes in server/http/openapi_doc.py OPERATIONS"
     ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
     assert len(ids) == len(set(ids)), ids
     for item in doc["paths"].values():

@@ -16,10 +16,10 @@ from e2e_server import ServerProcess, start_server
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error
 from tierlm.runtime.server_args import ServerArgs
+from tierlm.server.api.native.tiers import HISTORY_WINDOW_S, CounterHistory
 from tierlm.server.app import create_app
-from tierlm.server.tiers_route import HISTORY_WINDOW_S, CounterHistory
 
-PAGE = Path(__file__).resolve().parents[1] / "server" / "page"
+PAGE = Path(__file__).resolve().parents[1] / "server" / "http" / "page"
 # 40+ tokens: two full 16-token pages of KV to reuse
 PROMPT = ("Once upon a time there was a little dog named Max who liked to run in the park with his friends every "
           "day, and one day he found a red ball.")

@@ -14,30 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierlm.platforms import (
-    BackendChoiceError,
-    Decision,
-    Facts,
-    MemoryPlanError,
-    choose_backend,
-    detect,
-    install_command,
-    pitfalls,
-    plan_memory,
-    plan_memory_for_args,
-    size_kv_tiers,
-)
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, choose_backend, detect,
+                              install_command, pitfalls, plan_memory, plan_memory_for_args, size_kv_tiers)
 from tierlm.platforms import facts as facts_mod
 from tierlm.platforms.facts import parse_nvidia_smi_row
-from tierlm.platforms.memory_plan import (
-    DEFAULT_CPU_FRACTION,
-    DEFAULT_CPU_KV_SHARE,
-    DEFAULT_UNIFIED_FRACTION,
-    default_gpu_fraction,
-    headroom_for,
-)
+from tierlm.platforms.memory_plan import (DEFAULT_CPU_FRACTION, DEFAULT_CPU_KV_SHARE, DEFAULT_UNIFIED_FRACTION,
+                                          default_gpu_fraction, headroom_for)
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server import doctor_cmd
+from tierlm.server.commands import doctor as doctor_cmd
 
 GiB = 1024**3
 REPO = Path(__file__).resolve().parent.parent
@@ -500,8 +484,8 @@ def test_install_command(name, command):
 def run_doctor(*args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_MLX", "TIERLM_BACKEND")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "tierlm.server.doctor_cmd", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tierlm.server.commands.doctor", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=120)
 
 
 def test_doctor_json_reports_torch_on_cpu_here():

@@ -1,12 +1,12 @@
-"""server/bench/quiet_machine.py: the machine's busy cores from /proc/stat, and the wait before a server's round
-in `tierlm bench peers` (until the other servers' leftover work is done, or a limit)."""
+"""server/commands/bench/quiet_machine.py: the machine's busy cores from /proc/stat, and the wait before a server's
+round in `tierlm bench peers` (until the other servers' leftover work is done, or a limit)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from tierlm.server.bench import quiet_machine as qm
+from tierlm.server.commands.bench import quiet_machine as qm
 
 STAT = "cpu  100 5 50 800 20 3 2 0 0 0\ncpu0 50 2 25 400 10 1 1 0 0 0\nintr 12345\n"
 

@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from tierlm.server.chat_parsing.base import ParsedDelta, ToolCallDelta
-from tierlm.server.chat_parsing.harmony import HarmonyParser, parse_header
-from tierlm.server.chat_parsing.reasoning import (REASONING_PARSER_NAMES, needs_special_tokens, prompt_opens_thinking,
-                                                  reasoning_parser_for)
+from tierlm.server.pipeline.parsing.base import ParsedDelta, ToolCallDelta
+from tierlm.server.pipeline.parsing.harmony import HarmonyParser, parse_header
+from tierlm.server.pipeline.parsing.reasoning import (REASONING_PARSER_NAMES, needs_special_tokens,
+                                                      prompt_opens_thinking, reasoning_parser_for)
 
 
 def run(parser, pieces) -> ParsedDelta:

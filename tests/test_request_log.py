@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from tierlm.server.request_log import RequestLogMiddleware
+from tierlm.server.http.request_log import RequestLogMiddleware
 
 
 def run(app, messages: list[dict]) -> list[dict]:

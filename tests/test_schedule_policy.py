@@ -185,8 +185,8 @@ def test_engine_lpm_admits_the_cache_hit_first_with_the_same_outputs(tiny_llama)
 
 # ------------------------------------------------------------ the bench's policy comparison
 def test_multiturn_bench_compares_policies_against_fcfs() -> None:
-    from tierlm.server.bench import command as bench_cmd
-    from tierlm.server.bench import multiturn
+    from tierlm.server.commands.bench import command as bench_cmd
+    from tierlm.server.commands.bench import multiturn
 
     ns = bench_cmd.build_parser().parse_args(["multiturn", "--synthetic", "tiny", "--clients", "16", "--concurrency",
                                               "16", "--max-running", "2", "--schedule-policies", "fcfs,lpm"])

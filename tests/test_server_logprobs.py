@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from http_helpers import LOCAL, sse_events
 from model_factory import reference_log_softmax
 
+from tierlm.server.api.openai.protocol import ChatMessage
 from tierlm.server.app import create_app
-from tierlm.server.protocol import ChatMessage
-from tierlm.server.tokenization import apply_chat_template
+from tierlm.server.pipeline.tokenization import apply_chat_template
 
 TOL = 1e-4
 PAGE = 4

@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server import tokenization
 from tierlm.server.app import create_app
+from tierlm.server.pipeline import tokenization
 
 
 def make_client(parser: str | None) -> tuple[TestClient, FakeEngine]:

@@ -20,7 +20,7 @@ from tierlm.backends.model_source.demo import ensure_demo_model
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.sampling_params import SamplingParams
 from tierlm.server.app import create_app
-from tierlm.server.structured_output import choice_grammar
+from tierlm.server.pipeline.structured_output import choice_grammar
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -8,8 +8,8 @@ import pytest
 
 from tierlm.platforms import Facts
 from tierlm.runtime import engine_setup
-from tierlm.server import doctor_cmd
-from tierlm.server.cli_args import parse_args
+from tierlm.server.commands import doctor as doctor_cmd
+from tierlm.server.commands.cli_args import parse_args
 
 GiB = 1024**3
 # A recorded CPU machine (as `tierlm doctor --json` reports it), so doctor and serve see the same facts.

@@ -1,4 +1,4 @@
-"""Tool-call parsers (server/chat_parsing/tool_parsers.py) on outputs written from each format's specification:
+"""Tool-call parsers (server/pipeline/parsing/tool_parsers.py) on outputs written from each format's specification:
 a complete call, every split point for streaming (the result never depends on how the text arrives), malformed
 calls (kept as content), text before a call, two calls; the OpenAI streaming shape of the pieces; the pipeline;
 the grammar of forced calls compiles and accepts what the parser reads."""
@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from tierlm.server.chat_parsing.base import ParsedDelta
-from tierlm.server.chat_parsing.harmony import HarmonyParser
-from tierlm.server.chat_parsing.pipeline import ChoiceParser, assemble_calls
-from tierlm.server.chat_parsing.tool_parsers import (HermesToolParser, JsonListToolParser, Llama3ToolParser,
-                                                     MistralToolParser)
-from tierlm.server.chat_parsing.tool_registry import TOOL_CALL_PARSERS, forced_call_grammar, tool_parser_for
+from tierlm.server.pipeline.parsing.base import ParsedDelta
+from tierlm.server.pipeline.parsing.harmony import HarmonyParser
+from tierlm.server.pipeline.parsing.pipeline import ChoiceParser, assemble_calls
+from tierlm.server.pipeline.parsing.tool_parsers import (HermesToolParser, JsonListToolParser, Llama3ToolParser,
+                                                         MistralToolParser)
+from tierlm.server.pipeline.parsing.tool_registry import TOOL_CALL_PARSERS, forced_call_grammar, tool_parser_for
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {"tz": "Europe/Paris \\"CET\\" {x}"}}'
@@ -163,7 +163,7 @@ def test_parser_chosen_from_the_model(model_type, template, expected):
 
 
 def test_cli_flag():
-    from tierlm.server.cli_args import parse_args
+    from tierlm.server.commands.cli_args import parse_args
 
     assert parse_args(["--tool-call-parser", "qwen25"]).tool_call_parser == "qwen25"
     assert parse_args([]).tool_call_parser is None

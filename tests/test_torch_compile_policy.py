@@ -92,7 +92,7 @@ def test_doctor_says_whether_serve_will_compile_the_decode_step(tiny_llama):
     """doctor applies serve's rule to the model folder: the tiny model stays eager by its size, the override
     compiles it, and a bad value is an error there as at startup."""
     from tierlm.platforms import detect
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     def plan(env, *flags):
         report = doctor_cmd.diagnose(detect(), {"TIERLM_BACKEND": "torch", **env},

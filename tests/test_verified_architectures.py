@@ -112,7 +112,7 @@ def test_trusted_hybrid_loads_on_torch_with_a_warning_in_the_log_and_server_info
 
 def test_doctor_says_whether_the_architecture_is_verified(hybrid, tiny_llama, hybrids_unverified, monkeypatch,
                                                           capsys):
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     monkeypatch.delenv("SGLANG_USE_MLX", raising=False)
     monkeypatch.setenv("TIERLM_BACKEND", "torch")

@@ -153,7 +153,7 @@ def test_unknown_or_other_backend_names_are_refused(tiny_llama, kw, named):
 
 
 def test_cli_takes_both_flags():
-    from tierlm.server.cli_args import parse_args
+    from tierlm.server.commands.cli_args import parse_args
 
     args = parse_args(["--torchao-config", "int8dq"])
     assert args.torchao_config == "int8dq" and args.quantization is None
@@ -357,7 +357,7 @@ def test_doctor_reports_the_weight_format_and_the_bytes_serve_holds(tiny_llama, 
     if flags and backend == "torch":
         _torchao()
     from tierlm.platforms import detect
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     report = doctor_cmd.diagnose(detect(), {"TIERLM_BACKEND": backend},
                                  ["--json", "--model-path", str(tiny_llama), "--dtype", "float32", *flags])
@@ -431,7 +431,7 @@ def test_doctor_counts_the_one_quantized_table_of_a_tied_lm_head(tiny_qwen2, val
     model, a float32 embedding ~50 %) and names the same format."""
     from tierlm.backends.torch.backend import TorchBackend
     from tierlm.platforms import detect
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     report = doctor_cmd.diagnose(detect(), {"TIERLM_BACKEND": "torch"},
                                  ["--json", "--model-path", str(tiny_qwen2), "--dtype", "float32",
@@ -459,7 +459,7 @@ def test_tied_embeddings_quantize_on_mlx(tiny_qwen2):
 
 def test_doctor_reports_what_serve_would_refuse_on_this_device(tiny_llama):
     from tierlm.platforms import detect
-    from tierlm.server import doctor_cmd
+    from tierlm.server.commands import doctor as doctor_cmd
 
     report = doctor_cmd.diagnose(detect(), {"TIERLM_BACKEND": "torch"},
                                  ["--json", "--model-path", str(tiny_llama), "--device", "cpu",

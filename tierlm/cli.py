@@ -18,7 +18,7 @@ commands:
 Run `tierlm <command> --help` for a command's options."""
 
 # Commands implemented in their own modules, imported only when used (keeps `tierlm serve` start-up lean).
-_LAZY_COMMANDS = {"doctor": "tierlm.server.doctor_cmd", "bench": "tierlm.server.bench.command"}
+_LAZY_COMMANDS = {"doctor": "tierlm.server.commands.doctor", "bench": "tierlm.server.commands.bench.command"}
 
 
 def cap_torch_isa() -> None:
@@ -53,8 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "serve":
-        from tierlm.server.cli_args import parse_args
-        from tierlm.server.launch import run_server
+        from tierlm.server.commands.cli_args import parse_args
+        from tierlm.server.commands.serve import run_server
 
         run_server(parse_args(rest, prog="tierlm serve"))
         return 0

@@ -9,8 +9,8 @@ from tierlm.cli import cap_torch_isa
 
 def main(argv: Sequence[str] | None = None) -> None:
     cap_torch_isa()
-    from tierlm.server.cli_args import parse_args
-    from tierlm.server.launch import run_server
+    from tierlm.server.commands.cli_args import parse_args
+    from tierlm.server.commands.serve import run_server
 
     run_server(parse_args(sys.argv[1:] if argv is None else argv, prog="python -m tierlm.launch_server"))
 

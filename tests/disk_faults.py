@@ -1,12 +1,12 @@
 """Fault injection for L3 file writes: a full disk (ENOSPC) or a read-only one (EROFS). Tests run as root, where
-chmod does not stop writes, so the fault is injected into file_storage's open() instead."""
+chmod does not stop writes, so the fault is injected into the file store's open() instead (stores/file/storage.py)."""
 from __future__ import annotations
 
 import builtins
 import errno
 import os
 
-from tierlm.runtime.cache.storage import file_storage as fs_mod
+from tierlm.runtime.cache.storage.stores.file import storage as fs_mod
 
 
 class _FaultyFile:
@@ -29,7 +29,7 @@ class _FaultyFile:
 
 
 def inject_disk_fault(monkeypatch, err: int) -> None:
-    """Make file_storage's page writes fail like a full (ENOSPC) or read-only (EROFS) disk (root ignores chmod)."""
+    """Make the file store's page writes fail like a full (ENOSPC) or read-only (EROFS) disk (root ignores chmod)."""
     def faulty_open(path, mode="r", *args, **kw):
         if "x" not in mode:
             return builtins.open(path, mode, *args, **kw)

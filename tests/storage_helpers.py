@@ -51,4 +51,4 @@ def wait_io_idle(handle: PrefetchHandle, timeout: float) -> bool:
 
 def mooncake_client(store: Any) -> Any:
     """The Mooncake client of a MooncakeKVStorage (None while offline), to reach the stored objects directly."""
-    return store._store
+    return store.connection.store

@@ -16,21 +16,16 @@ from disk_faults import inject_disk_fault
 from memory_storage import MemoryStorage
 from storage_helpers import backup_all, exists_prefix, get_all, set_all
 
-from tierlm.runtime.cache.storage import file_storage as fs_mod
+from tierlm.runtime.cache.storage.stores.file import storage as fs_mod
 from tierlm.runtime.cache.storage.base import STAT_FIELDS
-from tierlm.runtime.cache.storage.file_storage import (
-    HEADER_SIZE,
-    NAMESPACE_FILE,
-    STORAGE_DIR_ENV,
-    TEMP_PREFIX,
-    FileKVStorage,
-    default_storage_dir,
-    max_size_bytes_from_config,
-)
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
 from tierlm.runtime.cache.storage.page_keys import is_page_key, page_key, page_keys
 from tierlm.runtime.cache.storage.registry import parse_extra_config
 from tierlm.runtime.cache.storage.storage_io import StorageIO
+from tierlm.runtime.cache.storage.stores.file.config import (STORAGE_DIR_ENV, default_storage_dir,
+                                                             max_size_bytes_from_config)
+from tierlm.runtime.cache.storage.stores.file.storage import NAMESPACE_FILE, TEMP_PREFIX, FileKVStorage
 from tierlm.runtime.errors import StartupError
 
 PAGE_BYTES = 512

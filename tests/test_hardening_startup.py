@@ -20,7 +20,7 @@ import pytest
 from e2e_server import start_server
 from storage_helpers import get_all, set_all
 
-from tierlm.runtime.cache.storage.file_storage import NAMESPACE_FILE, FileKVStorage
+from tierlm.runtime.cache.storage.stores.file.storage import NAMESPACE_FILE, FileKVStorage
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_keys import page_keys
 

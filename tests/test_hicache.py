@@ -442,7 +442,7 @@ def test_the_scheduler_never_touches_the_disk_and_still_finds_pages_another_serv
     another server sharing the folder stored after this one started are still found, by the prefetch probe."""
     import threading
 
-    from tierlm.runtime.cache.storage.file_storage import FileKVStorage
+    from tierlm.runtime.cache.storage.stores.file.storage import FileKVStorage
 
     prompt = doc(12) + [3]
     writer = hicache_engine(backend_name, tiny_llama)

@@ -15,8 +15,10 @@ from engine_harness import greedy, pool_is_clean, run, start_engine
 from memory_storage import MemoryStorage
 from storage_helpers import wait_io_idle
 
-from tierlm.runtime.cache.storage import file_storage as fs_mod
-from tierlm.runtime.cache.storage.file_storage import HEADER_SIZE, FileKVStorage
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
+from tierlm.runtime.cache.storage.stores.file import page_io
+from tierlm.runtime.cache.storage.stores.file import storage as fs_mod
+from tierlm.runtime.cache.storage.stores.file.storage import FileKVStorage
 from tierlm.runtime.cache.storage.namespace import CACHE_FORMAT_VERSION, StorageNamespace
 from tierlm.runtime.cache.storage.page_keys import page_keys
 from tierlm.runtime.cache.storage.storage_io import StorageIO
@@ -153,23 +155,23 @@ def test_the_checksum_covers_the_header_and_every_payload_byte(store):
     assert raw[112:HEADER_SIZE] == bytes(16)
 
 
-@pytest.mark.skipif(not hasattr(fs_mod.os, "preadv"), reason="no preadv on this OS")
+@pytest.mark.skipif(not hasattr(page_io.os, "preadv"), reason="no preadv on this OS")
 def test_read_fully_gathers_short_reads(tmp_path, monkeypatch):
     path = tmp_path / "f"
     data = bytes(range(256)) * 8
     path.write_bytes(data)
-    real = fs_mod.os.preadv
+    real = page_io.os.preadv
 
     def short_preadv(fd, bufs, offset):  # the OS may return fewer bytes than asked: keep reading
         return real(fd, [memoryview(bufs[0])[:7]], offset)
 
-    monkeypatch.setattr(fs_mod.os, "preadv", short_preadv)
+    monkeypatch.setattr(page_io.os, "preadv", short_preadv)
     out = [bytearray(100), bytearray(2000)]
-    fd = fs_mod.os.open(path, fs_mod.os.O_RDONLY)
+    fd = page_io.os.open(path, page_io.os.O_RDONLY)
     try:
-        assert fs_mod._read_fully(fd, [memoryview(b) for b in out]) == 2048  # up to the end of the file
+        assert page_io.read_fully(fd, [memoryview(b) for b in out]) == 2048  # up to the end of the file
     finally:
-        fs_mod.os.close(fd)
+        page_io.os.close(fd)
     assert bytes(out[0]) + bytes(out[1][:1948]) == data
 
 

@@ -1,4 +1,4 @@
-"""The same-host path of the Mooncake L3 backend (mooncake_shm.py): servers as dummy clients of a real
+"""The same-host path of the Mooncake L3 backend (stores/mooncake/shm.py): servers as dummy clients of a real
 ``mooncake_client`` on their host, moving pages through shared memory; and the TCP fallback where that path cannot
 run. Needs ``pip install 'tierlm[mooncake]'`` and libibverbs1, like test_mooncake_storage.py (skipped with the hint
 where absent)."""
@@ -15,8 +15,9 @@ from test_mooncake_storage import (CONNECT_WAIT_S, PAGE_BYTES, _counting_store_c
                                    damaged_value_is_a_counted_miss, keys, ns, page)
 
 from tierlm.runtime.cache.storage import registry as storage_registry
-from tierlm.runtime.cache.storage.mooncake_shm import same_host
-from tierlm.runtime.cache.storage.mooncake_storage import MooncakeConfig, MooncakeKVStorage
+from tierlm.runtime.cache.storage.stores.mooncake.config import MooncakeConfig
+from tierlm.runtime.cache.storage.stores.mooncake.shm import same_host
+from tierlm.runtime.cache.storage.stores.mooncake.storage import MooncakeKVStorage
 from tierlm.runtime.errors import StartupError
 
 
@@ -84,7 +85,7 @@ def test_pages_move_through_shared_memory(store_pair) -> None:
         st = b.stats()
         assert (st["transport"], tcp.stats()["transport"]) == ("shm", "tcp")
         assert st["read_path"].startswith(f"shm (mooncake_client {store_pair[1]} on this host")
-        assert b.read_batch_pages == b._staging.slot_pages >= 8
+        assert b.read_batch_pages == b.connection.staging.slot_pages >= 8
         ks = keys(5, seed=61)
         assert a.set(ks[0], page(0)) and a.stats()["shm_writes"] == 1
         assert store_class.calls.get("put_parts", 0) == 0 and store_class.calls["put_from"] == 1
@@ -255,7 +256,7 @@ def test_a_client_that_runs_out_of_staging_memory_keeps_the_areas_it_gave() -> N
     allocation is tried, and read_path does not claim the shm path was refused."""
     import ctypes
 
-    from tierlm.runtime.cache.storage.mooncake_shm import ShmStaging
+    from tierlm.runtime.cache.storage.stores.mooncake.shm import ShmStaging
 
     class OneArea:
         def __init__(self) -> None:

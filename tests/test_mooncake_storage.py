@@ -125,13 +125,13 @@ def test_registry_names_and_refusal() -> None:
     assert {"file", "mooncake"} <= set(storage_registry.names())
     with pytest.raises(ValueError, match="file, mooncake"):
         storage_registry.check_name("hf3fs")
-    from tierlm.runtime.cache.storage.file_storage import open_storage as file_open
+    from tierlm.runtime.cache.storage.stores.file.storage import open_storage as file_open
 
     assert storage_registry.factory("file") is file_open
 
 
 def test_config_follows_sglang_order(tmp_path: Path) -> None:
-    from tierlm.runtime.cache.storage.mooncake_storage import DEFAULT_GLOBAL_SEGMENT_SIZE, MooncakeConfig
+    from tierlm.runtime.cache.storage.stores.mooncake.config import DEFAULT_GLOBAL_SEGMENT_SIZE, MooncakeConfig
 
     env = {"MOONCAKE_MASTER": "envhost:1", "MOONCAKE_PROTOCOL": "rdma", "MOONCAKE_DEVICE": "mlx5_0",
            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb", "LOCAL_HOSTNAME": "me"}
@@ -230,7 +230,8 @@ def _counting_store_class(refuse_registration: bool = False) -> type:
 def open_registered(master: str, store_class: type, pages: int = 8):
     """A MooncakeKVStorage with a layer_first host pool of ``pages`` pages registered (2 rows a page, as the
     runtime's pool of a 2-layer model), and a function giving the rows of a host page."""
-    from tierlm.runtime.cache.storage.mooncake_storage import MooncakeConfig, MooncakeKVStorage
+    from tierlm.runtime.cache.storage.stores.mooncake.config import MooncakeConfig
+    from tierlm.runtime.cache.storage.stores.mooncake.storage import MooncakeKVStorage
 
     config = MooncakeConfig.from_mapping({"master_server_address": master, "local_hostname": "127.0.0.1",
                                           "global_segment_size": 0}, "test")
@@ -295,7 +296,7 @@ def test_a_refused_registration_keeps_the_copying_path(master) -> None:
 def test_batch_sizes_follow_the_path(master) -> None:
     """Zero-copy reads take up to 128 pages a round trip (no transfer buffer in between); the copying path asks
     what the client's transfer buffer holds at a time, however many pages the caller passed."""
-    from tierlm.runtime.cache.storage.mooncake_storage import MAX_ZERO_COPY_BATCH_PAGES
+    from tierlm.runtime.cache.storage.stores.mooncake.storage import MAX_ZERO_COPY_BATCH_PAGES
 
     store_class = _counting_store_class()
     s, host, rows = open_registered(master, store_class, pages=40)
@@ -487,7 +488,7 @@ def test_the_first_write_after_a_master_restart_is_stored() -> None:
 def test_missing_package_names_the_install_command(monkeypatch) -> None:
     import builtins
 
-    from tierlm.runtime.cache.storage import mooncake_storage
+    from tierlm.runtime.cache.storage.stores.mooncake import connection
 
     real = builtins.__import__
 
@@ -498,7 +499,7 @@ def test_missing_package_names_the_install_command(monkeypatch) -> None:
 
     monkeypatch.setattr(builtins, "__import__", no_mooncake)
     with pytest.raises(StartupError, match=r"pip install 'tierlm\[mooncake\]'"):
-        mooncake_storage.import_store_class()
+        connection.import_store_class()
 
 
 # ---------------------------------------------------------------- a server on the shared store

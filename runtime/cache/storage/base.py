@@ -1,6 +1,6 @@
 """The L3 storage contract: a namespaced key -> page-bytes store that the HiCache manager backs up to and
-prefetches from. Backends (file_storage.py, mooncake_storage.py) implement ``KVStorage`` and are chosen by name
-in registry.py.
+prefetches from. The stores (stores/file/, stores/mooncake/) implement ``KVStorage`` and are chosen by name in
+registry.py.
 
 Rules every backend keeps: ``get`` (and ``get_into``) returns either the exact bytes that ``set`` stored for
 that key in this namespace or None (never partial or foreign bytes); a damaged entry is a miss, counted in
@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypedDict, Union
 
 from tierlm.runtime.cache.storage.page_keys import is_page_key
+
+# One buffer of a page: a numpy array (rows of a host page), a memoryview, bytes or a bytearray. typing has no
+# buffer type before Python 3.12 (collections.abc.Buffer), and numpy declares none for older Pythons: Any until then.
+PageBuffer = Any
 
 # Keys of stats(): counts since this object was created, except files/bytes (current content it knows of).
 STAT_FIELDS = (
@@ -34,6 +38,12 @@ READ_PART_FIELDS = (
 )
 
 
+class HealthState(TypedDict):
+    """KVStorage.health() (and StorageIO.health()): "online" or "degraded", and the latest error."""
+    state: str  # "online" | "degraded"
+    last_error: str | None
+
+
 class BorrowedPage:
     """A page to store that stays in the caller's memory (e.g. a host pool page): ``views`` are written in order
     without being joined or copied, and ``valid()`` (true while that memory still holds the page) is checked once
@@ -43,7 +53,7 @@ class BorrowedPage:
 
     __slots__ = ("views", "valid", "nbytes", "detached", "_lock")
 
-    def __init__(self, views: Sequence[Any], valid: Callable[[], bool]) -> None:
+    def __init__(self, views: Sequence[PageBuffer], valid: Callable[[], bool]) -> None:
         self.views = [memoryview(v).cast("B") for v in views]
         self.valid = valid
         self.nbytes = sum(v.nbytes for v in self.views)
@@ -69,7 +79,12 @@ def _always() -> bool:
     return True
 
 
-def byte_views(payload: Any) -> list[memoryview]:
+# A page to store (KVStorage.set): one buffer, a list or tuple of buffers whose concatenation is the page, or a
+# BorrowedPage.
+PagePayload = Union[bytes, bytearray, memoryview, BorrowedPage, Sequence[PageBuffer]]
+
+
+def byte_views(payload: PagePayload) -> list[memoryview]:
     """A page as flat byte views: a BorrowedPage's, one buffer, or a list/tuple of buffers whose concatenation is
     the page."""
     if isinstance(payload, BorrowedPage):
@@ -118,7 +133,7 @@ class KVStorage(ABC):
         is an expected answer, not a miss."""
         return self.get(key)
 
-    def get_into(self, key: str, out: Sequence[Any], *, probe: bool = False) -> bool:
+    def get_into(self, key: str, out: Sequence[PageBuffer], *, probe: bool = False) -> bool:
         """Read the page stored under key straight into ``out``: writable buffers (e.g. the rows of a host page)
         that together take the payload in order. True when it was read and verified; False on a miss, and then
         ``out`` may hold anything. ``probe``: as probe() (an absent entry is not a miss). Backends that can read
@@ -141,7 +156,7 @@ class KVStorage(ABC):
             got.append(page)
         return got + [None] * (len(keys) - len(got))
 
-    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[Any]], *, probe: bool = False
+    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Sequence[PageBuffer]], *, probe: bool = False
                        ) -> list[bool]:
         """get_into() for consecutive keys, stopping at the first one not read (it and the rest are False)."""
         got: list[bool] = []
@@ -151,12 +166,12 @@ class KVStorage(ABC):
             got.append(True)
         return got + [False] * (len(keys) - len(got))
 
-    def register_host_memory(self, buf: Any) -> None:
+    def register_host_memory(self, buf: PageBuffer) -> None:
         """Pages will be read into and written from ``buf`` (the host pool's array, alive while this storage is):
         a backend that moves pages through registered memory (Mooncake) registers it; the others need nothing."""
 
     @abstractmethod
-    def set(self, key: str, payload: bytes | bytearray | memoryview) -> bool:
+    def set(self, key: str, payload: PagePayload) -> bool:
         """Store payload under key (a no-op returning True when it is already stored). False when not stored.
         ``payload`` may also be a list of buffers whose concatenation is the page (e.g. one per layer of a host
         page), or a BorrowedPage: backends write them without joining them first; a BorrowedPage whose memory
@@ -170,7 +185,7 @@ class KVStorage(ABC):
     def stats(self) -> dict[str, Any]:
         """A snapshot with at least the STAT_FIELDS keys."""
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthState:
         """{"state": "online" | "degraded", "last_error": str | None}; degraded while writes fail."""
         return {"state": "online", "last_error": None}
 
@@ -185,7 +200,7 @@ class KVStorage(ABC):
         self.close()
 
 
-def copy_into(page: bytes, out: Sequence[Any]) -> None:
+def copy_into(page: bytes | memoryview, out: Sequence[PageBuffer]) -> None:
     """The bytes of ``page`` spread over the writable buffers ``out``, in order (their sizes must add up)."""
     src = memoryview(page).cast("B")
     total = sum(memoryview(b).nbytes for b in out)

@@ -1,28 +1,29 @@
 """L3 storage backends by name: what ``--hicache-storage-backend NAME`` opens.
 
-Each backend is one module exposing ``open_storage(namespace, page_bytes, extra_config) -> KVStorage`` (base.py
-is the contract). Modules are imported only when their backend is opened, so an optional dependency (mooncake)
-costs nothing to servers that do not use it. A third store (3FS, NIXL, Redis/Valkey) is one module plus one line
-in ``BACKENDS`` (or a ``register()`` call from code that runs before the engine starts).
+Each store is its own package under stores/ (stores/file/, stores/mooncake/) whose ``storage`` module exposes
+``open_storage(namespace, page_bytes, extra_config) -> KVStorage`` (base.py is the contract). Modules are imported
+only when their store is opened, so an optional dependency (mooncake) costs nothing to servers that do not use it.
+A third store (3FS, NIXL, S3, Redis/Valkey) is one package under stores/ plus one line in ``BACKENDS`` (or a
+``register()`` call from code that runs before the engine starts).
 """
 from __future__ import annotations
 
 import importlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 if TYPE_CHECKING:
     from tierlm.runtime.cache.storage.base import KVStorage
     from tierlm.runtime.cache.storage.namespace import StorageNamespace
 
 # (namespace, page_bytes, extra_config without the HiCache manager's own keys) -> KVStorage
-StorageFactory = Callable[["StorageNamespace", int, Mapping[str, Any]], "KVStorage"]
+StorageFactory = Callable[["StorageNamespace", int, Mapping[str, object]], "KVStorage"]
 
 # name -> "module path" holding open_storage(), or the factory itself (register()).
 BACKENDS: dict[str, str | StorageFactory] = {
-    "file": "tierlm.runtime.cache.storage.file_storage",
-    "mooncake": "tierlm.runtime.cache.storage.mooncake_storage",
+    "file": "tierlm.runtime.cache.storage.stores.file.storage",
+    "mooncake": "tierlm.runtime.cache.storage.stores.mooncake.storage",
 }
 
 
@@ -49,12 +50,13 @@ def factory(name: str) -> StorageFactory:
     check_name(name)
     entry = BACKENDS[name]
     if isinstance(entry, str):
-        return importlib.import_module(entry).open_storage
+        # a module found by name is untyped to mypy: its open_storage is the contract's factory (base.py)
+        return cast(StorageFactory, importlib.import_module(entry).open_storage)
     return entry
 
 
 def open_storage(name: str, namespace: "StorageNamespace", page_bytes: int,
-                 extra_config: Mapping[str, Any]) -> "KVStorage":
+                 extra_config: Mapping[str, object]) -> "KVStorage":
     """Open backend ``name`` (ValueError for an unknown one; a backend raises StartupError when it cannot start)."""
     store = factory(name)(namespace, page_bytes, extra_config)
     if not store.name:  # a store that does not name itself is shown under the name it was opened by

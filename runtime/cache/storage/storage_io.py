@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
-from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage
+from tierlm.runtime.cache.storage.base import BorrowedPage, HealthState, KVStorage
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ MAX_STUCK_THREADS = 8  # abandoned threads still inside a storage call; past thi
 class _Worker:
     """One I/O thread and the storage call it is inside (guarded by StorageIO._cond)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, run: Callable[[_Worker], None], name: str) -> None:
         self.kind = kind  # "backup" | "prefetch"
-        self.thread: threading.Thread | None = None
+        self.thread = threading.Thread(target=run, args=(self,), name=name, daemon=True)
         self.job: Any = None  # the queue item being worked on
         self.busy_since: float | None = None  # monotonic start of the storage call in progress
         self.what = ""  # the call, for logs
@@ -216,8 +216,8 @@ class StorageIO:
         self.max_pending_write_bytes = max_pending_write_bytes
         self.io_timeout_s = float(io_timeout_s)
         self._num_threads = num_threads
-        self._write_q: queue.Queue = queue.Queue()
-        self._prefetch_q: queue.Queue = queue.Queue()
+        self._write_q: queue.Queue[tuple[str, Any, BackupCallback | None] | None] = queue.Queue()
+        self._prefetch_q: queue.Queue[PrefetchHandle | None] = queue.Queue()
         self._cond = threading.Condition()  # guards everything below and signals flush()
         self._pending_writes = 0
         self._pending_write_bytes = 0
@@ -320,7 +320,7 @@ class StorageIO:
         with self._cond:
             return bool(self._stuck)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthState:
         """"degraded" from a timed-out call until a later call completes; the last timeout's message."""
         with self._cond:
             hung = self._hung or bool(self._stuck)
@@ -385,10 +385,8 @@ class StorageIO:
         return any(w.kind == kind for w in self._workers)
 
     def _spawn_locked(self, kind: str) -> None:
-        w = _Worker(kind)
         self._thread_seq += 1
-        w.thread = threading.Thread(target=self._run_worker, args=(w,), name=f"tierlm-l3-{kind}-{self._thread_seq}",
-                                    daemon=True)
+        w = _Worker(kind, self._run_worker, f"tierlm-l3-{kind}-{self._thread_seq}")
         self._workers.append(w)
         w.thread.start()
 

@@ -1,6 +1,6 @@
 """A real ``mooncake_master`` on free loopback ports, for benchmarks and tests that share L3 between servers, and a
 ``mooncake_client`` (Mooncake's standalone real client: it lends the store its segment and serves the servers of
-its host as dummy clients through shared memory, runtime/cache/storage/mooncake_shm.py).
+its host as dummy clients through shared memory, runtime/cache/storage/stores/mooncake/shm.py).
 
 The binaries ship in the ``mooncake-transfer-engine`` wheels (``pip install 'tierlm[mooncake]'``) and needs
 Debian's ``libibverbs1`` even over TCP. ``MooncakeMaster.unavailable()`` says which of the two is missing, so a

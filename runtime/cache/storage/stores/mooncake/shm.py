@@ -21,13 +21,18 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
+import numpy.typing as npt
+
+from tierlm.runtime.cache.storage.stores.mooncake.client import MooncakeClient
 
 SHM_SLOTS = 4  # staging areas: the prefetch thread, the backup thread, and a call or two the watchdog abandoned
 SHM_SLOT_BYTES = 32 * 2**20  # one area holds a read batch of up to this many bytes of values
 SHM = "shm"
+# A staging area: its bytes and their address.
+StagingArea = tuple[npt.NDArray[np.uint8], int]
 
 
 def same_host(address: str) -> bool | str:
@@ -41,7 +46,7 @@ def same_host(address: str) -> bool | str:
     except OSError as e:
         return f"cannot resolve {host!r} ({e})"
     for family, _, _, _, sockaddr in infos:
-        ip = sockaddr[0]
+        ip = str(sockaddr[0])
         if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
             return True
         try:
@@ -61,15 +66,15 @@ class ShmStaging:
         self.value_bytes = value_bytes
         self.slot_pages = max(1, min(max_pages, slot_bytes // value_bytes))
         self.max_slots = max_slots
-        self._client: Any = None
-        self._free: list[tuple[np.ndarray, int]] = []
+        self._client: MooncakeClient | None = None
+        self._free: list[StagingArea] = []
         self._made = 0
         self._limit = max_slots  # areas this client may have: lowered to what it gave when it refuses one
         self._busy: dict[int, int] = {}  # areas in use, by id() of the client they belong to
         self._refused: str | None = None
         self._cond = threading.Condition()
 
-    def attach(self, client: Any) -> None:
+    def attach(self, client: MooncakeClient) -> None:
         """Stage through ``client`` (a dummy whose setup succeeded) from now on; its areas are allocated on use. The
         areas of the client before are dropped as they are handed back."""
         with self._cond:
@@ -82,7 +87,7 @@ class ShmStaging:
         return self._refused
 
     @contextmanager
-    def slot(self, client: Any) -> Iterator[tuple[np.ndarray, int] | None]:
+    def slot(self, client: MooncakeClient) -> Iterator[StagingArea | None]:
         """A free staging area of ``client`` (its bytes and address), or None: none free, none allocatable."""
         area = self._take(client)
         try:
@@ -94,7 +99,7 @@ class ShmStaging:
                     if client is self._client:
                         self._free.append(area)
 
-    def wait_idle(self, timeout: float, client: Any = None) -> bool:
+    def wait_idle(self, timeout: float, client: MooncakeClient | None = None) -> bool:
         """Whether every area (of ``client``, else of any) was handed back within ``timeout`` s: the client may
         then free their memory."""
         deadline = time.monotonic() + timeout
@@ -106,7 +111,7 @@ class ShmStaging:
                 self._cond.wait(left)
         return True
 
-    def _take(self, client: Any) -> tuple[np.ndarray, int] | None:
+    def _take(self, client: MooncakeClient) -> StagingArea | None:
         with self._cond:
             if client is None or client is not self._client or self._refused is not None:
                 return None
@@ -122,13 +127,13 @@ class ShmStaging:
                 self._release_locked(client)
         return area
 
-    def _release_locked(self, client: Any) -> None:
+    def _release_locked(self, client: MooncakeClient) -> None:
         left = self._busy.pop(id(client)) - 1
         if left:
             self._busy[id(client)] = left
         self._cond.notify_all()
 
-    def _allocate(self, client: Any) -> tuple[np.ndarray, int] | None:
+    def _allocate(self, client: MooncakeClient) -> StagingArea | None:
         size = self.slot_pages * self.value_bytes
         try:
             ptr = int(client.alloc_from_mem_pool(size))

@@ -13,19 +13,24 @@ from __future__ import annotations
 import bisect
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
+from tierlm.runtime.cache.storage.base import PageBuffer
 from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
+from tierlm.runtime.cache.storage.stores.mooncake.client import MooncakeClient
 
 # Header slots: one per storage call in flight (prefetch threads, backup threads and the few a watchdog may
 # abandon), each big enough for one batch. A call that finds none free takes the copying path.
 HEADER_SLOTS = 24
 ZERO_COPY = "zero-copy"
+# A header slot: its bytes and their address.
+HeaderSlot = tuple[npt.NDArray[np.uint8], int]
 
 
-def address_of(buf: Any) -> tuple[int, int]:
+def address_of(buf: PageBuffer) -> tuple[int, int]:
     """(address, size) of a C-contiguous buffer (a numpy array, a memoryview of one, a bytearray)."""
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     if not arr.flags.c_contiguous:
@@ -41,14 +46,14 @@ class RegisteredMemory:
         self.slot_bytes = HEADER_SIZE * max(1, batch_pages)
         self._headers = np.zeros(slots * self.slot_bytes, np.uint8)
         self._free_slots = list(range(slots))
-        self._regions: list[tuple[int, int, Any]] = [(*address_of(self._headers), self._headers)]  # sorted
+        self._regions: list[tuple[int, int, PageBuffer]] = [(*address_of(self._headers), self._headers)]  # sorted
         self._registered: set[int] = set()  # addresses registered with the current client
-        self._client: Any = None
+        self._client: MooncakeClient | None = None
         self._refused: str | None = None
         self._lock = threading.Lock()
 
     # --- registration (startup, and each (re)connect of the client) ---
-    def add(self, buf: Any) -> None:
+    def add(self, buf: PageBuffer) -> None:
         """Register ``buf`` too (kept alive here): pages are read into and written from it."""
         addr, size = address_of(buf)
         with self._lock:
@@ -57,7 +62,7 @@ class RegisteredMemory:
             # a new sorted list, not an insert: addresses() reads the list it got without the lock
             self._regions = sorted([*self._regions, (addr, size, buf)], key=lambda r: r[0])
 
-    def register(self, client: Any) -> None:
+    def register(self, client: MooncakeClient) -> None:
         """Register every region not yet registered with ``client`` (a new client starts afresh)."""
         with self._lock:
             if client is not self._client:
@@ -66,7 +71,7 @@ class RegisteredMemory:
                 if addr in self._registered or self._refused is not None:
                     continue
                 try:
-                    rc = client.register_buffer(addr, size)
+                    rc: int | str = client.register_buffer(addr, size)
                 except Exception as e:  # noqa: BLE001 - the client raises RuntimeError and friends
                     rc = f"{type(e).__name__}: {e}"
                 if rc == 0:
@@ -74,13 +79,13 @@ class RegisteredMemory:
                 else:
                     self._refused = f"register_buffer of {size} bytes returned {rc}"
 
-    def ready(self, client: Any) -> bool:
+    def ready(self, client: MooncakeClient | None) -> bool:
         """Whether reads and writes through ``client`` may use registered memory: every region registered."""
         with self._lock:
             return (client is not None and client is self._client and self._refused is None
                     and len(self._registered) == len(self._regions) > 1)
 
-    def path(self, client: Any) -> str:
+    def path(self, client: MooncakeClient | None) -> str:
         """``read_path`` for /server_info: "zero-copy", or "copy (why)"."""
         if self.ready(client):
             return ZERO_COPY
@@ -91,7 +96,7 @@ class RegisteredMemory:
         return f"copy ({why})"
 
     # --- per call ---
-    def addresses(self, views: Sequence[Any]) -> list[int] | None:
+    def addresses(self, views: Sequence[PageBuffer]) -> list[int] | None:
         """The addresses of ``views`` when each lies inside a registered region, else None (copy instead)."""
         out = []
         with self._lock:
@@ -106,7 +111,7 @@ class RegisteredMemory:
         return out
 
     @contextmanager
-    def header_slot(self) -> Iterator[tuple[np.ndarray, int] | None]:
+    def header_slot(self) -> Iterator[HeaderSlot | None]:
         """A free header slot (its bytes and address) for one call, or None when all are in use."""
         with self._lock:
             slot = self._free_slots.pop() if self._free_slots else None

@@ -38,60 +38,29 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from tierlm.runtime.cache.storage import page_header
-from tierlm.runtime.cache.storage.base import BorrowedPage, KVStorage, byte_views, check_page_key
+from tierlm.runtime.cache.storage.base import (BorrowedPage, HealthState, KVStorage, PageBuffer, PagePayload,
+                                               byte_views, check_page_key)
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
-from tierlm.runtime.cache.storage.page_header import HEADER_SIZE, MAGIC  # noqa: F401 (re-exported)
-from tierlm.runtime.cache.storage.storage_io import DEFAULT_IO_TIMEOUT_S
+from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
+from tierlm.runtime.cache.storage.stores.file.config import (AUTO_BOUND, DEFAULT_BOUND_FREE_SHARE,
+                                                             DEFAULT_BOUND_MAX_BYTES, KNOWN_EXTRA_CONFIG_KEYS,
+                                                             STORAGE_DIR_ENV,
+                                                             default_max_size_bytes, default_storage_dir,
+                                                             io_timeout_from_config, max_size_bytes_from_config)
+from tierlm.runtime.cache.storage.stores.file.page_io import read_fully, touch_fd, unlink_quietly
 from tierlm.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
 
-STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 FILE_FORMAT_VERSION = page_header.FORMAT_VERSION  # 1: SHA-256 payload checksum; 2: XXH3-128
-_HAVE_PREADV = hasattr(os, "preadv")
 _UTIME_FD = os.utime in os.supports_fd
 FILE_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 NAMESPACE_FILE = "namespace.json"
 _KV_NAME_RE = re.compile(r"[0-9a-f]{64}\.kv")
-KNOWN_EXTRA_CONFIG_KEYS = ("max_size_gb", "io_timeout")
-IO_TIMEOUT_KEY = "io_timeout"  # the tier's I/O time limit (storage_io.py), also the limit of opening the folder
 STARTUP_RETRY_INTERVAL_S = 5.0  # a late open that failed is tried again this often
-# Default L3 bound without max_size_gb: what this namespace already stores plus a quarter of the free space of
-# the folder's filesystem at startup, at most 100 GB. Keeping what is stored means a restart evicts nothing;
-# a quarter of the free space leaves the rest to the machine (and to other servers sharing the disk, each of
-# which takes a quarter of what is left); the cap stops a huge shared filesystem from becoming one cache.
-AUTO_BOUND = "auto"
-DEFAULT_BOUND_FREE_SHARE = 0.25
-DEFAULT_BOUND_MAX_BYTES = 100 * 10**9
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-def default_max_size_bytes(free_bytes: int, stored_bytes: int, min_bytes: int = 1) -> int:
-    """The bound used when extra-config has no max_size_gb (see DEFAULT_BOUND_* for the rule)."""
-    share = stored_bytes + int(free_bytes * DEFAULT_BOUND_FREE_SHARE)
-    return max(min_bytes, min(DEFAULT_BOUND_MAX_BYTES, share))
-
-
-def default_storage_dir() -> Path:
-    """$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else <user cache dir>/tierlm/hicache (not /tmp: it must survive)."""
-    env = os.environ.get(STORAGE_DIR_ENV, "").strip()
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("tierlm")) / "hicache"
-
-
-def max_size_bytes_from_config(cfg: Mapping[str, Any]) -> int | None:
-    """The bound from extra-config ``max_size_gb`` (GB = 1e9 bytes, as SGLang's --hicache-size); None = unbounded."""
-    gb = cfg.get("max_size_gb")
-    if gb is None:
-        return None
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0:
-        raise ValueError(f"extra-config max_size_gb must be a positive number of GB, got {gb!r}")
-    return int(gb * 1e9)
 
 
 class FileKVStorage(KVStorage):
@@ -153,7 +122,7 @@ class FileKVStorage(KVStorage):
         cls,
         namespace: StorageNamespace,
         page_bytes: int,
-        extra_config: Mapping[str, Any] | None = None,
+        extra_config: Mapping[str, object] | None = None,
         root_dir: str | os.PathLike[str] | None = None,
     ) -> "FileKVStorage":
         """Build from parsed extra-config and the default folder unless root_dir is given. Without max_size_gb the
@@ -164,14 +133,11 @@ class FileKVStorage(KVStorage):
             logger.warning("file storage ignores extra-config keys %s (it knows %s)",
                            unknown, list(KNOWN_EXTRA_CONFIG_KEYS))
         bound = max_size_bytes_from_config(cfg)
-        timeout = cfg.get(IO_TIMEOUT_KEY, DEFAULT_IO_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"extra-config io_timeout must be a positive number of seconds, got {timeout!r}")
         return cls(root_dir, namespace, page_bytes, AUTO_BOUND if bound is None else bound,
-                   startup_timeout_s=float(timeout))
+                   startup_timeout_s=io_timeout_from_config(cfg))
 
     # --- KVStorage, plus exists() and delete() of this backend's own (tests and tools) ---
-    def exists(self, keys) -> list[bool]:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         """Like known(), but a key missing from the index is looked for on disk (and adopted when found)."""
         self._check_open()
         out = []
@@ -185,7 +151,7 @@ class FileKVStorage(KVStorage):
             out.append(known or self._adopt(key))
         return out
 
-    def known(self, keys) -> list[bool]:
+    def known(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             if self._offline is not None:
                 return [False] * len(keys)
@@ -197,7 +163,7 @@ class FileKVStorage(KVStorage):
     def get(self, key: str) -> bytes | None:
         return self._read_bytes(key, absent_is_miss=True)
 
-    def get_into(self, key: str, out: Sequence[Any], *, probe: bool = False) -> bool:
+    def get_into(self, key: str, out: Sequence[PageBuffer], *, probe: bool = False) -> bool:
         self._check_open()
         self._check_key(key)
         views = byte_views(out)
@@ -232,15 +198,16 @@ class FileKVStorage(KVStorage):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
             try:
                 st = os.fstat(fd)
+                problem: str | None
                 if not stat.S_ISREG(st.st_mode):
                     problem = "not a regular file"
                 else:
-                    got = _read_fully(fd, [memoryview(header), *views])
+                    got = read_fully(fd, [memoryview(header), *views])
                     t_read = time.perf_counter_ns()
                     problem = self._verify(key, header, got, st.st_size, views)
                     checksum_ns = time.perf_counter_ns() - t_read
                     if problem is None and _UTIME_FD:
-                        _touch_fd(fd)
+                        touch_fd(fd)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -267,7 +234,7 @@ class FileKVStorage(KVStorage):
             self._touch(path)
         return True
 
-    def set(self, key: str, payload) -> bool:
+    def set(self, key: str, payload: PagePayload) -> bool:
         """Store a page: a buffer, a list of buffers written in order without joining them, or a BorrowedPage,
         whose ``valid()`` is checked after the temp file is written and before it is renamed into place (False:
         its memory was reused meanwhile; the write is dropped and set() returns False, not counted as an error)."""
@@ -296,10 +263,10 @@ class FileKVStorage(KVStorage):
                 self._folder_lost()  # deleted while serving: recreate it and write again
                 self._write_file(tmp, path, header, views, valid)
         except _Stale:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             return False
         except OSError as e:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self._failed(f"write of {path} failed: {e}", e)
             return False
         self._recovered()
@@ -317,7 +284,7 @@ class FileKVStorage(KVStorage):
         if self._offline is not None:
             return False
         self._forget(key)
-        return _unlink_quietly(self._path(key))
+        return unlink_quietly(self._path(key))
 
     def clear(self) -> int:
         self._check_open()
@@ -328,7 +295,7 @@ class FileKVStorage(KVStorage):
         try:
             with os.scandir(self.dir) as it:
                 for entry in it:
-                    if _KV_NAME_RE.fullmatch(entry.name) and _unlink_quietly(Path(entry.path)):
+                    if _KV_NAME_RE.fullmatch(entry.name) and unlink_quietly(Path(entry.path)):
                         removed += 1
         except FileNotFoundError:
             self._folder_lost()
@@ -347,7 +314,7 @@ class FileKVStorage(KVStorage):
         out["max_bytes"] = self.max_size_bytes
         return out
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthState:
         with self._lock:
             if self._offline is not None:
                 return {"state": "degraded", "last_error": self._offline}
@@ -527,7 +494,7 @@ class FileKVStorage(KVStorage):
 
     def _remove_victims(self, victims: list[str]) -> None:
         for key in victims:
-            _unlink_quietly(self._path(key))
+            unlink_quietly(self._path(key))
         if victims:
             logger.debug("L3 storage over its %s-byte bound: evicted %d least recently used pages",
                          self.max_size_bytes, len(victims))
@@ -567,7 +534,7 @@ class FileKVStorage(KVStorage):
                 tmp.write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n", encoding="utf-8")
                 os.replace(tmp, meta_path)
             except OSError:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 raise
 
     def _open_namespace_dir(self) -> None:
@@ -592,32 +559,33 @@ class FileKVStorage(KVStorage):
                     continue
                 if name.startswith(TEMP_PREFIX):
                     # A writer that died mid-write leaves its temp file; a young one may still be in progress.
-                    if now - st.st_mtime > stale_temp_seconds and _unlink_quietly(Path(entry.path)):
+                    if now - st.st_mtime > stale_temp_seconds and unlink_quietly(Path(entry.path)):
                         stale_temps += 1
                 elif _KV_NAME_RE.fullmatch(name):
                     if st.st_size != self.file_bytes:
                         logger.warning("L3 file %s has %d bytes, expected %d: removed it", entry.path,
                                        st.st_size, self.file_bytes)
-                        _unlink_quietly(Path(entry.path))
+                        unlink_quietly(Path(entry.path))
                         damaged += 1
                         continue
                     found.append((st.st_mtime, name[: -len(FILE_SUFFIX)], st.st_size))
         found.sort()
-        free = self._free_bytes() if self._auto_bound else None
+        free = self._free_bytes() if self._auto_bound else 0
+        auto_bound: int | None = None  # the bound the default rule chose
         with self._lock:
             for _, key, size in found:  # oldest first, so the LRU order follows the mtimes
                 self._record_locked(key, size)
             self._counts["errors"] += damaged
             if self._auto_bound:
-                self.max_size_bytes = default_max_size_bytes(free, self._total, self.file_bytes)
+                auto_bound = self.max_size_bytes = default_max_size_bytes(free, self._total, self.file_bytes)
             victims = self._pick_victims_locked(keep=None)
         self._remove_victims(victims)
-        if self._auto_bound:
+        if auto_bound is not None:
             logger.info(
                 "L3 size bound %.2f GB (default rule: what this namespace stores, %.2f GB, + %d%% of the %.2f GB "
                 "free on %s's filesystem at startup, at most %.0f GB); set max_size_gb in "
                 "--hicache-storage-backend-extra-config to choose another",
-                self.max_size_bytes / 1e9, sum(f[2] for f in found) / 1e9, DEFAULT_BOUND_FREE_SHARE * 100,
+                auto_bound / 1e9, sum(f[2] for f in found) / 1e9, DEFAULT_BOUND_FREE_SHARE * 100,
                 free / 1e9, self.root_dir, DEFAULT_BOUND_MAX_BYTES / 1e9,
             )
         bound = "unbounded" if self.max_size_bytes is None else f"bound {self.max_size_bytes} bytes"
@@ -626,7 +594,6 @@ class FileKVStorage(KVStorage):
             "removed %d stale temp files and %d damaged files",
             self.dir, self.namespace.folder_name, len(found), self._total, bound, len(victims), stale_temps, damaged,
         )
-
 
     def _free_bytes(self) -> int:
         try:
@@ -660,53 +627,6 @@ class _Stale(Exception):
     """The memory a page was written from was reused before the write finished: the file must not be published."""
 
 
-_IOV_MAX = 1024  # POSIX minimum is 16, Linux and macOS allow 1024; a page is 1 + (1 or num_layers) buffers
-
-
-def _read_fully(fd: int, views: list[memoryview]) -> int:
-    """Fill ``views`` in order from offset 0 of ``fd`` (one preadv where the OS has it); returns the bytes read,
-    fewer than asked only at end of file."""
-    views = list(views)
-    total = i = 0
-    while i < len(views):
-        if _HAVE_PREADV:
-            n = os.preadv(fd, views[i:i + _IOV_MAX], total)
-        else:  # Windows: no preadv
-            os.lseek(fd, total, os.SEEK_SET)
-            with open(fd, "rb", buffering=0, closefd=False) as f:
-                n = f.readinto(views[i]) or 0
-        if n <= 0:
-            break
-        total += n
-        while n and i < len(views):
-            if n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
-    return total
-
-
-def _touch_fd(fd: int) -> None:
-    # The mtime orders the LRU index rebuilt after a restart; failure only costs that order.
-    try:
-        os.utime(fd)
-    except OSError:
-        pass
-
-
-def _unlink_quietly(path: Path) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        logger.warning("could not remove %s: %s", path, e)
-        return False
-
-
-def open_storage(namespace: StorageNamespace, page_bytes: int, extra_config: Mapping[str, Any]) -> FileKVStorage:
-    """The 'file' backend of registry.py: the folder of SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR."""
+def open_storage(namespace: StorageNamespace, page_bytes: int, extra_config: Mapping[str, object]) -> FileKVStorage:
+    """The 'file' store of registry.py: the folder of SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR."""
     return FileKVStorage.from_extra_config(namespace, page_bytes, extra_config)

@@ -19,6 +19,7 @@ from tierlm.backends.dtypes import DTYPE_BYTES, kv_bytes_per_token
 from tierlm.backends.host_memory import allocate_host_bytes
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.weight_format import WeightQuant
+from tierlm.platforms.cpu_features import CpuFeatures
 
 T = TypeVar("T")
 
@@ -51,6 +52,7 @@ class PlanFacts:
     compute_capability: tuple[int, int] | None = None  # CUDA only
     enable_torch_compile: bool = False
     static_decode: bool = False  # --cuda-graph-max-bs: decode steps on the static bucketed path
+    cpu: CpuFeatures | None = None  # the machine facts' CPU (None: this process's CPU)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class BackendPlan:
     compile: Choice[bool]  # compile the decode step before serving (torch on CPU by default; the flag anywhere)
     kernels: dict[str, Choice[str]] | None = None  # torch on CPU: the execution plan (platforms/cpu_plan.py)
     sizes_why: str = ""
+    refusal: str = ""  # why this backend cannot load the model so (a CPU plan override this CPU cannot run)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype.to_dict(), "sizes": self.sizes.to_dict() if self.sizes else None,

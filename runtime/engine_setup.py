@@ -46,8 +46,8 @@ from tierlm.runtime.cache.storage_prefetch import (PREFETCH_POLICIES, PREFETCH_T
                                                    PREFETCH_TIMEOUT_PER_PAGE_S)
 from tierlm.runtime.chat_format import ChatFormat
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.load_plan import (LoadPlan, check_context_length, choose_dtype, chat_format_for, plan_load,
-                                      resolve_attention_backend, size_tiers, weight_quant_for)
+from tierlm.runtime.load_plan import (LoadPlan, chat_format_for, check_context_length, choose_dtype, compile_for_loaded,
+                                      plan_load, resolve_attention_backend, size_tiers, weight_quant_for)
 from tierlm.runtime.grammar.manager import GrammarManager
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.runtime.metrics import EngineMetrics
@@ -90,10 +90,10 @@ class EngineParts:
     architecture_verified: bool = True  # False: loaded only because of --trust-unverified-architecture
     warnings: list[str] = field(default_factory=list)  # shown in /server_info (and logged at startup)
     chat_format: ChatFormat = field(default_factory=ChatFormat)  # template, parsers and why: choose_chat_format
-    attention: tuple[str, str] = ("", "")  # (attention implementation, why): check_attention_backend
-    dtype_reason: str = ""  # why the model computes in its dtype: choose_dtype
+    attention: tuple[str, str] = ("", "")  # (attention implementation, why): the load plan's
+    dtype_reason: str = ""  # why the model computes in its dtype: the load plan's (its backend's part)
     decode_graphs: dict[str, Any] | None = None  # the static decode path (buckets, captured sizes, why): setup_decode_graphs
-    torch_compile: dict[str, Any] | None = None  # compiled decode as set up (or why not): setup_torch_compile
+    torch_compile: dict[str, Any] | None = None  # compiled decode as set up (or why not): run_compile_plan
 
     @property
     def grammar(self) -> GrammarManager:
@@ -189,7 +189,8 @@ def build_engine_parts(args: ServerArgs, emit: Emit) -> EngineParts:
     backend.init_kv_pool(tiers.device_pages, args.page_size)
     backend.init_state_pool(tiers.state_slots)
     decode_graphs = setup_decode_graphs(args, backend, decision, context_length)
-    torch_compile = run_compile_plan(plan.backend.compile, args, backend)
+    torch_compile = run_compile_plan(compile_for_loaded(plan, backend.weight_bytes(), info.weight_format), args,
+                                     backend)
     metrics = EngineMetrics(args.model_name)
     if args.enable_hierarchical_cache:
         backend.set_host_io_backend(args.hicache_io_backend)
@@ -228,12 +229,10 @@ def loaded_tiers(plan: LoadPlan, args: ServerArgs, facts: Facts, backend: ModelB
     measured = (backend.weight_bytes(), backend.kv_bytes_per_token(),
                 backend.info.state.slot_bytes if backend.info.state else 0)
     context_length = plan.context_length.value
-    if not args.context_length and info.max_position_embeddings != context_length:
-        log.info("context length: %d (the loaded model's max_position_embeddings; its config.json names %d)",
-                 info.max_position_embeddings, context_length)
-        context_length = info.max_position_embeddings
-    elif args.context_length:
-        context_length = check_context_length(args.context_length, info.max_position_embeddings, {})
+    if info.max_position_embeddings != plan.model_max:  # the model class's default where config.json names none
+        context_length = check_context_length(args.context_length, info.max_position_embeddings, os.environ)
+        log.info("context length: %d (the loaded model's max_position_embeddings is %d; config.json names %s)",
+                 context_length, info.max_position_embeddings, plan.model_max or "none")
     planned = None if sizes is None else (sizes.weight_bytes, sizes.kv_bytes_per_token, sizes.state_slot_bytes)
     if plan.tiers is not None and planned == measured and context_length == plan.context_length.value:
         return context_length, plan.tiers

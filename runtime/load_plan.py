@@ -17,12 +17,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tierlm.backends.base import BackendPlan, Choice, PlanFacts
+from tierlm.backends.base import BackendPlan, Choice, PlanFacts, ServedSizes
 from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
 from tierlm.backends.weight_format import WeightQuant, check_backend_kind, parse_weight_quant
-from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, TierPlan, choose_backend, cpu_plan,
+from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanError, TierPlan, choose_backend,
                               size_kv_tiers)
 from tierlm.runtime.chat_format import ChatFormat, decide_chat_format
 from tierlm.runtime.errors import StartupError
@@ -41,7 +41,12 @@ class LoadPlan:
     quant: WeightQuant | None  # --quantization / --torchao-config
     backend: BackendPlan  # the chosen backend's part: dtype, sizes, CPU kernels, compiled decode
     context_length: Choice[int]
-    tiers: TierPlan | None  # None where the folder could not be sized (the builder sizes from the loaded model)
+    # config.json's max_position_embeddings; None where it names none (the model class's default, which only the
+    # loaded model knows: the builder checks --context-length against it then)
+    model_max: int | None
+    tiers: TierPlan | None  # None where the folder could not be sized or its count does not fit (the builder
+    # sizes from the loaded model, by the same rule, and refuses then)
+    facts: PlanFacts  # what the backend's part was planned from
     chat_format: ChatFormat | None = None  # None until the template is known (chat_format_for)
 
     @property
@@ -81,18 +86,31 @@ def plan_load(args: ServerArgs, facts: Facts, folder: ModelFolder, env: Mapping[
     arch = check_model_architecture(decision, folder, args)  # fail fast: before the tokenizer and weights
     check_hybrid_flags(folder, args)
     quant = weight_quant_for(args, decision.backend)
-    part = plan_backend(decision.backend, PlanFacts(
+    backend_facts = PlanFacts(
         folder, decision.device, args.dtype, args.kv_cache_dtype, decision.native_bf16, quant, env,
         architecture=arch.architecture, compute_capability=facts.compute_capability,
-        enable_torch_compile=args.enable_torch_compile, static_decode=args.cuda_graph_max_bs is not None))
-    model_max = model_max_context(folder)
-    context = Choice(check_context_length(args.context_length, model_max, env),
-                     "--context-length" if args.context_length else "the model's max_position_embeddings")
+        enable_torch_compile=args.enable_torch_compile, static_decode=args.cuda_graph_max_bs is not None,
+        cpu=facts.cpu)
+    part = plan_backend(decision.backend, backend_facts)
+    if part.refusal:
+        raise StartupError(part.refusal)
+    model_max = stated_max_context(folder)
+    if model_max is None:
+        context = Choice(args.context_length or DEFAULT_CONTEXT_LENGTH,
+                         "--context-length (checked against the loaded model's limit: config.json names none)"
+                         if args.context_length else "config.json names no max_position_embeddings: the model "
+                         "class's default once loaded")
+    else:
+        context = Choice(check_context_length(args.context_length, model_max, env),
+                         "--context-length" if args.context_length else "the model's max_position_embeddings")
     tiers = None
     if part.sizes is not None:
-        tiers = size_tiers(args, facts, decision, part.sizes.weight_bytes, part.sizes.kv_bytes_per_token,
-                           context.value, part.sizes.state_slot_bytes)
-    return LoadPlan(decision, attention, arch, quant, part, context, tiers)
+        try:
+            tiers = size_tiers(args, facts, decision, part.sizes.weight_bytes, part.sizes.kv_bytes_per_token,
+                               context.value, part.sizes.state_slot_bytes)
+        except StartupError:  # the folder's count may be above what loads (e.g. .bin files of another dtype):
+            tiers = None  # the builder sizes from the loaded model and refuses then, as it always did
+    return LoadPlan(decision, attention, arch, quant, part, context, model_max, tiers, backend_facts)
 
 
 def plan_backend(backend: str, facts: PlanFacts) -> BackendPlan:
@@ -103,10 +121,20 @@ def plan_backend(backend: str, facts: PlanFacts) -> BackendPlan:
         return mlx_plan(facts)
     from tierlm.backends.torch.load_plan import plan_load as torch_plan
 
-    try:
-        return torch_plan(facts)
-    except cpu_plan.CpuPlanError as e:  # an override this CPU or model cannot run: the message says which
-        raise StartupError(str(e)) from e
+    return torch_plan(facts)
+
+
+def compile_for_loaded(plan: LoadPlan, weight_bytes: int, weight_format: str) -> Choice[bool]:
+    """The backend's compile choice again, for the weights as loaded, where they are not what the folder counted
+    (the default compiles by weight bytes and format)."""
+    sizes = plan.backend.sizes
+    if plan.decision.backend != "torch" or (sizes is not None and (sizes.weight_bytes, sizes.weight_format) ==
+                                            (weight_bytes, weight_format)):
+        return plan.backend.compile
+    from tierlm.backends.torch.load_plan import plan_compile
+
+    held = ServedSizes(plan.dtype, plan.dtype, weight_format, weight_bytes, 0)
+    return plan_compile(plan.facts, held)
 
 
 def chat_format_for(args: ServerArgs, folder: ModelFolder, template: str | None, template_source: str | None
@@ -135,7 +163,12 @@ def folder_chat_template(folder: ModelFolder) -> tuple[str | None, str | None]:
 
 
 def model_max_context(folder: ModelFolder) -> int:
-    return int(folder.text_config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+    return stated_max_context(folder) or DEFAULT_CONTEXT_LENGTH
+
+
+def stated_max_context(folder: ModelFolder) -> int | None:
+    value = folder.text_config.get("max_position_embeddings")
+    return int(value) if value else None
 
 
 def size_tiers(args: ServerArgs, facts: Facts, decision: Decision, weight_bytes: int, kv_bytes_per_token: int,

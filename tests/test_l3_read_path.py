@@ -629,6 +629,6 @@ def test_probed_pages_of_a_shared_store_take_free_host_pages_only():
                             host=SimpleNamespace(data=None))
     storage = SimpleNamespace(register_host_memory=lambda data: None)
     prefetch = StoragePrefetch(cache, storage, io=None)
-    m = SimpleNamespace(host_pages=[], last_node=None, host_last_node=None)
+    m = SimpleNamespace(host_pages=[], last_node=object(), host_last_node=None)  # a match ends at a node
     assert prefetch._reserve_host(m, 0, extra=5) == [0, 1] and tree.evicted == 0  # probes: the 2 free pages only
     assert prefetch._reserve_host(m, 3, extra=5) == [0, 1, 2] and tree.evicted == 3  # known: evicted for

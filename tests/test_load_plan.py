@@ -64,16 +64,34 @@ def _build(flags: list[str], monkeypatch, edit=None):
 
 def test_the_builder_executes_the_plan_it_is_given(monkeypatch):
     def edit(plan):
-        part = replace(plan.backend, dtype=Choice("bfloat16", "the test's plan"),
-                       compile=Choice(False, "the test's plan: eager"))
+        part = replace(plan.backend, dtype=Choice("bfloat16", "the test's plan"))
         return replace(plan, backend=part, attention=Choice("torch_native", "the test's attention"))
 
     parts, plan = _build([], monkeypatch, edit)
     try:
         assert parts.model_info.dtype == "bfloat16" and parts.dtype_reason == "the test's plan"
         assert parts.attention == ("torch_native", "the test's attention")
-        assert parts.torch_compile == {"enabled": False, "chosen_by": "default", "why": "the test's plan: eager"}
         assert parts.describe()["dtype_chosen_by"] == "the test's plan"
+    finally:
+        parts.close()
+
+
+def test_the_builder_compiles_as_planned_for_the_weights_planned(monkeypatch):
+    """The compile choice is the plan's where the weights load as the folder counted them; where they do not (here
+    the plan's bytes are edited), the backend's rule is asked again for the weights as loaded."""
+    def edit(plan, **sizes):
+        part = replace(plan.backend, compile=Choice(False, "the test's plan: eager"),
+                       sizes=replace(plan.backend.sizes, **sizes))
+        return replace(plan, backend=part)
+
+    parts, plan = _build([], monkeypatch, edit)
+    try:
+        assert parts.torch_compile == {"enabled": False, "chosen_by": "default", "why": "the test's plan: eager"}
+    finally:
+        parts.close()
+    parts, plan = _build([], monkeypatch, lambda p: edit(p, weight_bytes=p.backend.sizes.weight_bytes + 1))
+    try:
+        assert parts.torch_compile["why"] != "the test's plan: eager"  # the rule, asked again
     finally:
         parts.close()
 
@@ -124,3 +142,21 @@ def test_doctor_prints_the_plan_serve_builds(flags, monkeypatch):
     finally:
         parts.close()
     assert "Load plan" in doctor_cmd.render_text(report)
+
+
+def test_a_context_length_the_folder_did_not_name_is_taken_from_the_loaded_model(monkeypatch, caplog):
+    """A config.json without max_position_embeddings leaves it to the model class's default, which the folder alone
+    cannot know: the builder takes the loaded model's and sizes the tiers by it (logged)."""
+    def edit(plan):
+        return replace(plan, model_max=99999, context_length=Choice(99999, "the test's folder count"))
+
+    with caplog.at_level(logging.INFO, logger="tierlm.runtime.engine_setup"):
+        parts, plan = _build([], monkeypatch, edit)
+    try:
+        assert parts.context_length == parts.backend.info.max_position_embeddings != 99999
+        assert "the loaded model's max_position_embeddings" in caplog.text
+        tiers = load_plan.size_tiers(parts.args, CPU_BOX, plan.decision, parts.backend.weight_bytes(),
+                                     parts.backend.kv_bytes_per_token(), parts.context_length)
+        assert parts.cache.accounting()["total_pages"] == tiers.device_pages
+    finally:
+        parts.close()

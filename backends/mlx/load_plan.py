@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tierlm.backends.base import BackendPlan, Choice, PlanFacts
 from tierlm.backends.model_source.served_sizes import served_sizes
+from tierlm.platforms import cpu_plan
 
 
 def plan_load(facts: PlanFacts) -> BackendPlan:
@@ -13,8 +14,10 @@ def plan_load(facts: PlanFacts) -> BackendPlan:
         sizes, sizes_why = served_sizes(facts.folder, facts.dtype, facts.device, facts.kv_cache_dtype, facts.quant,
                                         facts.env), ""
     except (KeyError, TypeError, ValueError) as e:
-        sizes, sizes_why = None, f"cannot size the model from its config.json (no usable {e})"
-    compile = Choice(False, "torch.compile is the torch backend's; the MLX backend runs its own step")
+        sizes, sizes_why = None, f"no usable {e}"
+    forced = cpu_plan.override(facts.env, "compile")  # ("no", the setting that asked) as on the torch backend
+    compile = Choice(False, forced[1] if forced is not None and forced[0] == "no" else
+                     f"compiled decode is the torch backend's CPU path, not mlx on {facts.device}")
     if facts.enable_torch_compile:  # refused by the builder (ModelBackend.init_torch_compile says why)
         compile = Choice(True, "--enable-torch-compile")
     return BackendPlan(dtype, sizes, compile, None, sizes_why)

@@ -15,7 +15,7 @@ from tierlm.backends.torch.compile.policy import cxx_compiler, cxx_name, default
 from tierlm.backends.weight_format import (FP8_MATMUL_CAPABILITY, checkpoint_method, input_embedding_shape,
                                            mxfp4_experts_mode, safetensors_shapes)
 from tierlm.platforms import cpu_plan
-from tierlm.platforms.cpu_features import this_cpu
+from tierlm.platforms.cpu_features import CpuFeatures, this_cpu
 
 
 def plan_load(facts: PlanFacts) -> BackendPlan:
@@ -23,11 +23,16 @@ def plan_load(facts: PlanFacts) -> BackendPlan:
     try:
         sizes = held_sizes(facts, dtype.value)
     except (KeyError, TypeError, ValueError) as e:  # a config without the usual fields (e.g. Nemotron-H's layers)
-        sizes, sizes_why = None, f"cannot size the model from its config.json (no usable {e})"
+        sizes, sizes_why = None, f"no usable {e}"
     else:
         sizes_why = ""
-    kernels = cpu_kernels(facts, sizes) if facts.device == "cpu" and sizes is not None else None
-    return BackendPlan(dtype, sizes, plan_compile(facts, sizes), kernels, sizes_why)
+    kernels, refusal = None, ""
+    if facts.device == "cpu" and sizes is not None:
+        try:
+            kernels = cpu_kernels(facts, sizes)
+        except cpu_plan.CpuPlanError as e:  # an override this CPU or model cannot run: the message says which
+            refusal = str(e)
+    return BackendPlan(dtype, sizes, plan_compile(facts, sizes), kernels, sizes_why, refusal)
 
 
 def plan_dtype(facts: PlanFacts) -> Choice[str]:
@@ -63,7 +68,7 @@ def held_sizes(facts: PlanFacts, dtype: str) -> ServedSizes:
         # CPU, CUDA before Ada); a CUDA device of unknown capability counts as one without
         sizes = _with(sizes, weight_bytes(folder, dtype, fp8_dequantized=True))
     return _with(sizes, sizes.weight_bytes + tied_lm_head_copy_bytes(folder, dtype, sizes.weight_format, device,
-                                                                      facts.env))
+                                                                      facts.env, facts.cpu))
 
 
 def _with(sizes: ServedSizes, held: int, **notes: object) -> ServedSizes:
@@ -72,14 +77,14 @@ def _with(sizes: ServedSizes, held: int, **notes: object) -> ServedSizes:
 
 
 def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, weight_format: str, device: str,
-                            env: Mapping[str, str]) -> int:
+                            env: Mapping[str, str], cpu: CpuFeatures | None = None) -> int:
     """bf16 on a CPU whose oneDNN prepacks: the backend packs a tied lm_head as a copy next to the embedding
     (backends/torch/cpu/linear.py) where the CPU plan says so (platforms/cpu_plan.packs_tied_lm_head)."""
     if device != "cpu" or dtype != "bfloat16":
         return 0
     if checkpoint_method(folder.config) not in (None, "compressed-tensors"):
         return 0  # MXFP4 / mlx checkpoints: no plain bf16 lm_head to pack (compressed-tensors leaves it float)
-    if not cpu_plan.packs_tied_lm_head(this_cpu(), cpu_plan.ModelFacts(dtype, dtype, weight_format=weight_format),
+    if not cpu_plan.packs_tied_lm_head(cpu or this_cpu(), cpu_plan.ModelFacts(dtype, dtype, weight_format=weight_format),
                                        env):
         return 0
     shapes = safetensors_shapes(list(folder.weight_files))
@@ -97,7 +102,7 @@ def cpu_kernels(facts: PlanFacts, sizes: ServedSizes) -> dict[str, Choice[str]] 
     the install built (read from its manifest: nothing loaded); raises cpu_plan.CpuPlanError on a bad override."""
     from tierlm.backends.torch.cpu import library  # no torch: the manifest alone
 
-    cpu = this_cpu()
+    cpu = facts.cpu or this_cpu()
     heads, kv_heads, head_dim = sizes.attention_heads
     model = cpu_plan.ModelFacts(sizes.dtype, sizes.kv_dtype, heads, kv_heads, head_dim, sizes.weight_format)
     lib = library.installed_facts(cpu, facts.env)

@@ -145,8 +145,8 @@ class StoragePrefetch:
             return []
         tree, host_alloc = self.cache.tree, self.cache.host_alloc
         node = m.host_last_node if m.host_pages else m.last_node
-        assert node is not None  # a host continuation ends at host_last_node
         if n > 0:
+            assert node is not None  # evicting for a read: the match to keep ends at a node (the root at least)
             tree.lock(node)
             try:
                 self._make_host_free(n)

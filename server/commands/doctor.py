@@ -75,15 +75,16 @@ def model_folder(args: ServerArgs) -> Iterator[tuple[Path | None, str, str | Non
     yield folder, given, why, None
 
 
-def backend_plan(folder: ModelFolder, args: ServerArgs, decision: Decision, env: dict[str, str],
-                 compute_capability: tuple[int, int] | None = None, architecture: str = "") -> BackendPlan:
-    """The chosen backend's part of serve's load plan (runtime/load_plan.plan_backend): dtype, the model as it
-    will be held, the CPU kernel plan, the compiled decode step; StartupError for a CPU plan override it refuses."""
+def backend_plan(folder: ModelFolder, args: ServerArgs, decision: Decision, env: dict[str, str], facts: Facts,
+                 architecture: str = "") -> BackendPlan:
+    """The chosen backend's part of serve's load plan (runtime/load_plan.plan_backend) on the machine of ``facts``:
+    dtype, the model as it will be held, the CPU kernel plan (or its refusal), the compiled decode step."""
     quant = parse_weight_quant(args.quantization, args.torchao_config)
     return plan_backend(decision.backend, PlanFacts(
         folder, decision.device, args.dtype, args.kv_cache_dtype, decision.native_bf16, quant, env,
-        architecture=architecture, compute_capability=compute_capability,
-        enable_torch_compile=args.enable_torch_compile, static_decode=args.cuda_graph_max_bs is not None))
+        architecture=architecture, compute_capability=facts.compute_capability,
+        enable_torch_compile=args.enable_torch_compile, static_decode=args.cuda_graph_max_bs is not None,
+        cpu=facts.cpu))
 
 
 def model_architecture(args: ServerArgs, folder: ModelFolder, backend: str
@@ -142,7 +143,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
         if bytes_only_why:
             report["warnings"].append(bytes_only_why)
         if folder is not None:
-            _check_model(report, args, folder, label, decision, env, facts.compute_capability)
+            _check_model(report, args, folder, label, decision, env, facts)
             if report["model"] is not None:
                 report["plan"] = load_plan_of(args, facts, folder, env, decision)
     sizes = report["model"]
@@ -184,21 +185,19 @@ def load_plan_of(args: ServerArgs, facts: Facts, path: Path, env: dict[str, str]
 
 
 def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: str, decision: Decision,
-                 env: dict[str, str], compute_capability: tuple[int, int] | None = None) -> None:
+                 env: dict[str, str], facts: Facts) -> None:
     """The architecture check, the model's sizes and the context length, as serve finds them."""
     folder = ModelFolder.read(path)  # config.json read once, as serve reads it
     report["architecture"], arch_note = model_architecture(args, folder, decision.backend)
     if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
         report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
             arch_note)
-    try:
-        part = backend_plan(folder, args, decision, env, compute_capability,
-                            (report["architecture"] or {}).get("architecture") or "")
-    except StartupError as e:  # a CPU plan override this machine or model cannot run
-        report["errors"].append(str(e))
-        return
+    part = backend_plan(folder, args, decision, env, facts, (report["architecture"] or {}).get("architecture") or "")
+    if part.refusal:  # a CPU plan override this machine or model cannot run: serve refuses it before loading
+        report["errors"].append(part.refusal)
     if part.sizes is None:  # a config without the usual fields (e.g. Nemotron-H's layers)
-        report["warnings"].append(f"{label}: {part.sizes_why}: tier sizes are byte budgets only, not tokens")
+        report["warnings"].append(f"cannot size {label} from its config.json ({part.sizes_why}): tier sizes are "
+                                  "byte budgets only, not tokens")
         return
     report["backend_plan"] = part
     sizes = {"path": label, **part.sizes.to_dict(), "max_position_embeddings": model_max_context(folder)}

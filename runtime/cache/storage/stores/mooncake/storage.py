@@ -80,17 +80,26 @@ class MooncakeKVStorage(KVStorage):
         # Prefetch pages per get_batch (one metadata round trip for all): up to 32, and no more than half the
         # client's transfer buffer holds (a batch larger than the buffer comes back with values missing).
         self.copy_batch_pages = max(1, min(MAX_READ_BATCH_PAGES, config.local_buffer_size // 2 // self.value_bytes))
-        self.retry_interval_s = float(retry_interval_s)
         self._ns_raw = namespace.id_bytes
         self._prefix = f"{KEY_PREFIX}_{self._ns_raw.hex()}_"
         self.location = f"mooncake://{config.master_server_address or config.client_server_address}/" \
                         f"{namespace.folder_name}"
         self._ledger = Ledger(max_known)
-        self._health = Health(self.retry_interval_s, config.master_server_address, self.location,
+        self._health = Health(float(retry_interval_s), config.master_server_address, self.location,
                               on_recover=self._ledger.forget_all)
         self._conn = Connection(config, self._health, self.value_bytes, MAX_ZERO_COPY_BATCH_PAGES,
                                 store_class or import_store_class(), probe_key=self._prefix + "probe")
         self._conn.start(connect_wait_s)
+
+    @property
+    def retry_interval_s(self) -> float:
+        """After a failed call, one call per this many seconds tries the master (the others are answered at once);
+        the health watch probes as often while degraded."""
+        return self._health.retry_interval_s
+
+    @retry_interval_s.setter
+    def retry_interval_s(self, seconds: float) -> None:
+        self._health.retry_interval_s = float(seconds)
 
     @property
     def online(self) -> bool:

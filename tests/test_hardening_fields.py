@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from fake_engine import FakeEngine
 from http_helpers import LOCAL, assert_error, sse_events
 from tierlm.runtime.server_args import ServerArgs
-from tierlm.server.api.openai.protocol import UNSUPPORTED_GENERATE_FIELDS
+from tierlm.server.api.native.protocol import UNSUPPORTED_GENERATE_FIELDS
 from tierlm.server.app import create_app
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -19,10 +19,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from tierlm.server.api.native.infill_protocol import InfillResponse, InfillStreamChunk
+from tierlm.server.api.native.protocol import (DetokenizeResponse, FlushCacheResponse, ModelInfo,
+                                               NativeGenerateResponse, RankLoad, ServerInfo, StatusResponse,
+                                               TokenizeResponse, VersionResponse)
 from tierlm.server.api.openai.protocol import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse,
-                                               ErrorResponse, DetokenizeResponse, FlushCacheResponse, ModelCard,
-                                               ModelInfo, ModelList, NativeGenerateResponse, RankLoad, ServerInfo,
-                                               StatusResponse, TokenizeResponse, VersionResponse)
+                                               ErrorResponse, ModelCard, ModelList)
 from tierlm.server.api.responses.protocol import ResponseDeleted, ResponseObject, ResponseStreamEvent
 from tierlm.server.http.auth import OPEN_PATHS
 

@@ -5,8 +5,8 @@ from typing import Any
 
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.sampling_params import SamplingParams, SamplingParamsError
-from tierlm.server.api.openai.protocol import (ChatCompletionRequest, CompletionRequest, NativeGenerateRequest,
-                                               NativeSamplingParams, OpenAISamplingFields)
+from tierlm.server.api.native.protocol import NativeGenerateRequest, NativeSamplingParams
+from tierlm.server.api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAISamplingFields
 from tierlm.server.pipeline.structured_output import native_grammar_param, openai_grammar_fields
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag
 
-from tierlm.server.api.openai.protocol import INT32_MAX, CheckedText
+from tierlm.server.pipeline.request_fields import INT32_MAX
+from tierlm.server.pipeline.text_fields import CheckedText
 
 MAX_CACHE_BREAKPOINTS = 4  # as Anthropic: at most four blocks with cache_control per request
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput, GenerateRequest
-from tierlm.server.api.openai.protocol import NativeGenerateRequest
+from tierlm.server.api.native.protocol import NativeGenerateRequest
 from tierlm.server.deps import make_request, ready_engine
 from tierlm.server.pipeline.generation import ChoiceResult, collect_outputs, stream_choices, unless_disconnected
 from tierlm.server.pipeline.logprob_format import NativeLogprobs

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from tierlm.server.api.openai.protocol import INT32_MAX, StopField, CheckedText
+from tierlm.server.pipeline.request_fields import INT32_MAX, StopField
+from tierlm.server.pipeline.text_fields import CheckedText
 
 
 class InfillChunk(BaseModel):

@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
-from tierlm.server.api.openai.protocol import ModelCard, ModelList, RankLoad, VersionResponse
+from tierlm.server.api.native.protocol import RankLoad, VersionResponse
+from tierlm.server.api.openai.protocol import ModelCard, ModelList
 from tierlm.server.deps import engine_of, make_request, model_name, ready_engine, served_names
 from tierlm.server.http.errors import error_response
 from tierlm.server.pipeline.generation import collect_outputs

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.tokenizer_protocol import Tokenizer
-from tierlm.server.api.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from tierlm.server.api.native.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from tierlm.server.deps import check_model, ready_engine
 from tierlm.server.pipeline.tokenization import (TemplatePolicy, apply_chat_template, check_text, decode_ids,
                                                  encode_text, off_loop)

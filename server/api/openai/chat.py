@@ -2,23 +2,19 @@
 choices, optional SSE streaming."""
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tierlm.runtime.engine_api import EngineAPI
-from tierlm.runtime.io_struct import GenerateOutput
-from tierlm.server.api.openai.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                               ChatCompletionResponse, ChatDelta, ChatMessageOut, make_usage)
+from tierlm.server.api.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                               ChatMessageOut, make_usage)
+from tierlm.server.api.openai.stream import chat_events, chat_logprobs
 from tierlm.server.deps import check_model, model_name, new_id, ready_engine
-from tierlm.server.pipeline.chat import ChatCall, ChatRun, prepare_chat, run_chat, stream_chat
+from tierlm.server.pipeline.chat import ChatCall, prepare_chat, run_chat
 from tierlm.server.pipeline.generation import summed_usage
-from tierlm.server.pipeline.logprob_format import Pieces, chat_logprob_content
-from tierlm.server.pipeline.sse import DONE, EventStreamResponse, sse_data
-from tierlm.server.pipeline.tools import delta_tool_calls, message_tool_calls
+from tierlm.server.pipeline.logprob_format import Pieces
+from tierlm.server.pipeline.sse import EventStreamResponse
+from tierlm.server.pipeline.tools import message_tool_calls
 
 router = APIRouter()
 
@@ -30,7 +26,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     response_id = new_id("chatcmpl-")
     run = await prepare_chat(engine, ChatCall(chat=body), response_id)
     if body.stream:
-        return EventStreamResponse(_events(request, engine, run, response_id))
+        return EventStreamResponse(chat_events(request, engine, run, response_id))
 
     outcomes = await run_chat(request, engine, run)
     pieces = Pieces(engine.tokenizer)
@@ -41,51 +37,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                                                                          else ""),
                                                             reasoning_content=o.parsed.reasoning or None,
                                                             tool_calls=message_tool_calls(o.parsed.tool_calls)),
-                            finish_reason=o.finish_reason, logprobs=_logprobs(body, pieces, o.final))
+                            finish_reason=o.finish_reason, logprobs=chat_logprobs(body, pieces, o.final))
                  for i, o in enumerate(outcomes)],
         usage=make_usage(*summed_usage([o.final for o in outcomes], body.n)),  # type: ignore[misc]
     )
     return JSONResponse(response.model_dump())
-
-
-def _logprobs(body: ChatCompletionRequest, pieces: Pieces, out: GenerateOutput | None) -> dict | None:
-    """``choices[].logprobs`` (OpenAI: {"content": [...]}) of the output tokens in ``out``; None unless asked."""
-    if not body.logprobs or out is None:
-        return None
-    return {"content": chat_logprob_content(pieces, out.logprobs)}
-
-
-async def _events(request: Request, engine: EngineAPI, run: ChatRun, response_id: str) -> AsyncIterator[bytes]:
-    """OpenAI's order: per choice a role chunk, content deltas, a finish chunk; then usage (if asked), [DONE]."""
-    body = run.body
-    created = int(time.time())
-    name = model_name(engine)
-    exclude = None if body.include_usage else {"usage"}
-
-    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
-        c = ChatCompletionChunk(id=response_id, created=created, model=name,
-                                choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                                         logprobs=logprobs)])
-        return sse_data(c.model_dump(exclude=exclude))
-
-    pieces = Pieces(engine.tokenizer)
-    for i in range(len(run.reqs)):
-        yield chunk(i, ChatDelta(role="assistant", content=""))
-    finals: list[GenerateOutput | None] = [None] * len(run.reqs)
-    # aclosing: a client that goes away mid-stream aborts the unfinished requests at once
-    async with aclosing(stream_chat(request, engine, run, finals)) as stream:
-        async for piece in stream:
-            lp = _logprobs(body, pieces, piece.out)
-            d = piece.delta
-            if d or (lp and lp["content"]):
-                content = d.content if d.content or not (d.reasoning or d.tool_calls) else None
-                yield chunk(piece.index, ChatDelta(content=content, reasoning_content=d.reasoning or None,
-                                                   tool_calls=delta_tool_calls(d.tool_calls)), logprobs=lp)
-            if piece.finish_reason is not None:
-                yield chunk(piece.index, ChatDelta(), piece.finish_reason)
-    if any(f is None for f in finals):
-        return  # the client is gone
-    if body.include_usage:
-        usage = make_usage(*summed_usage(finals, body.n))  # type: ignore[arg-type]
-        yield sse_data(ChatCompletionChunk(id=response_id, created=created, model=name, choices=[], usage=usage))
-    yield DONE

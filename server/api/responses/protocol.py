@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
 
-from tierlm.server.api.openai.protocol import CheckedText
+from tierlm.server.pipeline.text_fields import CheckedText
 
 # The OpenAPI document states exactly the forms server/api/responses/input.py reads (the fields keep lax types, so its
 # 400s name the exact item); server/http/openapi_doc.py serves it.

@@ -93,6 +93,18 @@ def byte_views(payload: PagePayload) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in parts]
 
 
+def page_to_store(key: str, payload: PagePayload, page_bytes: int
+                  ) -> tuple[Callable[[], bool] | None, list[memoryview]]:
+    """What every store's set() writes: the page's byte views, checked to be ``page_bytes`` long, and a
+    BorrowedPage's ``valid`` (None for a page the caller owns), to ask once the bytes are written."""
+    valid = payload.valid if isinstance(payload, BorrowedPage) else None
+    views = byte_views(payload)
+    nbytes = sum(v.nbytes for v in views)
+    if nbytes != page_bytes:
+        raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {page_bytes}")
+    return valid, views
+
+
 def check_page_key(key: str) -> None:
     """Every backend's keys come from page_keys(); anything else is a caller's bug."""
     if not is_page_key(key):

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from tierlm.runtime.cache.storage import page_header
-from tierlm.runtime.cache.storage.base import (BorrowedPage, HealthState, KVStorage, PageBuffer, PagePayload,
-                                               byte_views, check_page_key)
+from tierlm.runtime.cache.storage.base import (HealthState, KVStorage, PageBuffer, PagePayload, byte_views,
+                                               check_page_key, page_to_store)
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
 from tierlm.runtime.cache.storage.stores.file.config import (AUTO_BOUND, DEFAULT_BOUND_FREE_SHARE,
@@ -240,11 +240,7 @@ class FileKVStorage(KVStorage):
         its memory was reused meanwhile; the write is dropped and set() returns False, not counted as an error)."""
         self._check_open()
         self._check_key(key)
-        valid = payload.valid if isinstance(payload, BorrowedPage) else None
-        views = byte_views(payload)
-        nbytes = sum(v.nbytes for v in views)
-        if nbytes != self.page_bytes:
-            raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {self.page_bytes}")
+        valid, views = page_to_store(key, payload, self.page_bytes)
         if self._offline is not None:
             return False
         path = self._path(key)

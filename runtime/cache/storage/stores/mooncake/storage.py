@@ -34,8 +34,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from tierlm.runtime.cache.storage import page_header
-from tierlm.runtime.cache.storage.base import (BorrowedPage, HealthState, KVStorage, PageBuffer, PagePayload,
-                                               byte_views, check_page_key, copy_into)
+from tierlm.runtime.cache.storage.base import (HealthState, KVStorage, PageBuffer, PagePayload, check_page_key,
+                                               copy_into, page_to_store)
 from tierlm.runtime.cache.storage.namespace import StorageNamespace
 from tierlm.runtime.cache.storage.page_header import HEADER_SIZE
 from tierlm.runtime.cache.storage.stores.mooncake.client import ClientFactory, MooncakeClient
@@ -382,11 +382,7 @@ class MooncakeKVStorage(KVStorage):
         buffers. A key already stored (by this or another server) is left as it is: True."""
         self._check_open()
         self._check_key(key)
-        valid = payload.valid if isinstance(payload, BorrowedPage) else None
-        views = byte_views(payload)
-        nbytes = sum(v.nbytes for v in views)
-        if nbytes != self.page_bytes:
-            raise ValueError(f"payload for {key[:12]}.. has {nbytes} bytes, this storage stores {self.page_bytes}")
+        valid, views = page_to_store(key, payload, self.page_bytes)
         store = self._conn.client()
         if store is None:
             return False

@@ -19,7 +19,7 @@ Facts must be detected *before* the weights are loaded: the weights are subtract
 Pure: no probing, no allocation. Sizes in messages are GB = 1e9 bytes, as SGLang prints them.
 
 `size_kv_tiers` is the one function that turns facts, decision, launch flags and the model's sizes into the
-pages a launch allocates: `tierlm serve` (runtime/engine_setup.plan_tiers) allocates what it returns and
+pages a launch allocates: `tierlm serve` (runtime/load_plan.size_tiers) allocates what it returns and
 `tierlm doctor` reports what it returns, so the two never disagree.
 """
 from __future__ import annotations

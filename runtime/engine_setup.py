@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from tierlm.backends.base import Choice, GrammarBackend, HostStatePool, KVCacheDtypeError, ModelBackend, ModelInfo
 from tierlm.backends.dtypes import DTYPE_BYTES
@@ -301,14 +301,6 @@ def commit_host_pool(cache: KVCacheManager) -> None:
              sum(p.total_bytes for p in pools) / 2**20, time.monotonic() - t0)
 
 
-def check_attention_backend(args: ServerArgs, decision: Decision, env: Mapping[str, str] | None = None
-                            ) -> tuple[str, str]:
-    """The attention implementation and why (runtime/load_plan.resolve_attention_backend), logged."""
-    choice = Choice(*resolve_attention_backend(args, decision, os.environ if env is None else env))
-    log_attention(args, choice)
-    return choice.value, choice.why
-
-
 def log_attention(args: ServerArgs, choice: Choice[str]) -> None:
     name = choice.value
     log.info("attention: %s (%s)", name if args.attention_backend in (None, name) else
@@ -425,15 +417,6 @@ def load_backend(decision: Decision, folder: ModelFolder, args: ServerArgs, atte
                             weight_quant=quant)
     except (UnverifiedArchitectureError, KVCacheDtypeError, WeightFormatError) as e:  # the message names the fix
         raise StartupError(str(e)) from e
-
-
-def plan_tiers(args: ServerArgs, facts: Facts, decision: Decision, backend: ModelBackend, context_length: int
-               ) -> TierSizes:
-    """Device (L1) and host (L2) pages for a loaded backend by the platform's one sizing rule
-    (platforms/memory_plan.size_kv_tiers, which `tierlm doctor` reports), logged."""
-    plan = size_tiers(args, facts, decision, backend.weight_bytes(), backend.kv_bytes_per_token(), context_length,
-                      backend.info.state.slot_bytes if backend.info.state else 0)
-    return log_tiers(args, facts, backend, context_length, plan)
 
 
 def log_tiers(args: ServerArgs, facts: Facts, backend: ModelBackend, context_length: int, plan: TierPlan

@@ -12,12 +12,11 @@ tests check it without loading weights. Every refusal a user can fix is a Startu
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tierlm.backends.base import BackendPlan, Choice, PlanFacts, ServedSizes
+from tierlm.backends.base import BackendPlan, Choice, PlanFacts
 from tierlm.backends.model_source.hybrid_layout import HybridLayoutError, hybrid_layout
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.verified_architectures import ArchitectureCheck, UnverifiedArchitectureError, check_architecture
@@ -133,8 +132,7 @@ def compile_for_loaded(plan: LoadPlan, weight_bytes: int, weight_format: str) ->
         return plan.backend.compile
     from tierlm.backends.torch.load_plan import plan_compile
 
-    held = ServedSizes(plan.dtype, plan.dtype, weight_format, weight_bytes, 0)
-    return plan_compile(plan.facts, held)
+    return plan_compile(plan.facts, weight_bytes, weight_format)
 
 
 def chat_format_for(args: ServerArgs, folder: ModelFolder, template: str | None, template_source: str | None
@@ -143,23 +141,6 @@ def chat_format_for(args: ServerArgs, folder: ModelFolder, template: str | None,
     --tool-call-parser, or the parsers the model unambiguously needs. ServerArgs stays as parsed."""
     return decide_chat_format(folder.model_type, template, template_source, args.reasoning_parser,
                               args.tool_call_parser)
-
-
-def folder_chat_template(folder: ModelFolder) -> tuple[str | None, str | None]:
-    """The chat template a tokenizer loaded from ``folder`` carries, read as transformers reads it
-    (chat_template.jinja, else tokenizer_config.json's chat_template, its "default" entry when named ones), without
-    loading the tokenizer: `tierlm doctor`'s view. (template, where from) or (None, None)."""
-    jinja = folder.path / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(), "the model's tokenizer"
-    try:
-        template = json.loads((folder.path / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return None, None
-    if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
-    return (template, "the model's tokenizer") if isinstance(template, str) and template else (None, None)
 
 
 def model_max_context(folder: ModelFolder) -> int:
@@ -240,9 +221,9 @@ def choose_dtype(args: ServerArgs, decision: Decision, folder: ModelFolder,
                  env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The dtype the chosen backend computes in and why: its load plan's (backends/*/load_plan.py)."""
     if decision.backend == "mlx":
-        return args.dtype, "--dtype" if args.dtype != "auto" else "--dtype auto, resolved by the MLX backend"
-    from tierlm.backends.torch.load_plan import plan_dtype
-
+        from tierlm.backends.mlx.load_plan import plan_dtype
+    else:
+        from tierlm.backends.torch.load_plan import plan_dtype
     c = plan_dtype(PlanFacts(folder, decision.device, args.dtype, args.kv_cache_dtype, decision.native_bf16, None,
                              env or {}))
     return c.value, c.why

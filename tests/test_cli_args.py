@@ -262,13 +262,13 @@ def test_context_length_above_model_limit(caplog: pytest.LogCaptureFixture) -> N
 
 def test_attention_backend_must_match_the_backend() -> None:
     from tierlm.platforms import Decision
-    from tierlm.runtime.engine_setup import check_attention_backend
     from tierlm.runtime.errors import StartupError
+    from tierlm.runtime.load_plan import resolve_attention_backend
 
-    check_attention_backend(ServerArgs(attention_backend="tierlm_paged"), Decision("torch", "cpu"))
-    check_attention_backend(ServerArgs(), Decision("mlx", "mps"))
+    resolve_attention_backend(ServerArgs(attention_backend="tierlm_paged"), Decision("torch", "cpu"), {})
+    resolve_attention_backend(ServerArgs(), Decision("mlx", "mps"), {})
     with pytest.raises(StartupError, match="use --attention-backend mlx_paged"):
-        check_attention_backend(ServerArgs(attention_backend="tierlm_paged"), Decision("mlx", "mps"))
+        resolve_attention_backend(ServerArgs(attention_backend="tierlm_paged"), Decision("mlx", "mps"), {})
 
 
 def test_hicache_io_backend_is_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -66,12 +66,12 @@ def test_the_compiler_inductor_uses_is_looked_up_as_inductor_does(tmp_path):
 
 def test_the_reason_names_the_compiler_it_looked_for(tmp_path):
     """Without a C++ compiler the reason serve logs and reports names the one looked for ($CXX, else g++)."""
-    from tierlm.backends.base import PlanFacts, ServedSizes
+    from tierlm.backends.base import PlanFacts
     from tierlm.backends.torch.load_plan import plan_compile
 
     facts = PlanFacts(None, "cpu", "auto", "auto", False, None,  # type: ignore[arg-type]  # no folder needed
                       {"CXX": "my-g++", "PATH": str(tmp_path)}, architecture="LlamaForCausalLM")
-    out = plan_compile(facts, ServedSizes("bfloat16", "bfloat16", "none", BIG, 1))
+    out = plan_compile(facts, BIG, "none")
     assert not out.value and "no C++ compiler for torch.compile" in out.why
     assert "my-g++ not found" in out.why
 

@@ -226,25 +226,25 @@ def test_static_decode_buffers_with_padding_match_torch_native(page_size):
     assert torch.equal(static_pool[:, :, :real_slots], pool.buffer[:, :, :real_slots])
 
 
-# ------------------------------------------------------------------ selection at startup (engine_setup)
+# ------------------------------------------------------------------ selection at startup (the load plan)
 def test_attention_backend_choice():
     from tierlm.platforms import Decision
-    from tierlm.runtime.engine_setup import check_attention_backend
+    from tierlm.runtime.load_plan import resolve_attention_backend
     from tierlm.runtime.errors import StartupError
     from tierlm.runtime.server_args import ServerArgs
 
     cpu, cuda = Decision("torch", "cpu"), Decision("torch", "cuda")
-    assert check_attention_backend(ServerArgs(), cpu, env={})[0] == "torch_native"
-    assert check_attention_backend(ServerArgs(), cuda, env={})[0] == "triton"  # triton is installed here
-    assert check_attention_backend(ServerArgs(attention_backend="torch_native"), cuda, env={})[0] == "torch_native"
-    assert check_attention_backend(ServerArgs(attention_backend="tierlm_paged"), cpu, env={})[0] == "torch_native"
-    assert check_attention_backend(ServerArgs(), Decision("mlx", "mps"), env={})[0] == "mlx_paged"
+    assert resolve_attention_backend(ServerArgs(), cpu, {})[0] == "torch_native"
+    assert resolve_attention_backend(ServerArgs(), cuda, {})[0] == "triton"  # triton is installed here
+    assert resolve_attention_backend(ServerArgs(attention_backend="torch_native"), cuda, {})[0] == "torch_native"
+    assert resolve_attention_backend(ServerArgs(attention_backend="tierlm_paged"), cpu, {})[0] == "torch_native"
+    assert resolve_attention_backend(ServerArgs(), Decision("mlx", "mps"), {})[0] == "mlx_paged"
     with pytest.raises(StartupError, match="needs a CUDA device"):
-        check_attention_backend(ServerArgs(attention_backend="triton"), cpu, env={})
-    assert check_attention_backend(ServerArgs(attention_backend="triton"), cpu,
-                                   env={"TRITON_INTERPRET": "1"})[0] == "triton"
+        resolve_attention_backend(ServerArgs(attention_backend="triton"), cpu, {})
+    assert resolve_attention_backend(ServerArgs(attention_backend="triton"), cpu,
+                                     {"TRITON_INTERPRET": "1"})[0] == "triton"
     with pytest.raises(StartupError, match="use --attention-backend mlx_paged"):
-        check_attention_backend(ServerArgs(attention_backend="triton"), Decision("mlx", "mps"), env={})
+        resolve_attention_backend(ServerArgs(attention_backend="triton"), Decision("mlx", "mps"), {})
     with pytest.raises(ValueError, match="flashinfer: not implemented"):
         ServerArgs(attention_backend="flashinfer").check()
 
@@ -253,16 +253,16 @@ def test_cuda_without_triton_falls_back(monkeypatch):
     import importlib.util as iu
 
     from tierlm.platforms import Decision
-    from tierlm.runtime.engine_setup import check_attention_backend
+    from tierlm.runtime.load_plan import resolve_attention_backend
     from tierlm.runtime.errors import StartupError
     from tierlm.runtime.server_args import ServerArgs
 
     real = iu.find_spec
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    name, why = check_attention_backend(ServerArgs(), Decision("torch", "cuda"), env={})
+    name, why = resolve_attention_backend(ServerArgs(), Decision("torch", "cuda"), {})
     assert name == "torch_native" and "without Triton" in why
     with pytest.raises(StartupError, match="needs the triton package"):
-        check_attention_backend(ServerArgs(attention_backend="triton"), Decision("torch", "cuda"), env={})
+        resolve_attention_backend(ServerArgs(attention_backend="triton"), Decision("torch", "cuda"), {})
 
 
 # ------------------------------------------------------------------ one engine, end to end

@@ -9,7 +9,7 @@ from tierlm.platforms import cpu_plan
 
 
 def plan_load(facts: PlanFacts) -> BackendPlan:
-    dtype = Choice(facts.dtype, "--dtype" if facts.dtype != "auto" else "--dtype auto, resolved by the MLX backend")
+    dtype = plan_dtype(facts)
     try:
         sizes, sizes_why = served_sizes(facts.folder, facts.dtype, facts.device, facts.kv_cache_dtype, facts.quant,
                                         facts.env), ""
@@ -21,3 +21,8 @@ def plan_load(facts: PlanFacts) -> BackendPlan:
     if facts.enable_torch_compile:  # refused by the builder (ModelBackend.init_torch_compile says why)
         compile = Choice(True, "--enable-torch-compile")
     return BackendPlan(dtype, sizes, compile, None, sizes_why)
+
+
+def plan_dtype(facts: PlanFacts) -> Choice[str]:
+    """--dtype as given: the MLX backend resolves auto itself when it loads."""
+    return Choice(facts.dtype, "--dtype" if facts.dtype != "auto" else "--dtype auto, resolved by the MLX backend")

@@ -9,9 +9,11 @@ Built-in templates (the names SGLang/vLLM users expect for the simple cases):
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tierlm.backends.model_source.errors import ModelSourceError
+from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.tokenizer import CHATML_TEMPLATE
 
 CHATML_TOOLS_TEMPLATE = (
@@ -84,9 +86,24 @@ def resolve_chat_template(value: str) -> tuple[str, str]:
     return text, source
 
 
-def _template_from_json(path: Path, text: str) -> str:
-    import json
+def folder_chat_template(folder: ModelFolder) -> tuple[str | None, str | None]:
+    """The chat template a tokenizer loaded from ``folder`` carries, read as transformers reads it
+    (chat_template.jinja, else tokenizer_config.json's chat_template, its "default" entry when named ones), without
+    loading the tokenizer: `tierlm doctor`'s view. (template, where from) or (None, None)."""
+    jinja = folder.path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(), "the model's tokenizer"
+    try:
+        template = json.loads((folder.path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return (template, "the model's tokenizer") if isinstance(template, str) and template else (None, None)
 
+
+def _template_from_json(path: Path, text: str) -> str:
     try:
         data = json.loads(text)
     except ValueError as e:

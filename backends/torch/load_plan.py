@@ -3,6 +3,7 @@ hold it (weight format, weight and KV bytes), the CPU execution plan and whether
 with its reason, from the model folder and the machine alone. Imports no torch: `tierlm doctor` asks it too."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 from tierlm.backends.base import BackendPlan, Choice, PlanFacts, ServedSizes
@@ -32,7 +33,8 @@ def plan_load(facts: PlanFacts) -> BackendPlan:
             kernels = cpu_kernels(facts, sizes)
         except cpu_plan.CpuPlanError as e:  # an override this CPU or model cannot run: the message says which
             refusal = str(e)
-    return BackendPlan(dtype, sizes, plan_compile(facts, sizes), kernels, sizes_why, refusal)
+    compile = plan_compile(facts, sizes.weight_bytes if sizes else 0, sizes.weight_format if sizes else "none")
+    return BackendPlan(dtype, sizes, compile, kernels, sizes_why, refusal)
 
 
 def plan_dtype(facts: PlanFacts) -> Choice[str]:
@@ -61,19 +63,14 @@ def held_sizes(facts: PlanFacts, dtype: str) -> ServedSizes:
         # packed; folder_facts counts the stored bytes, which are the packed ones)
         mode, why = mxfp4_experts_mode(device, facts.env)
         held = weight_bytes(folder, dtype, mxfp4_dequantized=True) if mode == "dequantized" else sizes.weight_bytes
-        return _with(sizes, held, mxfp4_experts={"mode": mode, "why": why})
+        return replace(sizes, weight_bytes=held, notes={**sizes.notes, "mxfp4_experts": {"mode": mode, "why": why}})
     if method == "compressed-tensors" and not (device == "cuda" and facts.compute_capability is not None
                                                and facts.compute_capability >= FP8_MATMUL_CAPABILITY):
         # fp8 weights are dequantized to the model dtype where there is no fp8 matmul (compressed_tensors.py: the
         # CPU, CUDA before Ada); a CUDA device of unknown capability counts as one without
-        sizes = _with(sizes, weight_bytes(folder, dtype, fp8_dequantized=True))
-    return _with(sizes, sizes.weight_bytes + tied_lm_head_copy_bytes(folder, dtype, sizes.weight_format, device,
-                                                                      facts.env, facts.cpu))
-
-
-def _with(sizes: ServedSizes, held: int, **notes: object) -> ServedSizes:
-    return ServedSizes(sizes.dtype, sizes.kv_dtype, sizes.weight_format, held, sizes.kv_bytes_per_token,
-                       sizes.state_slot_bytes, sizes.vocab_size, sizes.attention_heads, {**sizes.notes, **notes})
+        sizes = replace(sizes, weight_bytes=weight_bytes(folder, dtype, fp8_dequantized=True))
+    return replace(sizes, weight_bytes=sizes.weight_bytes + tied_lm_head_copy_bytes(
+        folder, dtype, sizes.weight_format, device, facts.env, facts.cpu))
 
 
 def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, weight_format: str, device: str,
@@ -84,8 +81,8 @@ def tied_lm_head_copy_bytes(folder: ModelFolder, dtype: str, weight_format: str,
         return 0
     if checkpoint_method(folder.config) not in (None, "compressed-tensors"):
         return 0  # MXFP4 / mlx checkpoints: no plain bf16 lm_head to pack (compressed-tensors leaves it float)
-    if not cpu_plan.packs_tied_lm_head(cpu or this_cpu(), cpu_plan.ModelFacts(dtype, dtype, weight_format=weight_format),
-                                       env):
+    model = cpu_plan.ModelFacts(dtype, dtype, weight_format=weight_format)
+    if not cpu_plan.packs_tied_lm_head(cpu or this_cpu(), model, env):
         return 0
     shapes = safetensors_shapes(list(folder.weight_files))
     tied = folder.text_config.get("tie_word_embeddings")
@@ -114,12 +111,12 @@ def cpu_kernels(facts: PlanFacts, sizes: ServedSizes) -> dict[str, Choice[str]] 
     return kernels
 
 
-def plan_compile(facts: PlanFacts, sizes: ServedSizes | None) -> Choice[bool]:
-    """--enable-torch-compile, or the CPU default (backends/torch/compile/policy.py)."""
+def plan_compile(facts: PlanFacts, weight_bytes: int, weight_format: str) -> Choice[bool]:
+    """--enable-torch-compile, or the CPU default for weights of that size and format
+    (backends/torch/compile/policy.py)."""
     if facts.enable_torch_compile:
         return Choice(True, "--enable-torch-compile")
-    on, why = default_compile("torch", facts.device, facts.architecture,
-                              sizes.weight_format if sizes else "none", sizes.weight_bytes if sizes else 0,
+    on, why = default_compile("torch", facts.device, facts.architecture, weight_format, weight_bytes,
                               facts.static_decode, cpu_plan.override(facts.env, "compile"), cxx_compiler(facts.env),
                               cxx_name(facts.env))
     return Choice(on, why)

@@ -18,6 +18,7 @@ from tierlm.backends.base import BackendPlan, PlanFacts
 from tierlm.backends.dtypes import HALF_DTYPES, dtype_decision
 from tierlm.backends.model_source import ModelSourceError, resolve_model_path
 from tierlm.backends.model_source.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
+from tierlm.backends.model_source.chat_templates import folder_chat_template
 from tierlm.backends.model_source.hub import cached_snapshot
 from tierlm.backends.model_source.model_folder import ModelFolder
 from tierlm.backends.model_source.resolve import looks_like_path
@@ -28,8 +29,8 @@ from tierlm.platforms import (BackendChoiceError, Decision, Facts, MemoryPlanErr
 from tierlm.platforms.huge_pages import this_machine as huge_page_plan
 from tierlm.runtime.engine_setup import ram_bound
 from tierlm.runtime.errors import StartupError
-from tierlm.runtime.load_plan import (chat_format_for, check_context_length, folder_chat_template, model_max_context,
-                                      plan_backend, plan_load)
+from tierlm.runtime.load_plan import (LoadPlan, chat_format_for, check_context_length, model_max_context, plan_backend,
+                                      plan_load)
 from tierlm.runtime.server_args import ServerArgs
 from tierlm.server.commands.cli_args import build_parser, namespace_to_server_args
 
@@ -137,17 +138,15 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
             refusal = str(e)
         if refusal:
             report["errors"].append(refusal)
+    part = None
     with model_folder(args) as (folder, label, bytes_only_why, refusal):
         if refusal:
             report["errors"].append(refusal)
         if bytes_only_why:
             report["warnings"].append(bytes_only_why)
         if folder is not None:
-            _check_model(report, args, folder, label, decision, env, facts)
-            if report["model"] is not None:
-                report["plan"] = load_plan_of(args, facts, folder, env, decision)
+            part = _check_model(report, args, folder, label, decision, env, facts)
     sizes = report["model"]
-    part: BackendPlan | None = report.pop("backend_plan", None)
     if decision.backend == "torch" and decision.device == "cpu" and sizes and part is not None:
         if part.kernels is not None:
             report["cpu_kernels"] = {name: f"{c.value} ({c.why})" for name, c in part.kernels.items()}
@@ -156,7 +155,7 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
             report["cpu_kernels"]["weight_pages"] = huge_page_plan(env).why
         if sizes["dtype"] in HALF_DTYPES and not decision.native_bf16:  # runs, but slower than float32 here
             report["warnings"].append(dtype_decision(args.dtype, "cpu", None, cpu_bf16=False)[1])
-    # The same rule serve sizes its pools by (runtime/engine_setup.plan_tiers): same inputs, same pages.
+    # The same rule serve sizes its pools by (runtime/load_plan.size_tiers): same inputs, same pages.
     try:
         tiers = size_kv_tiers(facts, decision, args, weight_bytes=sizes["weight_bytes"] if sizes else 0,
                               kv_bytes_per_token=sizes["kv_bytes_per_token"] if sizes else None,
@@ -170,36 +169,39 @@ def diagnose(facts: Facts, env: dict[str, str], argv: Sequence[str]) -> dict[str
     return report
 
 
-def load_plan_of(args: ServerArgs, facts: Facts, path: Path, env: dict[str, str], decision: Decision
-                 ) -> dict[str, Any] | None:
+def serve_plan(args: ServerArgs, facts: Facts, folder: ModelFolder, env: dict[str, str], decision: Decision
+               ) -> LoadPlan | None:
     """serve's load plan (runtime/load_plan.py) for this launch, with the chat format the model folder's template
-    gives (serve reads it from the loaded tokenizer): what serve will build, each choice with its reason."""
-    folder = ModelFolder.read(path)
+    gives (serve reads it from the loaded tokenizer): what serve will build, each choice with its reason. None where
+    serve would stop before loading (the checks of this report say why)."""
     try:
         plan = plan_load(args, facts, folder, env, decision)
-    except StartupError:  # reported above already, as the check that found it
+    except StartupError:
         return None
     if args.chat_template is None and args.tokenizer_path is None:
         plan = replace(plan, chat_format=chat_format_for(args, folder, *folder_chat_template(folder)))
-    return plan.to_dict()
+    return plan
 
 
 def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: str, decision: Decision,
-                 env: dict[str, str], facts: Facts) -> None:
-    """The architecture check, the model's sizes and the context length, as serve finds them."""
+                 env: dict[str, str], facts: Facts) -> BackendPlan:
+    """The architecture check, serve's load plan, the model's sizes and the context length, as serve finds them;
+    the backend's part of the plan."""
     folder = ModelFolder.read(path)  # config.json read once, as serve reads it
     report["architecture"], arch_note = model_architecture(args, folder, decision.backend)
     if arch_note:  # serve refuses it (an error), or loads it only because of --trust-unverified-architecture
         report["warnings" if args.trust_unverified_architecture and report["architecture"] else "errors"].append(
             arch_note)
-    part = backend_plan(folder, args, decision, env, facts, (report["architecture"] or {}).get("architecture") or "")
+    plan = serve_plan(args, facts, folder, env, decision)
+    # where serve would stop before loading, the backend's part alone still sizes the model for this report
+    part = plan.backend if plan is not None else backend_plan(
+        folder, args, decision, env, facts, (report["architecture"] or {}).get("architecture") or "")
     if part.refusal:  # a CPU plan override this machine or model cannot run: serve refuses it before loading
         report["errors"].append(part.refusal)
     if part.sizes is None:  # a config without the usual fields (e.g. Nemotron-H's layers)
         report["warnings"].append(f"cannot size {label} from its config.json ({part.sizes_why}): tier sizes are "
                                   "byte budgets only, not tokens")
-        return
-    report["backend_plan"] = part
+        return part
     sizes = {"path": label, **part.sizes.to_dict(), "max_position_embeddings": model_max_context(folder)}
     try:
         sizes["context_length"] = check_context_length(args.context_length, sizes["max_position_embeddings"], env)
@@ -212,6 +214,8 @@ def _check_model(report: dict[str, Any], args: ServerArgs, path: Path, label: st
                 f"--context-length {args.context_length} exceeds the model's max_position_embeddings "
                 f"{sizes['max_position_embeddings']} (allowed by SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)")
     report["model"] = sizes
+    report["plan"] = plan.to_dict() if plan is not None else None
+    return part
 
 
 def _gb(n: float | None) -> str:

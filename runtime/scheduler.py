@@ -175,16 +175,18 @@ class Scheduler:
                 if d and self.cache.reserve(req, req.kv_len + 1 + len(d)):
                     drafts[req] = d
                     items[req] = 1 + len(d)
-        # 2. prefill chunks within the token budget: in-progress chunked requests first, then new ones
+        # 2. prefill within the token budget. New requests go before the prefills in progress, so a short one that
+        #    arrives during a long prefill is admitted at the next chunk boundary instead of after the whole prompt
+        #    (an agent's side request next to its 64k-token main turn). The oldest prefill in progress takes its
+        #    chunk of half the budget (and its pages) first, so a stream of new requests cannot starve it; the
+        #    prefills in progress then share what the new ones left.
         budget = self.prefill_budget
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.remaining_prefill > 1:
-                n = self._prefill_chunk(req, budget)
-                if n:
-                    items[req] = n
-                    budget -= n
+        chunked = [req for req in self.running if req.remaining_prefill > 1]
+        if chunked:
+            n = self._prefill_chunk(chunked[0], budget // 2 or budget)
+            if n:
+                items[chunked[0]] = n
+                budget -= n
         # 3. new requests, in the policy's order (computed once per step, only when one can be admitted)
         order = self.policy.order(self.waiting) if self.waiting and budget > 0 and \
             len(self.running) < self.max_running else []
@@ -208,6 +210,15 @@ class Scheduler:
             self.metrics.record_prefill(req.remaining_prefill)
             items[req] = n
             budget -= n
+        # 4. the prefills in progress, oldest first, grow their chunks with what is left
+        for req in chunked:
+            if budget <= 0:
+                break
+            had = items.get(req, 0)
+            n = self._prefill_chunk(req, had + budget)
+            if n > had:
+                items[req] = n
+                budget -= n - had
         self.policy.deferred.clear()  # this step's hold-backs only; drop the references
         return list(items.items())
 

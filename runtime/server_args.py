@@ -63,6 +63,7 @@ class ServerArgs:
     max_request_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     log_level: str = "info"
     log_requests: bool = False  # also log each request's prompt and output text
+    keep_anthropic_billing_header: bool = False  # keep Claude Code's per-prompt billing block in the prompt
     # scheduling
     max_running_requests: int = 32
     max_total_tokens: int | None = None  # cap on device KV tokens

@@ -104,12 +104,14 @@ class FakeEngine:
             if matched is not None:  # the stop string is left out of the output (tests use 1-char stops)
                 yield self._final(req, "stop", matched, len(prompt), produced, cached)
                 return
-            yield GenerateOutput(rid=req.rid, text=piece, token_ids=[token])
+            yield GenerateOutput(rid=req.rid, text=piece, token_ids=[token], prompt_tokens=len(prompt),
+                                 completion_tokens=len(produced), cached=cached)  # as the engine's deltas
 
     def _final(self, req: GenerateRequest, reason: str, matched: Any, n_prompt: int, produced: list[int],
                cached: CachedTokens) -> GenerateOutput:
         return GenerateOutput(rid=req.rid, finished=True, finish_reason=reason, matched_stop=matched,
-                              prompt_tokens=n_prompt, completion_tokens=len(produced), cached=cached)
+                              prompt_tokens=n_prompt, completion_tokens=len(produced), cached=cached,
+                              pinned_tokens=max((p.tokens for p in req.pins), default=0))
 
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)

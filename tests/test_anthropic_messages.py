@@ -39,6 +39,9 @@ def events(resp: Any) -> list[tuple[str, dict]]:
     for frame in resp.text.split("\n\n"):
         if not frame.strip():
             continue
+        if frame.startswith(":"):  # an SSE comment: the keepalive before message_start
+            out.append((":", {}))
+            continue
         lines = dict(line.split(": ", 1) for line in frame.split("\n"))
         data = json.loads(lines["data"])
         assert data["type"] == lines["event"]
@@ -69,7 +72,8 @@ def test_create_returns_a_message():
     assert m["content"][0]["type"] == "text" and m["content"][0]["text"].startswith("<user>hi<assistant>")
     assert m["stop_reason"] == "max_tokens" and m["stop_sequence"] is None
     assert m["usage"] == {"input_tokens": len("<user>hi<assistant>"), "output_tokens": 400,
-                          "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+                          "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens_details": {"device": 0, "host": 0, "storage": 0}}
 
 
 def test_beta_query_and_headers_are_accepted():
@@ -305,8 +309,11 @@ def test_pings_while_the_first_token_is_slow(monkeypatch):
     engine.token_delay_s = 0.3
     monkeypatch.setattr(anthropic_stream, "PING_INTERVAL_S", 0.05)
     kinds = [k for k, _ in events(post(client, stream=True))]
-    first_block = kinds.index("content_block_start")
-    assert kinds[:2] == ["message_start", "ping"] and kinds[2:first_block].count("ping") >= 1
+    # message_start waits for the first output (its usage holds the cache reads): SSE comments keep the stream
+    # alive until then (every reader skips them), pings after it
+    start = kinds.index("message_start")
+    assert start >= 1 and set(kinds[:start]) == {":"}
+    assert kinds[start + 1] == "ping" and kinds[start + 2:].count("ping") >= 1
     assert kinds[-1] == "message_stop"
 
 
@@ -357,7 +364,7 @@ def test_a_late_system_message_folds_into_a_user_turn_where_the_template_refuses
                                         {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]}
     r = post(client, **body)
     assert r.status_code == 200, r.text
-    assert sent_prompt(engine) == "<system>S<user>q<assistant>a<user>mid\n\nq2<assistant>"
+    assert sent_prompt(engine) == "<system>S<user>q\n\nmid<assistant>a<user>q2<assistant>"
     n = client.post("/v1/messages/count_tokens", json={"model": "default", **body}).json()["input_tokens"]
     assert n == len(sent_prompt(engine))
     # a system message at the end joins the last user turn; a refusal for another reason stays a 400
@@ -368,6 +375,90 @@ def test_a_late_system_message_folds_into_a_user_turn_where_the_template_refuses
     assert r.status_code == 200
     engine.tokenizer.chat_template = "{{ raise_exception('no') }}"
     assert_anthropic_error(post(client), 400, "invalid_request_error", "chat template rejected")
+
+
+REFUSES_LATE_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                       "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                       "<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+
+
+@pytest.mark.parametrize("template", [None, REFUSES_LATE_SYSTEM], ids=["late-system-allowed", "late-system-folded"])
+def test_an_appended_turn_keeps_the_tokens_of_the_earlier_ones(template):
+    """Claude Code's session, request by request (its agent list is a system message right after the first prompt;
+    a continued session appends a new prompt, a later one a reminder with it): each prompt, without the generation
+    prompt, is a prefix of the next one, so every turn reuses the whole previous prompt."""
+    client, engine = make()
+    engine.script = "ok"
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    first = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>date</system-reminder>"},
+                                          {"type": "text", "text": "Review it", "cache_control": {"type": "ephemeral"}}]},
+             {"role": "system", "content": "Available agent types: Explore"}]
+    call = {"role": "assistant", "content": [{"type": "text", "text": "Reading."},
+                                             {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                              "input": {"city": "Paris"}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}
+    again = [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Review it again"}]
+    later = [{"role": "assistant", "content": "Still fine."}, {"role": "system", "content": "reminder: be brief"},
+             {"role": "user", "content": "And now?"}]
+    conversations = [first, [*first, call, result], [*first, call, result, *again],
+                     [*first, call, result, *again, *later]]
+    prompts = []
+    for messages in conversations:
+        r = post(client, system="S", tools=TOOLS, messages=messages)
+        assert r.status_code == 200, r.text
+        prompts.append(sent_prompt(engine).removesuffix("<assistant>"))
+    for before, after in zip(prompts, prompts[1:]):
+        assert after.startswith(before), (before, after)
+    assert "Available agent types" in prompts[0] and "reminder: be brief" in prompts[-1]
+
+
+def test_claude_codes_billing_header_is_left_out_unless_kept():
+    """Its hash changes with every prompt: kept, no two sessions share the prefix behind it."""
+    billing = "x-anthropic-billing-header: cc_version=2.1.197.{}; cc_entrypoint=sdk-cli;"
+    system = [{"type": "text", "text": billing.format("3eb")},
+              {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]
+    client, engine = make()
+    engine.script = "ok"
+    for suffix in ("3eb", "f5e"):
+        system[0]["text"] = billing.format(suffix)
+        r = post(client, system=system)
+        assert r.status_code == 200, r.text
+        assert sent_prompt(engine) == "<system>You are an agent.<user>hi<assistant>"
+    # the breakpoint on the second block still pins the prompt up to its end (in the same place as without the
+    # billing block)
+    pins = [p.tokens for p in engine.received[-1].pins]
+    post(client, system=system[1:])
+    assert pins == [p.tokens for p in engine.received[-1].pins] and pins[0] >= len("<system>You are an agent.")
+    n = client.post("/v1/messages/count_tokens", json={"model": "default", "system": system,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert n.json()["input_tokens"] == len("<system>You are an agent.<user>hi<assistant>")
+    client, engine = make(keep_anthropic_billing_header=True)
+    engine.script = "ok"
+    post(client, system=system)
+    assert sent_prompt(engine).startswith("<system>" + billing.format("f5e") + "\n\nYou are an agent.")
+
+
+def test_message_start_usage_agrees_with_the_final_usage():
+    """Anthropic's message_start carries the uncached input_tokens and both cache fields; the final message_delta
+    says the same."""
+    client, engine = make()
+    engine.script = "ok"
+    system = [{"type": "text", "text": "You review code. " * 4, "cache_control": {"type": "ephemeral"}}]
+    post(client, system=system, stream=True)  # pins the system block
+    evs = events(post(client, system=system, stream=True))  # the fake engine: all but the last token cached
+    start = next(d for k, d in evs if k == "message_start")["message"]["usage"]
+    final = next(d for k, d in evs if k == "message_delta")["usage"]
+    for field in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens",
+                  "cache_read_input_tokens_details"):
+        assert start[field] == final[field], field
+    prompt = len("<system>" + "You review code. " * 4 + "<user>hi<assistant>")
+    assert start["cache_read_input_tokens"] == prompt - 1 == start["cache_read_input_tokens_details"]["device"]
+    assert start["input_tokens"] + start["cache_read_input_tokens"] + start["cache_creation_input_tokens"] == prompt
+    first = events(post(client, system=[{**system[0], "text": "Other instructions."}], stream=True))
+    start = next(d for k, d in first if k == "message_start")["message"]["usage"]
+    [pin] = engine.received[-1].pins
+    assert start["cache_read_input_tokens"] == 0 and start["cache_creation_input_tokens"] == pin.tokens > 0
 
 
 def test_middleware_errors_are_in_anthropic_shape_too():

@@ -7,6 +7,7 @@ installed it) with its traffic to Anthropic turned off by its own settings. Thin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -106,7 +107,8 @@ def test_langchain_chat_anthropic(server: ServerProcess) -> None:
     jsonschema.validate(call.tool_calls[0]["args"], WEATHER)
 
 
-def test_claude_code_runs_against_tierlm(server: ServerProcess, tmp_path: Path) -> None:
+def _claude(server: ServerProcess, tmp_path: Path, prompt: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``claude -p prompt`` (a new session) against ``server``; its result and the server's log lines of it."""
     claude = shutil.which("claude")
     if claude is None:
         pytest.skip("Claude Code is not installed (npm install -g @anthropic-ai/claude-code; .ci/run does it where "
@@ -120,17 +122,35 @@ def test_claude_code_runs_against_tierlm(server: ServerProcess, tmp_path: Path) 
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "16"}
     before = len(server.log_text())
     # its full system prompt and ~24 tools are ~65k tokens, minutes of prefill on a CPU: one tool, a short prompt
-    r = subprocess.run([claude, "-p", "hi", "--model", NAME, "--system-prompt", "Answer briefly.", "--tools", "Read",
-                        "--output-format", "json"], env=env, capture_output=True, text=True, timeout=300, check=False,
-                       cwd=tmp_path)
+    r = subprocess.run([claude, "-p", prompt, "--model", NAME, "--system-prompt", "Answer briefly.", "--tools",
+                        "Read", "--output-format", "json"], env=env, capture_output=True, text=True, timeout=300,
+                       check=False, cwd=tmp_path)
+    answered = [line for line in server.log_text()[before:].splitlines() if "POST /v1/messages" in line]
+    return r, answered
+
+
+def test_claude_code_runs_against_tierlm(server: ServerProcess, tmp_path: Path) -> None:
+    r, answered = _claude(server, tmp_path, "hi")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["type"] == "result" and result["terminal_reason"] == "completed", result
     assert result["api_error_status"] is None, result  # no HTTP error status from tierlm
     # the random model writes until max_tokens, which Claude Code reports as an error of the turn (exit status 1)
     assert r.returncode == 0 or "output token maximum" in result["result"], r.stdout + r.stderr
-    answered = [line for line in server.log_text()[before:].splitlines() if "POST /v1/messages" in line]
     assert answered and all(" 200 " in line for line in answered), "\n".join(answered)
     assert result["usage"]["cache_read_input_tokens"] + result["usage"]["input_tokens"] > 0
+
+
+def test_a_second_claude_code_session_reuses_the_first_ones_prompt(server: ServerProcess, tmp_path: Path) -> None:
+    """Claude Code's first system block is a billing header whose hash changes with every prompt: left out of the
+    prompt (server/api/anthropic/billing_header.py), a new session hits everything up to its own question."""
+    counts = []
+    for question in ("Say hi", "Say yo"):
+        _, answered = _claude(server, tmp_path, question)  # a new session each time (no --continue)
+        assert answered and all(" 200 " in line for line in answered), "\n".join(answered)
+        prompt, cached = map(int, re.search(r"prompt=(\d+) completion=\d+ cached=(\d+)", answered[0]).groups())
+        counts.append((prompt, cached))
+    (first_prompt, _), (_, second_cached) = counts
+    assert second_cached >= 0.95 * first_prompt, counts
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ continuing the earlier turn's exact tokens, the store's bounds, GET/DELETE and t
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import openai
@@ -66,6 +67,16 @@ def test_max_output_tokens_makes_it_incomplete():
     r = sdk(client).responses.create(model="default", input="Hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output_text == "Hel"
+
+
+def test_max_output_tokens_beyond_the_context_is_clamped_as_on_messages(caplog):
+    client, engine = make(script=None)
+    caplog.set_level(logging.INFO, logger="tierlm.server")
+    r = sdk(client).responses.create(model="default", input="Hi", max_output_tokens=10 ** 6)
+    prompt = len(prompt_text(engine))
+    assert r.status == "incomplete" and r.usage.output_tokens == engine.context_length - prompt
+    assert engine.received[-1].sampling_params.max_new_tokens == engine.context_length - prompt
+    assert any("clamped" in rec.getMessage() for rec in caplog.records)
 
 
 def test_input_items_become_messages():

@@ -132,6 +132,8 @@ def test_the_page_is_open_and_its_data_needs_the_key() -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert page.text == (PAGE / "index.html").read_text()
+    head = client.head("/")  # Claude Code probes the server this way at every start
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"].startswith("text/html")
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
         r = client.get(f"/page/{name}")
         assert r.status_code == 200 and r.headers["content-type"].startswith(kind)

@@ -59,3 +59,26 @@ def test_a_stream_cancelled_mid_way_is_logged_as_aborted(caplog: pytest.LogCaptu
     run(app, [{"type": "http.request", "body": b"{}", "more_body": False}])
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/completions")]
     assert "POST /v1/completions 200 aborted by the client" in line
+
+
+@pytest.mark.parametrize("status, level", [(200, logging.DEBUG), (503, logging.DEBUG), (500, logging.WARNING)])
+def test_health_polls_are_quiet_while_the_model_loads(caplog: pytest.LogCaptureFixture, status: int,
+                                                      level: int) -> None:
+    """An orchestrator (or Claude Code's launcher) polls /health through the whole load: 503s are not warnings."""
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    caplog.set_level(logging.DEBUG, logger="tierlm.requests")
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(RequestLogMiddleware(app)({"type": "http", "method": "GET", "path": "/health", "headers": []},
+                                          receive, send))
+    [record] = [r for r in caplog.records if r.getMessage().startswith("GET /health")]
+    assert record.levelno == level

@@ -170,6 +170,10 @@ def build_parser(prog: str = "tierlm serve") -> argparse.ArgumentParser:
                       choices=["debug", "info", "warning", "error", "critical"])
     http.add_argument("--log-requests", action="store_true",
                       help="also log each request's prompt and generated text (the per-request summary line is always logged)")
+    http.add_argument("--keep-anthropic-billing-header", action="store_true",
+                      help="keep Claude Code's first system block 'x-anthropic-billing-header: ...' in the prompt; by "
+                           "default it is left out: its hash changes with every prompt, so no two sessions would share "
+                           "their cached prefix (docs/api.md)")
 
     sched = p.add_argument_group("scheduling and memory")
     sched.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)

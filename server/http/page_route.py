@@ -27,7 +27,7 @@ HEADERS = {
 }
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: Claude Code probes it
 async def index() -> FileResponse:
     return FileResponse(PAGE_DIR / "index.html", media_type="text/html; charset=utf-8", headers=HEADERS)
 

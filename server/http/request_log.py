@@ -145,6 +145,7 @@ class RequestLogMiddleware:
             parts.append(f"body={_clip(request_body.decode('utf-8', 'replace'))!r}")
             if r.output_text:
                 parts.append(f"output={_clip(r.output_text)!r}")
-        quiet = scope.get("path") in QUIET_PATHS and 0 < status < 400
-        level = logging.WARNING if status >= 500 else logging.DEBUG if quiet else logging.INFO
+        # a 503 from /health is the answer while the model loads (the watchdog logs an unhealthy engine itself)
+        quiet = scope.get("path") in QUIET_PATHS and (0 < status < 400 or status == 503)
+        level = logging.DEBUG if quiet else logging.WARNING if status >= 500 else logging.INFO
         logger.log(level, " ".join(parts))

@@ -3,7 +3,9 @@ its cache_control breakpoints (server/api/anthropic/pins.py) as pin points, and 
 
 - ``system`` (string or text blocks, joined by a blank line) is the first system message; a ``role: "system"``
   message inside ``messages`` stays where it is, or, for templates that refuse a system message after the first
-  (``fold_system``), its text goes before the next user message's.
+  (``fold_system``), its text joins a user message where appended turns leave earlier tokens alone (``_folded``).
+- Claude Code's first system block, ``x-anthropic-billing-header: ...`` (a hash that changes with every prompt),
+  is left out unless --keep-anthropic-billing-header: kept, no two sessions would share their cached prefix.
 - A user message's ``tool_result`` blocks become ``tool`` messages (an ``is_error`` result is prefixed "Error: "),
   its text blocks one user message after them; an assistant message's ``tool_use`` blocks become ``tool_calls``
   and its ``thinking`` blocks ``reasoning_content`` (templates that show past thinking read it).
@@ -55,24 +57,43 @@ def has_late_system(body: CountTokensRequest) -> bool:
 
 
 def _folded(messages: list[ChatMessage]) -> list[ChatMessage]:
-    """Each system message after the first joins the next user message (the last one when none follows)."""
+    """Each system message after the first joins a user message, where the turns before it keep their tokens when
+    turns are appended: the user message it follows when no assistant turn lies between (Claude Code sends its agent
+    list right after the first prompt, and every later request keeps it there), else the next user message (a
+    reminder sent with a new prompt); the previous user message when none follows; the leading system message when
+    no user message exists yet."""
     out: list[ChatMessage] = []
-    held: list[str] = []
+    held: list[str] = []  # late system text waiting for the next user message
     for i, m in enumerate(messages):
         if m.role == "system" and i > 0:
-            held.append(str(m.content or ""))
+            text = str(m.content or "")
+            j = _previous_user(out)
+            if j is not None and all(o.role != "assistant" for o in out[j + 1:]):
+                out[j] = _joined(out[j], text)
+            else:
+                held.append(text)
         elif m.role == "user" and held:
             out.append(m.model_copy(update={"content": SYSTEM_JOIN.join([*held, str(m.content or "")])}))
             held = []
         else:
             out.append(m)
     if held:
-        last = max((i for i, m in enumerate(out) if m.role == "user"), default=None)
-        if last is None:
-            out.append(ChatMessage(role="user", content=SYSTEM_JOIN.join(held)))
+        j = _previous_user(out)
+        if j is not None:
+            out[j] = _joined(out[j], *held)
+        elif out and out[0].role == "system":
+            out[0] = _joined(out[0], *held)
         else:
-            out[last] = out[last].model_copy(update={"content": SYSTEM_JOIN.join([str(out[last].content), *held])})
+            out.append(ChatMessage(role="user", content=SYSTEM_JOIN.join(held)))
     return out
+
+
+def _previous_user(messages: list[ChatMessage]) -> int | None:
+    return max((j for j, o in enumerate(messages) if o.role == "user"), default=None)
+
+
+def _joined(m: ChatMessage, *texts: str) -> ChatMessage:
+    return m.model_copy(update={"content": SYSTEM_JOIN.join([str(m.content or ""), *texts])})
 
 
 def _convert(m: Message) -> list[ChatMessage]:

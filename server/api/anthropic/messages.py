@@ -19,11 +19,12 @@ from tierlm.runtime.engine_api import EngineAPI
 from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.server.api.anthropic import stream as anthropic_stream
+from tierlm.server.api.anthropic.billing_header import without_billing_header
 from tierlm.server.api.anthropic.convert import has_late_system, to_chat_call, to_chat_request
 from tierlm.server.api.anthropic.pins import breakpoints
 from tierlm.server.api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from tierlm.server.api.anthropic.stream import (BlockWriter, content_blocks, error_event, event, stop_reason, usage,
-                                                with_pings)
+from tierlm.server.api.anthropic.stream import (KEEPALIVE, BlockWriter, content_blocks, error_event, event,
+                                                stop_reason, usage, with_pings)
 from tierlm.server.deps import check_model, model_name, new_id, ready_engine
 from tierlm.server.pipeline.chat import ChatRun, chat_prompt_ids, prepare_chat, run_chat, stream_chat
 from tierlm.server.pipeline.sse import EventStreamResponse
@@ -56,6 +57,7 @@ def _omit_thinking(body: MessagesRequest) -> bool:
 async def create_message(body: MessagesRequest, request: Request,
                          engine: EngineAPI = Depends(ready_engine)) -> Response:
     check_model(engine, body.model)
+    body = without_billing_header(body, engine.args.keep_anthropic_billing_header)
     points = breakpoints(body)  # once; more than Anthropic's four cache_control blocks: 400 before any work
     message_id = new_id("msg_")
     run, _ = await _with_folding(body, lambda fold: prepare_chat(engine, to_chat_call(body, points, fold),
@@ -71,29 +73,41 @@ async def create_message(body: MessagesRequest, request: Request,
 
 async def _events(request: Request, engine: EngineAPI, run: ChatRun, body: MessagesRequest,
                   message_id: str) -> AsyncIterator[bytes]:
-    """Anthropic's sequence; an error after the stream started is an ``error`` event (never OpenAI's frames)."""
-    try:
-        yield event("message_start", {"message": {
+    """Anthropic's sequence; an error after the stream started is an ``error`` event (never OpenAI's frames).
+    message_start waits for the first output, as Anthropic's does, so its usage already says how much of the prompt
+    came from cache (the final message_delta repeats the same counts); until then an SSE comment keeps the
+    connection alive through a long prefill."""
+    pinned = max((p.tokens for p in run.reqs[0].pins), default=0)
+
+    def start(out: GenerateOutput) -> bytes:
+        return event("message_start", {"message": {
             "id": message_id, "type": "message", "role": "assistant", "model": model_name(engine), "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(run.prompt_ids), "output_tokens": 0}}})
-        yield event("ping", {})
+            "stop_reason": None, "stop_sequence": None, "usage": usage(out, pinned)}})
+
+    try:
         writer = BlockWriter(_omit_thinking(body))
         finals: list[GenerateOutput | None] = [None]
         finish: str | None = None
+        started = False
         # with_pings closed first: its pending read of ``pieces`` is cancelled before ``pieces`` itself is closed
         async with aclosing(stream_chat(request, engine, run, finals)) as pieces, \
                 aclosing(with_pings(pieces, anthropic_stream.PING_INTERVAL_S)) as ticks:
             async for piece in ticks:
                 if piece is None:
-                    yield event("ping", {})
+                    yield event("ping", {}) if started else KEEPALIVE
                     continue
+                if not started:
+                    started = True
+                    yield start(piece.out)
+                    yield event("ping", {})
                 for frame in writer.feed(piece.delta):
                     yield frame
                 finish = piece.finish_reason or finish
         final = finals[0]
         if final is None:
             return  # the client is gone
+        if not started:
+            yield start(final)
         for frame in writer.close():
             yield frame
         reason, sequence = stop_reason(finish, final, body.stop_sequences)
@@ -109,6 +123,7 @@ async def _events(request: Request, engine: EngineAPI, run: ChatRun, body: Messa
 async def count_tokens(body: CountTokensRequest, engine: EngineAPI = Depends(ready_engine)) -> Response:
     """The prompt's tokens as /v1/messages would render it (tools, system, thinking setting included)."""
     check_model(engine, body.model)
+    body = without_billing_header(body, engine.args.keep_anthropic_billing_header)
 
     async def render(fold: bool) -> list[int]:
         chat = to_chat_request(body, fold_system=fold)

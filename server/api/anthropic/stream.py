@@ -17,6 +17,8 @@ from tierlm.server.pipeline.tools import message_tool_calls
 
 logger = logging.getLogger("tierlm.server")
 
+# before message_start (which waits for the first output): an SSE comment, which every SSE reader skips
+KEEPALIVE = b": ping\n\n"
 PING_INTERVAL_S = 5.0  # a ping when no event went out for this long (a long prefill), so proxies keep the stream
 T = TypeVar("T")
 
@@ -63,13 +65,16 @@ def stop_reason(finish_reason: str | None, final: GenerateOutput | None,
     return "end_turn", None
 
 
-def usage(final: GenerateOutput) -> dict[str, int]:
+def usage(out: GenerateOutput, pinned_tokens: int | None = None) -> dict[str, Any]:
     """Anthropic's usage: input_tokens excludes the tokens read from cache (any tier) and those newly pinned at
-    cache_control breakpoints (cache creation)."""
-    cached = final.cached.total
-    created = max(0, min(final.pinned_tokens, final.prompt_tokens) - cached)
-    return {"input_tokens": max(0, final.prompt_tokens - cached - created), "output_tokens": final.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": created}
+    cache_control breakpoints (cache creation); ``cache_read_input_tokens_details`` (tierlm's) says which tier each
+    read came from. ``pinned_tokens``: the pins' size when ``out`` is not the final output (message_start)."""
+    cached = out.cached.total
+    pinned = out.pinned_tokens if pinned_tokens is None else pinned_tokens
+    created = max(0, min(pinned, out.prompt_tokens) - cached)
+    return {"input_tokens": max(0, out.prompt_tokens - cached - created), "output_tokens": out.completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": created,
+            "cache_read_input_tokens_details": out.cached.to_dict()}
 
 
 def event(kind: str, data: dict[str, Any]) -> bytes:

@@ -65,7 +65,9 @@ async def create_response(body: ResponsesRequest, request: Request,
     prompt = await off_loop(build_prompt, engine.tokenizer, chat.messages, kwargs, TemplatePolicy.of(engine.args),
                             earlier)
     response_id = new_id("resp_")
-    run = await prepare_chat(engine, ChatCall(chat=chat, prompt_ids=prompt.ids), response_id)
+    # max_output_tokens beyond what the context leaves after the prompt is clamped (logged), as on /v1/messages
+    run = await prepare_chat(engine, ChatCall(chat=chat, prompt_ids=prompt.ids, max_tokens_cap=body.max_output_tokens),
+                             response_id)
     turn = _Turn(body, engine, response_id, prompt, names, items, store)
     if body.stream:
         return EventStreamResponse(_events(request, engine, run, turn))
@@ -185,7 +187,8 @@ class _Turn:
         reasoning = self.builder.reasoning_text
         reasoning_tokens = len(self.engine.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         usage = {"input_tokens": final.prompt_tokens,
-                 "input_tokens_details": {"cached_tokens": final.cached.total},
+                 "input_tokens_details": {"cached_tokens": final.cached.total,
+                                          "cached_tokens_details": final.cached.to_dict()},  # tierlm: per tier
                  "output_tokens": final.completion_tokens,
                  "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, final.completion_tokens)},
                  "total_tokens": final.prompt_tokens + final.completion_tokens}

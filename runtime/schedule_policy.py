@@ -18,12 +18,15 @@ a page) beyond what is cached goes to the back, and is not admitted in the step 
 step later the leader has published those pages to the tree and the follower hits them instead of computing them
 again. SGLang compares the first 32 tokens, cached ones included; tierlm compares uncached tokens only, so a
 shared, already cached system prompt of 32-47 tokens does not hold back every request that starts with it.
+
+Under every policy a waiting request whose next uncached page another running request is still prefilling waits
+for it (``waits_for``): it then hits those pages instead of computing the same KV beside it.
 """
 from __future__ import annotations
 
 import logging
 import random
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tierlm.runtime.cache.kv_cache_manager import KVCacheManager
 from tierlm.runtime.cache.radix_cache import TreeNode
@@ -101,11 +104,24 @@ class SchedulePolicy:
         rank = {id(r): (r in self.deferred, -n) for r, n in zip(queue, cached)}
         return sorted(queue, key=lambda r: rank[id(r)])  # stable: ties keep arrival order
 
-    def hold_back(self, req: Req, admitted: Iterable[Req]) -> bool:
-        """True when ``req`` should wait for the next step: its leader (same uncached prefix) was admitted in
-        this one, so next step that prefix is in the tree."""
-        leader = self.deferred.get(req)
-        return leader is not None and leader in admitted
+    def waits_for(self, req: Req, prefilling: Sequence[Req]) -> Req | None:
+        """The running request whose prefill is still to compute the next page of ``req``'s prompt beyond what the
+        tree holds (None: none is), under every policy. ``req`` then waits: a few chunks later those pages are in
+        the tree and it hits them, where admitted now it would compute the same KV a second time, side by side.
+        Four agent sessions sending the same 12k-token tools and instructions at once otherwise compute them four
+        times; a request admitted in the same step counts too (lpm's in-batch deprioritization, after SGLang)."""
+        if self.cache.tree is None or not prefilling:
+            return None
+        ps = self.cache.page_size
+        first = req.input_ids[:ps]
+        sharing = [p for p in prefilling if p is not req and p.input_ids[:ps] == first]
+        if not sharing:  # the common case costs one page of comparison per prefill in progress
+            return None
+        cached, _ = self.cache.cached_prefix(req)
+        nxt = req.input_ids[cached:cached + ps]
+        if len(nxt) < ps:
+            return None  # less than a page left beyond the tree: nothing another prefill would publish
+        return next((p for p in sharing if p.kv_len < cached + ps and p.input_ids[cached:cached + ps] == nxt), None)
 
 
 def dfs_weight_order(queue: list[Req], nodes: list[TreeNode | None], root: TreeNode) -> list[Req]:

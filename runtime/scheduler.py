@@ -24,6 +24,9 @@ from tierlm.runtime.schedule_policy import SchedulePolicy
 from tierlm.runtime.speculative.speculator import NgramSpeculator
 
 log = logging.getLogger(__name__)
+# waiting requests checked per step for an uncached prompt that fits the step's budget whole (each check walks the
+# radix tree once, without locking or loading anything)
+SHORT_SCAN = 32
 
 
 class Scheduler:
@@ -178,8 +181,7 @@ class Scheduler:
         # 2. prefill within the token budget. New requests go before the prefills in progress, so a short one that
         #    arrives during a long prefill is admitted at the next chunk boundary instead of after the whole prompt
         #    (an agent's side request next to its 64k-token main turn). The oldest prefill in progress takes its
-        #    chunk of half the budget (and its pages) first, so a stream of new requests cannot starve it; the
-        #    prefills in progress then share what the new ones left.
+        #    chunk of half the budget (and its pages) first, so a stream of new requests cannot starve it.
         budget = self.prefill_budget
         chunked = [req for req in self.running if req.remaining_prefill > 1]
         if chunked:
@@ -187,18 +189,47 @@ class Scheduler:
             if n:
                 items[chunked[0]] = n
                 budget -= n
-        # 3. new requests, in the policy's order (computed once per step, only when one can be admitted)
-        order = self.policy.order(self.waiting) if self.waiting and budget > 0 and \
-            len(self.running) < self.max_running else []
+        # 3. new requests, in the policy's order (computed once per step, only when one can be admitted): first
+        #    those whose uncached prompt fits whole in what is left (an agent's next turn of a few hundred tokens
+        #    after a long cached prefix, a side request: their first token this step), then the others
+        if self.waiting and budget > 0 and len(self.running) < self.max_running:
+            order = self.policy.order(self.waiting)
+            budget = self._admit(order[:SHORT_SCAN], budget, items, whole=True)
+            # still waiting: neither admitted nor ended by the first pass (a grammar that failed to compile)
+            budget = self._admit([r for r in order if r not in items and r.finish_reason is None], budget, items,
+                                 whole=False)
+        # 4. the prefills in progress grow their chunks with what is left, the fewest tokens left first
+        for req in sorted(chunked, key=lambda r: r.remaining_prefill):
+            if budget <= 0:
+                break
+            had = items.get(req, 0)
+            n = self._prefill_chunk(req, had + budget)
+            if n > had:
+                items[req] = n
+                budget -= n - had
+        self.policy.deferred.clear()  # this step's hold-backs only; drop the references
+        return list(items.items())
+
+    def _admit(self, order: list[Req], budget: int, items: dict[Req, int], whole: bool) -> int:
+        """Admit requests of ``order`` (waiting, in the policy's order) into this step within ``budget`` prompt
+        tokens; ``whole``: only those whose uncached prompt fits entirely (the others stay for the second pass).
+        Returns the budget left."""
         pos = 0
-        while pos < len(order) and budget > 0 and len(self.running) < self.max_running:
+        passed = 0  # requests ahead that did not fit whole: each keeps a running slot, so short ones cannot starve it
+        prefilling = [r for r in self.running if r.remaining_prefill > 1]
+        while pos < len(order) and budget > 0 and len(self.running) + passed < self.max_running:
             admissible, pos = self._next_admissible(order, pos)
             if admissible is None:
                 break  # every waiting request's grammar is still compiling
             req = admissible
-            if self.policy.hold_back(req, items):
-                continue  # it shares an uncached prefix with one admitted now: next step it hits that prefix
+            if self.policy.waits_for(req, prefilling) is not None:
+                continue  # a running prefill computes its next pages: a few chunks later it hits them instead
+            if whole and len(req.input_ids) - self.cache.cached_prefix(req)[0] > budget:
+                passed += 1
+                continue
             if not self.cache.ready_to_admit(req):
+                if whole:
+                    continue
                 break  # its storage pages are still arriving (prefetch policy "timeout")
             self.cache.match(req)
             n = self._prefill_chunk(req, budget)
@@ -210,17 +241,8 @@ class Scheduler:
             self.metrics.record_prefill(req.remaining_prefill)
             items[req] = n
             budget -= n
-        # 4. the prefills in progress, oldest first, grow their chunks with what is left
-        for req in chunked:
-            if budget <= 0:
-                break
-            had = items.get(req, 0)
-            n = self._prefill_chunk(req, had + budget)
-            if n > had:
-                items[req] = n
-                budget -= n - had
-        self.policy.deferred.clear()  # this step's hold-backs only; drop the references
-        return list(items.items())
+            prefilling.append(req)
+        return budget
 
     # ------------------------------------------------------------ structured output
     def _next_admissible(self, order: list[Req], pos: int) -> tuple[Req | None, int]:

@@ -59,3 +59,37 @@ def test_new_requests_cannot_starve_the_prefill_in_progress(scheduler) -> None:
     while scheduler.has_work():
         scheduler.step()
     assert len(long.output_ids) == 1
+
+
+def test_requests_sharing_a_long_prefix_compute_it_once(scheduler, tiny_llama) -> None:
+    """Agent sessions started together send the same long tools and instructions: the first computes them, the
+    others wait for those pages (the short unrelated request does not) and then hit them."""
+    shared = prompt(10, 200)
+    first, second = (Req(rid=f"s{i}", input_ids=shared + prompt(100 + 9 * i, 6), sampling_params=greedy(3))
+                     for i in range(2))
+    other = Req(rid="other", input_ids=prompt(90, 12), sampling_params=greedy(3))
+    for req in (first, second, other):
+        scheduler.add(req)
+    scheduler.step()
+    scheduler.step()
+    assert len(other.output_ids) >= 1 and second in scheduler.waiting  # it waits, the unrelated one goes
+    while scheduler.has_work():
+        scheduler.step()
+    assert second.cached.device == len(shared) // PS * PS  # every whole page of the shared prefix
+    for req in (first, second, other):
+        assert req.output_ids == reference_greedy(tiny_llama, req.input_ids, 3), req.rid
+
+
+def test_a_short_turn_goes_before_a_long_prompt_that_arrived_first(scheduler, tiny_llama) -> None:
+    """A request whose uncached prompt fits the step's budget whole is admitted before an earlier one that does not
+    (its first token this step); the earlier one still gets what is left of the budget."""
+    long = Req(rid="long", input_ids=prompt(10, 200), sampling_params=greedy(2))
+    short = Req(rid="short", input_ids=prompt(90, 20), sampling_params=greedy(2))
+    scheduler.add(long)
+    scheduler.add(short)
+    scheduler.step()
+    assert len(short.output_ids) == 1 and long.kv_len == CHUNK - len(short.input_ids)  # the rest of the budget
+    while scheduler.has_work():
+        scheduler.step()
+    for req in (long, short):
+        assert req.output_ids == reference_greedy(tiny_llama, req.input_ids, 2), req.rid

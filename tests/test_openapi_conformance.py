@@ -83,6 +83,8 @@ ALLOWED_REFUSALS = [
     (r"prompt$", r"exactly one of 'prompt'"),  # /tokenize: a text prompt or chat messages, not both, not neither
     (r"max_tokens$", r"context length|KV pool"),
     (r"messages", r"chat template"),
+    # continue_final_message: JSON Schema cannot say "and the last message is an assistant's with text"
+    (r"messages$", r"continue_final_message needs a conversation that ends with an assistant message"),
     (r"best_of$", r"best_of different from n"),  # JSON Schema cannot say "equal to n"
     (r"top_logprobs$", r"needs logprobs"),  # chat: top_logprobs only with logprobs: true (as OpenAI)
     (r"stream$", r"streaming a batch"),

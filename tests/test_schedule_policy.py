@@ -97,11 +97,30 @@ def test_lpm_holds_back_requests_sharing_an_uncached_prefix_for_one_step() -> No
     policy = SchedulePolicy("lpm", cache)
     assert policy.order([leader, other, follower, warm]) == [warm, leader, other, follower]
     assert policy.deferred == {follower: leader}
-    assert policy.hold_back(follower, {leader: 12}) and not policy.hold_back(follower, {other: 12})
-    assert not policy.hold_back(other, {leader: 12})
+    assert policy.waits_for(follower, [leader]) is leader and policy.waits_for(follower, [other]) is None
+    assert policy.waits_for(other, [leader]) is None
     # once the leader's pages are in the tree the follower is simply a hit
     cache.tree.insert(doc, cache.allocator.alloc(10))
     assert policy.order([other, follower]) == [follower, other] and policy.deferred == {}
+    assert policy.waits_for(follower, [leader]) is None
+
+
+@pytest.mark.parametrize("name", ["fcfs", "lpm"])
+def test_a_request_waits_for_the_prefill_computing_its_next_page(name: str) -> None:
+    """Under every policy: while a running request still prefills pages another one would need next, that one
+    waits, and once they are in the tree (the prefill moved past them) it goes."""
+    cache = cache_with(seq(100, 8))
+    tools = seq(2000, 64)  # 16 pages of a shared prefix nobody has cached yet
+    running, waiting = req(tools + [1]), req(tools + [2, 3])
+    policy = SchedulePolicy(name, cache)
+    assert policy.waits_for(waiting, [running]) is running
+    running.kv_len = 32  # half computed: its first 8 pages are in the tree now, the next one is not
+    cache.tree.insert(tools[:32], cache.allocator.alloc(8))
+    assert policy.waits_for(waiting, [running]) is running
+    running.kv_len = 64
+    cache.tree.insert(tools, cache.allocator.alloc(16))
+    assert policy.waits_for(waiting, [running]) is None  # its remaining tokens are its own
+    assert policy.waits_for(req(seq(100, 8) + tools), [running]) is None  # other tokens after the cached page
 
 
 def test_dfs_weight_visits_the_heaviest_subtree_first() -> None:

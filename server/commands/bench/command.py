@@ -1,4 +1,4 @@
-"""`tierlm bench prefix|multiturn|decode|spec|peers`: argument parsing, model selection, dispatch, output.
+"""`tierlm bench prefix|multiturn|decode|spec|peers|agent`: argument parsing, model selection, dispatch, output.
 
 Each benchmark starts its own server processes (so it controls pool sizes, restarts and the L3 folder) and
 prints a report with the machine, backend, dtype, threads and versions. Timings are measured side by side in
@@ -30,6 +30,8 @@ SUBCOMMANDS = {
                               "cost of a 1 + k-token verify forward"),
     "peers": (f"{BENCH}.peers", "the same client workload against tierlm and OpenAI-compatible peers "
                                 "(--against NAME=URL): TTFT, decode tok/s, ratios"),
+    "agent": (f"{BENCH}.agent", "coding-agent sessions (Claude Code, Codex) replayed in the real clients' wire shapes: "
+                                "TTFT and cache tiers per turn, sub-agents, side requests, resume after a restart"),
 }
 
 
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierlm bench", description=(
         "Benchmark tierlm on this machine: TTFT per cache tier (prefix), multi-turn reuse (multiturn), decode "
         "throughput next to transformers (decode), NGRAM speculative decoding (spec), the same workload against "
-        "OpenAI-compatible peers such as vLLM or llama.cpp (peers). Each starts its own server processes."),
+        "OpenAI-compatible peers such as vLLM or llama.cpp (peers), coding-agent sessions in the real clients' wire "
+        "shapes (agent). Each starts its own server processes."),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="benchmark", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -155,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.benchmark is None:
         parser.print_help()
         return 2
+    module = _module(SUBCOMMANDS[ns.benchmark][0])
+    if not getattr(module, "needs_model", lambda _ns: True)(ns):  # e.g. `bench agent --record`: no model, no server
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        return module.run_without_model(ns)
     if not ns.model_path and not ns.synthetic:
         parser.exit(2, f"tierlm bench {ns.benchmark}: pass --model-path DIR, or --synthetic NAME for random weights "
                        "in a real shape (e.g. --synthetic qwen2.5-0.5b)\n")
@@ -185,7 +192,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                        load_at_start=load_at_start)
     from tierlm.server.commands.bench.server_process import BenchServerError
 
-    module = _module(SUBCOMMANDS[ns.benchmark][0])
     try:
         report = module.run(ns, ctx)
     except BenchServerError as e:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import httpx
 
@@ -63,16 +63,16 @@ def discover(name: str, url: str, timeout: float = 10.0) -> Endpoint:
 
 # ---------------------------------------------------------------- one streamed completion
 @dataclass
-class Completion:
-    """What one streamed /v1/completions request showed the client. Times are perf_counter seconds."""
+class Timed:
+    """When one streamed request was sent, showed its first token and ended (perf_counter seconds); and its token
+    counts from the final usage. A stream with no first token takes its end as the first."""
 
     sent: float
-    first: float | None = None  # first event carrying a choice (text or finish_reason)
-    last: float | None = None  # last such event
+    first: float | None = None  # first event carrying output
     done: float | None = None  # end of the stream
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    cached_tokens: int | None = None  # prompt tokens read from cache, where the server reports it
 
     @property
     def ttft(self) -> float:
@@ -81,6 +81,14 @@ class Completion:
     @property
     def latency(self) -> float:
         return (self.done or self.sent) - self.sent
+
+
+@dataclass
+class Completion(Timed):
+    """What one streamed /v1/completions request showed the client (``first``: the first event carrying a choice,
+    text or finish_reason; cached_tokens: usage.prompt_tokens_details.cached_tokens)."""
+
+    last: float | None = None  # last event carrying a choice
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -100,6 +108,18 @@ class Completion:
                 "cached_tokens": self.cached_tokens}
 
 
+
+async def sse_json(resp: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON of each ``data:`` line of a server-sent event stream, up to ``[DONE]`` (every client here reads
+    streams this way: completions, and `bench agent`'s Anthropic, Responses and chat streams)."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
 async def stream_completion(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tokens: int) -> Completion:
     """POST /v1/completions (stream, usage), greedy, EOS ignored: exactly ``max_tokens`` should come back."""
     body = {"model": ep.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -111,13 +131,8 @@ async def stream_completion(client: httpx.AsyncClient, ep: Endpoint, prompt: str
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise PeerError(f"{where} answered {resp.status_code} to POST /v1/completions: {text[:300]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                _apply(res, json.loads(data), where)
+            async for event in sse_json(resp):
+                _apply(res, event, where)
     except httpx.HTTPError as e:
         raise PeerError(f"{where} failed during POST /v1/completions: {type(e).__name__}: {e}; {CHECK_HINT}") from None
     except json.JSONDecodeError as e:

@@ -104,12 +104,13 @@ class SchedulePolicy:
         rank = {id(r): (r in self.deferred, -n) for r, n in zip(queue, cached)}
         return sorted(queue, key=lambda r: rank[id(r)])  # stable: ties keep arrival order
 
-    def waits_for(self, req: Req, prefilling: Sequence[Req]) -> Req | None:
+    def waits_for(self, req: Req, prefilling: Sequence[Req], cached: int | None = None) -> Req | None:
         """The running request whose prefill is still to compute the next page of ``req``'s prompt beyond what the
         tree holds (None: none is), under every policy. ``req`` then waits: a few chunks later those pages are in
         the tree and it hits them, where admitted now it would compute the same KV a second time, side by side.
         Four agent sessions sending the same 12k-token tools and instructions at once otherwise compute them four
-        times; a request admitted in the same step counts too (lpm's in-batch deprioritization, after SGLang)."""
+        times; a request admitted in the same step counts too (lpm's in-batch deprioritization, after SGLang).
+        ``cached``: the tokens of ``req`` the tree holds, where the caller has matched them already."""
         if self.cache.tree is None or not prefilling:
             return None
         ps = self.cache.page_size
@@ -117,7 +118,8 @@ class SchedulePolicy:
         sharing = [p for p in prefilling if p is not req and p.input_ids[:ps] == first]
         if not sharing:  # the common case costs one page of comparison per prefill in progress
             return None
-        cached, _ = self.cache.cached_prefix(req)
+        if cached is None:
+            cached, _ = self.cache.cached_prefix(req)
         nxt = req.input_ids[cached:cached + ps]
         if len(nxt) < ps:
             return None  # less than a page left beyond the tree: nothing another prefill would publish

@@ -184,6 +184,7 @@ class Scheduler:
         #    chunk of half the budget (and its pages) first, so a stream of new requests cannot starve it.
         budget = self.prefill_budget
         chunked = [req for req in self.running if req.remaining_prefill > 1]
+        prefilling = list(chunked)  # and those admitted below: what a waiting request may wait for
         if chunked:
             n = self._prefill_chunk(chunked[0], budget // 2 or budget)
             if n:
@@ -194,10 +195,10 @@ class Scheduler:
         #    after a long cached prefix, a side request: their first token this step), then the others
         if self.waiting and budget > 0 and len(self.running) < self.max_running:
             order = self.policy.order(self.waiting)
-            budget = self._admit(order[:SHORT_SCAN], budget, items, whole=True)
+            budget = self._admit(order[:SHORT_SCAN], budget, items, prefilling, whole=True)
             # still waiting: neither admitted nor ended by the first pass (a grammar that failed to compile)
             budget = self._admit([r for r in order if r not in items and r.finish_reason is None], budget, items,
-                                 whole=False)
+                                 prefilling, whole=False)
         # 4. the prefills in progress grow their chunks with what is left, the fewest tokens left first
         for req in sorted(chunked, key=lambda r: r.remaining_prefill):
             if budget <= 0:
@@ -210,21 +211,22 @@ class Scheduler:
         self.policy.deferred.clear()  # this step's hold-backs only; drop the references
         return list(items.items())
 
-    def _admit(self, order: list[Req], budget: int, items: dict[Req, int], whole: bool) -> int:
+    def _admit(self, order: list[Req], budget: int, items: dict[Req, int], prefilling: list[Req],
+               whole: bool) -> int:
         """Admit requests of ``order`` (waiting, in the policy's order) into this step within ``budget`` prompt
         tokens; ``whole``: only those whose uncached prompt fits entirely (the others stay for the second pass).
-        Returns the budget left."""
+        ``prefilling``: the prefills in progress, which the admitted ones join. Returns the budget left."""
         pos = 0
         passed = 0  # requests ahead that did not fit whole: each keeps a running slot, so short ones cannot starve it
-        prefilling = [r for r in self.running if r.remaining_prefill > 1]
         while pos < len(order) and budget > 0 and len(self.running) + passed < self.max_running:
             admissible, pos = self._next_admissible(order, pos)
             if admissible is None:
                 break  # every waiting request's grammar is still compiling
             req = admissible
-            if self.policy.waits_for(req, prefilling) is not None:
+            cached = self.cache.cached_prefix(req)[0] if whole else None  # one tree walk serves both checks
+            if self.policy.waits_for(req, prefilling, cached) is not None:
                 continue  # a running prefill computes its next pages: a few chunks later it hits them instead
-            if whole and len(req.input_ids) - self.cache.cached_prefix(req)[0] > budget:
+            if cached is not None and len(req.input_ids) - cached > budget:
                 passed += 1
                 continue
             if not self.cache.ready_to_admit(req):

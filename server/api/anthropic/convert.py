@@ -51,9 +51,10 @@ def chat_messages(body: CountTokensRequest, fold_system: bool = False) -> list[C
     return _folded(out) if fold_system else out
 
 
-def has_late_system(body: CountTokensRequest) -> bool:
-    """A system message after the first message (Claude Code sends one)."""
-    return any(m.role == "system" for m in chat_messages(body)[1:])
+def refused_late_system(e: RequestError, body: CountTokensRequest) -> bool:
+    """Whether the chat template's refusal ``e`` may be of a system message after the first (``body`` has one:
+    Claude Code sends it), which rendering again with ``fold_system`` answers."""
+    return e.param == "messages" and any(m.role == "system" for m in chat_messages(body)[1:])
 
 
 def _folded(messages: list[ChatMessage]) -> list[ChatMessage]:

@@ -20,7 +20,7 @@ from tierlm.runtime.errors import RequestError
 from tierlm.runtime.io_struct import GenerateOutput
 from tierlm.server.api.anthropic import stream as anthropic_stream
 from tierlm.server.api.anthropic.billing_header import without_billing_header
-from tierlm.server.api.anthropic.convert import has_late_system, to_chat_call, to_chat_request
+from tierlm.server.api.anthropic.convert import refused_late_system, to_chat_call, to_chat_request
 from tierlm.server.api.anthropic.pins import breakpoints
 from tierlm.server.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tierlm.server.api.anthropic.stream import (KEEPALIVE, BlockWriter, content_blocks, error_event, event,
@@ -42,10 +42,10 @@ async def _with_folding(body: CountTokensRequest, prepare: Callable[[bool], Awai
     try:
         return await prepare(False), False
     except RequestError as e:
-        if e.param != "messages" or not has_late_system(body):
+        if not refused_late_system(e, body):
             raise
-        logger.info("the chat template refused a system message after the first (%s); it goes into the next user "
-                    "turn instead", e.message)
+        logger.info("the chat template refused a system message after the first (%s); its text joins a user turn "
+                    "instead", e.message)
     return await prepare(True), True
 
 

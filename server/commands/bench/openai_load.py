@@ -61,6 +61,15 @@ def discover(name: str, url: str, timeout: float = 10.0) -> Endpoint:
     return ep
 
 
+
+def discover_peers(against: Sequence[tuple[str, str]], bench: str) -> list[Endpoint]:
+    """Every ``--against NAME=URL`` peer, found before tierlm's server spends minutes starting; a peer that does not
+    answer ends ``tierlm bench <bench>`` with the reason."""
+    try:
+        return [discover(name, url) for name, url in against]
+    except PeerError as e:
+        raise SystemExit(f"tierlm bench {bench}: {e}") from None
+
 # ---------------------------------------------------------------- one streamed completion
 @dataclass
 class Timed:

@@ -39,7 +39,8 @@ from tierlm.backends.model_source.model_folder import as_model_folder
 from tierlm.backends.weight_format import input_embedding_shape, safetensors_shapes
 from tierlm.server.commands.bench.context import BenchContext
 from tierlm.server.commands.bench.decode import read_bandwidth
-from tierlm.server.commands.bench.openai_load import Completion, Endpoint, PeerError, PromptBuilder, Session, discover
+from tierlm.server.commands.bench.openai_load import (Completion, Endpoint, PromptBuilder, Session, discover,
+                                                    discover_peers)
 from tierlm.server.commands.bench.quiet_machine import (MAX_WAIT_S, MIN_WAIT_S, QUIET_BELOW_CORES, QuietWait,
                                                         wait_until_quiet)
 from tierlm.server.commands.bench.report import Column, Report, Table, Target, environment
@@ -242,10 +243,7 @@ def _check(ns: argparse.Namespace) -> None:
 
 def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     _check(ns)
-    try:  # every peer answers before tierlm's server spends minutes starting
-        peers = [discover(name, url) for name, url in ns.against]
-    except PeerError as e:
-        raise SystemExit(f"tierlm bench peers: {e}") from None
+    peers = discover_peers(ns.against, "peers")
     workload = build_workload(ns, ctx)
     bar = ctx.progress_bar(total=ns.repeats * (len(peers) + (0 if ns.no_tierlm else 1)), desc="peers")
     info = None

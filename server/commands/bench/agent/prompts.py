@@ -64,7 +64,7 @@ class PromptRenderer:
 
     def _messages(self, raw: dict[str, Any]) -> Rendered:
         from tierlm.server.api.anthropic.billing_header import without_billing_header
-        from tierlm.server.api.anthropic.convert import has_late_system, to_chat_request
+        from tierlm.server.api.anthropic.convert import refused_late_system, to_chat_request
         from tierlm.server.api.anthropic.protocol import MessagesRequest
         from tierlm.server.pipeline.chat import chat_prompt_ids
 
@@ -72,7 +72,7 @@ class PromptRenderer:
         try:
             return Rendered(chat_prompt_ids(self.engine, to_chat_request(body)))  # type: ignore[arg-type]
         except RequestError as e:  # the route's own fallback (messages.py _with_folding)
-            if e.param != "messages" or not has_late_system(body):
+            if not refused_late_system(e, body):
                 raise
         return Rendered(chat_prompt_ids(self.engine, to_chat_request(body, fold_system=True)),  # type: ignore[arg-type]
                         folded=True)

@@ -33,7 +33,7 @@ from tierlm.server.commands.bench.agent.plan import RESUMED, PlannedRequest, Ses
 from tierlm.server.commands.bench.agent.prompts import PromptRenderer, server_args_of
 from tierlm.server.commands.bench.agent.workload import Workload, build_workload, context_plan
 from tierlm.server.commands.bench.context import BenchContext
-from tierlm.server.commands.bench.openai_load import Endpoint, PeerError, discover
+from tierlm.server.commands.bench.openai_load import Endpoint, PeerError, discover, discover_peers
 from tierlm.server.commands.bench.quiet_machine import QuietWait, wait_until_quiet
 from tierlm.server.commands.bench.report import Report
 from tierlm.server.commands.bench.server_process import REQUEST_TIMEOUT_S, BenchServer
@@ -157,10 +157,7 @@ def run(ns: argparse.Namespace, ctx: BenchContext) -> Report:
     from tierlm.server.commands.bench.agent.tables import build_report
 
     check(ns)
-    try:  # every peer answers before tierlm's server spends minutes starting
-        peers = [discover(name, url) for name, url in ns.against]
-    except PeerError as e:
-        raise SystemExit(f"tierlm bench agent: {e}") from None
+    peers = discover_peers(ns.against, "agent")
     renderer = PromptRenderer(server_args_of(ctx.server_args(*hicache_flags(ns))), ctx.model_dir)
     w = build_workload(ns, ctx, renderer)
     flags, env, context_note = context_plan(ns, ctx, w.longest)
